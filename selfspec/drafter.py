@@ -1,0 +1,95 @@
+"""The drafter interface: how any draft (heads, early exit, n-grams) plugs into the decoding loop.
+
+In the spirit of transformers' ``CandidateGenerator`` (``get_candidates`` / ``update_candidate_strategy``), extended to
+trees: ``draft(state)`` proposes a tree of candidate tokens rooted at the target's last token, ``update(draft,
+acceptance)`` hears what the target kept. The loop never asks which kind of drafter it has.
+
+Shapes: T tokens so far, N tree nodes, V vocabulary, D hidden size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+from transformers import Cache
+
+from selfspec.accept import Acceptance
+from selfspec.sampling import Sampling
+from selfspec.tree import Tree
+
+
+@dataclass(frozen=True)
+class DraftState:
+    tokens: torch.Tensor
+    """[T] prompt and generated tokens; tokens[-1] is the root: the target's newest token, not yet in the cache."""
+    prompt_length: int
+    """how many of ``tokens`` are the prompt."""
+    hidden: torch.Tensor
+    """[D] the target's final hidden state at tokens[-2], the position whose logits gave the root."""
+    cache: Cache
+    """the target's cache (holds tokens[:-1]); self-speculative drafters may read it, never change its length."""
+    sampling: Sampling
+
+
+@dataclass(frozen=True)
+class Draft:
+    tree: Tree
+    tokens: torch.Tensor
+    """[N] the token at each tree node; tokens[0] is the root."""
+    q: torch.Tensor | None = None
+    """[N, V] the distribution each node's token was drawn from (sampling only); None for deterministic drafts."""
+
+    def __post_init__(self) -> None:
+        if self.tokens.shape != (len(self.tree),):
+            raise ValueError(f"a draft needs one token per tree node ({len(self.tree)}), found {tuple(self.tokens.shape)}")
+
+    def truncated(self, max_depth: int) -> "Draft":
+        """The same draft without the nodes deeper than max_depth."""
+        if self.tree.depth <= max_depth:
+            return self
+        keep = [i for i, d in enumerate(self.tree.depths) if d <= max_depth]
+        new_index = {old: new for new, old in enumerate(keep)}
+        tree = Tree(
+            parents=tuple(new_index[self.tree.parents[i]] if i else -1 for i in keep),
+            ranks=tuple(self.tree.ranks[i] for i in keep),
+        )
+        idx = torch.tensor(keep, dtype=torch.long)
+        return Draft(tree=tree, tokens=self.tokens[idx], q=None if self.q is None else self.q[idx])
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    def draft(self, state: DraftState) -> Draft:
+        """Propose a tree of candidates rooted at state.tokens[-1]."""
+        ...
+
+    def update(self, draft: Draft, acceptance: Acceptance) -> None:
+        """Hear which path of the last draft the target accepted (adapt tree size, advance own state)."""
+        ...
+
+
+def check_tree(tree: Tree, *, max_depth: int, max_topk: int, drafter: str) -> Tree:
+    """Refuse a static tree that asks for deeper or wider drafts than the drafter can make."""
+    if tree.depth > max_depth:
+        raise ValueError(
+            f"the tree is {tree.depth} levels deep but the {drafter} drafts at most {max_depth}; "
+            f"use a tree of depth <= {max_depth}"
+        )
+    if tree.max_rank + 1 > max_topk:
+        raise ValueError(
+            f"the tree asks for the top-{tree.max_rank + 1} candidate but the {drafter} offers at most top-{max_topk}; "
+            f"use ranks < {max_topk}"
+        )
+    return tree
+
+
+class NoDrafter:
+    """Drafts nothing: every step verifies the root alone, i.e. plain decoding through the same loop."""
+
+    def draft(self, state: DraftState) -> Draft:
+        return Draft(tree=Tree.chain(0), tokens=state.tokens[-1:].clone())
+
+    def update(self, draft: Draft, acceptance: Acceptance) -> None:
+        return None

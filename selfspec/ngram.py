@@ -1,0 +1,67 @@
+"""Prompt-lookup / n-gram tree drafting: no training, no extra weights.
+
+The last n tokens (n from ``max_ngram`` down to ``min_ngram``) are looked up earlier in the prompt and the text
+generated so far; the continuations that followed each match, most recent first and longest match first, are merged
+into a trie under a node budget. Code, extraction and summarisation repeat their input, so their drafts run deep.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from selfspec.accept import Acceptance
+from selfspec.drafter import Draft, DraftState
+from selfspec.tree import Tree
+
+
+class NGramDrafter:
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, depth: int = 8, max_nodes: int = 24, max_matches: int = 8):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"expected 1 <= min_ngram <= max_ngram, found min_ngram={min_ngram}, max_ngram={max_ngram}")
+        if depth < 1 or max_nodes < 1 or max_matches < 1:
+            raise ValueError(f"depth, max_nodes and max_matches must be >= 1, found {depth}, {max_nodes}, {max_matches}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.depth, self.max_nodes, self.max_matches = depth, max_nodes, max_matches
+
+    def continuations(self, tokens: torch.Tensor) -> list[list[int]]:
+        """Token runs that followed earlier occurrences of the current suffix, best first. tokens [T]."""
+        t = tokens.shape[0]
+        found: list[list[int]] = []
+        seen: set[tuple[int, ...]] = set()
+        for n in range(min(self.max_ngram, t - 1), self.min_ngram - 1, -1):
+            windows = tokens[: t - 1].unfold(0, n, 1)  # [T - n, n] every earlier n-gram that has a successor
+            hits = (windows == tokens[t - n :]).all(dim=-1).nonzero().flatten().tolist()
+            for start in reversed(hits):  # most recent first
+                cont = tokens[start + n : start + n + self.depth].tolist()
+                key = tuple(cont)
+                if cont and key not in seen:
+                    seen.add(key)
+                    found.append(cont)
+                if len(found) >= self.max_matches:
+                    return found
+        return found
+
+    def draft(self, state: DraftState) -> Draft:
+        parents, ranks, toks = [-1], [0], [int(state.tokens[-1])]
+        children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+        n_children = [0]
+        for cont in self.continuations(state.tokens):
+            node = 0
+            for tok in cont:
+                nxt = children.get((node, tok))
+                if nxt is None:
+                    if len(parents) >= self.max_nodes + 1:
+                        break
+                    nxt = len(parents)
+                    children[(node, tok)] = nxt
+                    parents.append(node)
+                    ranks.append(n_children[node])
+                    n_children[node] += 1
+                    n_children.append(0)
+                    toks.append(tok)
+                node = nxt
+        tree = Tree(parents=tuple(parents), ranks=tuple(ranks))
+        return Draft(tree=tree, tokens=torch.tensor(toks, dtype=torch.long, device=state.tokens.device))
+
+    def update(self, draft: Draft, acceptance: Acceptance) -> None:
+        return None

@@ -1,0 +1,86 @@
+"""The target model: prefill a prompt, verify a token tree in one forward, commit the accepted path to the cache.
+
+Works for any transformers decoder-only model through its public forward: an additive 4D attention mask (each tree node
+attends to the whole cache and to its own ancestors), explicit position ids (cache length + node depth) and the HF
+cache. No modeling files are copied.
+
+Shapes: S cached length, N tree nodes, V vocabulary, D hidden size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import Cache, PreTrainedModel
+
+from selfspec import hf
+from selfspec.tree import Tree
+
+
+@dataclass(frozen=True)
+class Verified:
+    logits: torch.Tensor
+    """[N, V] the target's next-token logits after each tree node."""
+    hidden: torch.Tensor
+    """[N, D] the target's final hidden state at each tree node."""
+
+
+class Target:
+    """A frozen decoder-only causal LM with the three operations speculative decoding needs."""
+
+    def __init__(self, model: PreTrainedModel):
+        if not isinstance(model, PreTrainedModel) or not hasattr(model, "get_output_embeddings"):
+            raise TypeError(f"expected a transformers causal LM (PreTrainedModel), found {type(model).__name__}")
+        if getattr(model.config, "is_encoder_decoder", False):
+            raise TypeError(
+                f"expected a decoder-only causal LM, found encoder-decoder {type(model).__name__} "
+                f"(model_type={model.config.model_type!r})"
+            )
+        if model.get_output_embeddings() is None:
+            raise TypeError(f"expected a causal LM with an LM head, found {type(model).__name__} without one")
+        self.model = model.eval()
+        cfg = model.config.get_text_config()
+        self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
+        self.hidden_size: int = cfg.hidden_size
+        self.max_length: int = int(
+            getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2**31
+        )
+        self.sliding_window = hf.sliding_window(model)
+        self._mask_dtype = next(model.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def new_cache(self) -> Cache:
+        return hf.new_cache(self.model)
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, cache: Cache) -> Verified:
+        """input_ids [T] -> logits [1, V], hidden [1, D] at the last prompt position; the cache then holds T entries."""
+        start = hf.cache_length(cache)
+        positions = torch.arange(start, start + input_ids.shape[0], device=input_ids.device)
+        logits, hidden = hf.forward(self.model, input_ids, positions, None, cache, logits_to_keep=1)
+        return Verified(logits=logits, hidden=hidden)
+
+    @torch.inference_mode()
+    def verify(self, tree: Tree, tokens: torch.Tensor, cache: Cache) -> Verified:
+        """tokens [N] laid out as ``tree`` (tokens[0] = root) -> logits [N, V], hidden [N, D]; adds N cache entries."""
+        start = hf.cache_length(cache)
+        n = len(tree)
+        if tokens.shape != (n,):
+            raise ValueError(f"expected {n} tree tokens (one per node), found shape {tuple(tokens.shape)}")
+        device = tokens.device
+        allowed = torch.cat(
+            [torch.ones(n, start, dtype=torch.bool, device=device), tree.ancestor_mask.to(device)], dim=1
+        )  # [N, S + N]
+        mask = hf.additive_mask(allowed, self._mask_dtype)  # [1, 1, N, S + N]
+        positions = start + tree.depth_tensor.to(device)  # [N]
+        logits, hidden = hf.forward(self.model, tokens, positions, mask, cache)
+        return Verified(logits=logits, hidden=hidden)
+
+    @torch.inference_mode()
+    def commit(self, cache: Cache, start: int, path: tuple[int, ...]) -> None:
+        """Keep in the cache only the accepted path of the tree verified from position ``start``."""
+        hf.cache_keep(cache, start, torch.tensor(path, dtype=torch.long))

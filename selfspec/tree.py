@@ -1,0 +1,162 @@
+"""A tree of draft candidates: parent pointers and the tensors a tree verification needs.
+
+Node 0 is the root: the last token the target itself produced (not yet in the KV cache). Every other node is a draft
+token. Nodes are stored in topological order (a parent before its children) and, among siblings, in the order the
+acceptance rule tries them (rank 0 first: the drafter's best guess).
+
+Letters used in shape comments: N nodes, L leaves (root-to-leaf paths), D max depth + 1.
+
+A Medusa-style "choices" path ``(r1, r2, ..., rd)`` names the node at depth ``d`` reached by taking the ``r1``-th
+candidate at depth 1, then the ``r2``-th child of that, and so on. ``Tree.from_choices([(0,), (0, 0), (1,)])`` is the
+root, two candidates at depth 1 and one child under the first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Iterable, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tree:
+    parents: tuple[int, ...]
+    """parents[i] is the index of node i's parent; parents[0] == -1 (the root)."""
+    ranks: tuple[int, ...]
+    """ranks[i] is node i's candidate rank among its siblings (0 = tried first); ranks[0] == 0."""
+
+    def __post_init__(self) -> None:
+        if len(self.parents) == 0 or self.parents[0] != -1:
+            raise ValueError(f"a tree needs a root at index 0 with parent -1; found parents={list(self.parents)[:8]}")
+        if len(self.ranks) != len(self.parents):
+            raise ValueError(f"ranks has {len(self.ranks)} entries, expected one per node ({len(self.parents)})")
+        for i, p in enumerate(self.parents[1:], start=1):
+            if not 0 <= p < i:
+                raise ValueError(f"node {i} has parent {p}; expected a parent index in [0, {i}) (topological order)")
+        seen: set[tuple[int, int]] = set()
+        for i in range(1, len(self.parents)):
+            key = (self.parents[i], self.ranks[i])
+            if key in seen:
+                raise ValueError(f"node {i} repeats rank {self.ranks[i]} under parent {self.parents[i]}")
+            seen.add(key)
+
+    # ----------------------------------------------------------------------------------------------- constructors
+    @classmethod
+    def chain(cls, k: int) -> "Tree":
+        """The root followed by a single chain of k draft tokens (classic speculative decoding)."""
+        if k < 0:
+            raise ValueError(f"chain length must be >= 0, got {k}")
+        return cls(parents=tuple(range(-1, k)), ranks=(0,) * (k + 1))
+
+    @classmethod
+    def from_parents(cls, parents: Sequence[int], ranks: Sequence[int] | None = None) -> "Tree":
+        """From parent pointers; without ranks, siblings are ranked in index order."""
+        if ranks is None:
+            count: dict[int, int] = {}
+            ranks = []
+            for p in parents:
+                ranks.append(count.get(p, 0) if p >= 0 else 0)
+                count[p] = count.get(p, 0) + 1
+        return cls(parents=tuple(int(p) for p in parents), ranks=tuple(int(r) for r in ranks))
+
+    @classmethod
+    def from_choices(cls, choices: Iterable[Sequence[int]]) -> "Tree":
+        """From Medusa-style paths of candidate ranks; every prefix of a path must itself be a path."""
+        paths = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda c: (len(c), c))
+        index: dict[tuple[int, ...], int] = {(): 0}
+        parents, ranks = [-1], [0]
+        for path in paths:
+            if len(path) == 0:
+                continue
+            if any(r < 0 for r in path):
+                raise ValueError(f"choice {list(path)} has a negative rank")
+            if path[:-1] not in index:
+                raise ValueError(f"choice {list(path)} has no parent: add {list(path[:-1])} to the choices")
+            index[path] = len(parents)
+            parents.append(index[path[:-1]])
+            ranks.append(path[-1])
+        return cls(parents=tuple(parents), ranks=tuple(ranks))
+
+    @classmethod
+    def full(cls, topk: Sequence[int]) -> "Tree":
+        """Every combination: topk[d] children under every node at depth d (a full k-ary tree per level)."""
+        choices: list[tuple[int, ...]] = [()]
+        out: list[tuple[int, ...]] = []
+        for k in topk:
+            choices = [c + (r,) for c in choices for r in range(k)]
+            out.extend(choices)
+        return cls.from_choices(out)
+
+    # ------------------------------------------------------------------------------------------ derived structure
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    @cached_property
+    def depths(self) -> tuple[int, ...]:
+        d = [0] * len(self.parents)
+        for i in range(1, len(self.parents)):
+            d[i] = d[self.parents[i]] + 1
+        return tuple(d)
+
+    @property
+    def depth(self) -> int:
+        """Number of draft levels below the root."""
+        return max(self.depths)
+
+    @property
+    def max_rank(self) -> int:
+        """Largest candidate rank used anywhere (a drafter must offer top-(max_rank + 1))."""
+        return max(self.ranks)
+
+    @cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        """children[i]: node i's children, in the order they are tried (by rank)."""
+        kids: list[list[int]] = [[] for _ in self.parents]
+        for i in range(1, len(self.parents)):
+            kids[self.parents[i]].append(i)
+        return tuple(tuple(sorted(k, key=lambda j: self.ranks[j])) for k in kids)
+
+    @cached_property
+    def choices(self) -> tuple[tuple[int, ...], ...]:
+        """The Medusa-style rank path of every non-root node (inverse of from_choices)."""
+        paths: list[tuple[int, ...]] = [()]
+        for i in range(1, len(self.parents)):
+            paths.append(paths[self.parents[i]] + (self.ranks[i],))
+        return tuple(paths[1:])
+
+    def path_to(self, i: int) -> list[int]:
+        """Node indices from the root to node i, both included."""
+        path = [i]
+        while self.parents[path[-1]] >= 0:
+            path.append(self.parents[path[-1]])
+        return path[::-1]
+
+    # --------------------------------------------------------------------------------------------------- tensors
+    @cached_property
+    def ancestor_mask(self) -> torch.Tensor:
+        """bool [N, N]: mask[i, j] is True when node j is node i or one of its ancestors (i may attend to j)."""
+        n = len(self.parents)
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            mask[i, self.path_to(i)] = True
+        return mask
+
+    @cached_property
+    def depth_tensor(self) -> torch.Tensor:
+        """long [N]: each node's depth, the offset of its position id from the root's."""
+        return torch.tensor(self.depths, dtype=torch.long)
+
+    @cached_property
+    def parent_tensor(self) -> torch.Tensor:
+        """long [N]: parent indices, with the root pointing at itself (so gathers stay in range)."""
+        return torch.tensor([max(p, 0) for p in self.parents], dtype=torch.long)
+
+    @cached_property
+    def leaf_paths(self) -> torch.Tensor:
+        """long [L, D]: root-to-leaf node indices, right-padded with -1."""
+        leaves = [i for i in range(len(self.parents)) if not self.children[i]]
+        width = self.depth + 1
+        rows = [self.path_to(i) + [-1] * (width - len(self.path_to(i))) for i in leaves]
+        return torch.tensor(rows, dtype=torch.long)
