@@ -1,0 +1,89 @@
+"""What a step costs on the machine at hand: verify-forward time against tree size, and the loop's own overhead.
+
+``verify_costs`` times one tree verification of N nodes on top of a cache of a given length (the target's forward
+only: the cost a bigger tree adds). ``loop_overhead`` runs the real decoding loop and splits each step into the
+target's forward and everything else (drafting, acceptance, cache commit). Medians over repeats; nothing is cached
+between sizes, the cache is cut back to the prefix after each verification.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from selfspec import hf
+from selfspec.drafter import Drafter
+from selfspec.generate import generate
+from selfspec.target import Target
+from selfspec.tree import Tree
+
+
+@dataclass(frozen=True)
+class VerifyCost:
+    nodes: int
+    median_ms: float
+    relative: float
+    """median time over the median time of a 1-node verification (one plain decoding step)."""
+
+
+def verify_costs(
+    target: Target, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), context: int = 256, repeats: int = 20,
+    warmup: int = 3, seed: int = 0,
+) -> list[VerifyCost]:
+    """Median wall time of ``target.verify`` for a tree of each size over a cache of ``context`` tokens."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, target.vocab_size, (context,), generator=g).to(target.device)
+    cache = target.new_cache()
+    target.prefill(prompt, cache)
+    medians: dict[int, float] = {}
+    for n in sizes:
+        tree = Tree.chain(n - 1)
+        tokens = torch.randint(0, target.vocab_size, (n,), generator=g).to(target.device)
+        times = []
+        for i in range(warmup + repeats):
+            t0 = time.perf_counter()
+            target.verify(tree, tokens, cache)
+            if target.device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - t0
+            with torch.inference_mode():
+                hf.cache_keep(cache, context, torch.empty(0, dtype=torch.long))  # back to the prefix
+            if i >= warmup:
+                times.append(elapsed)
+        medians[n] = statistics.median(times) * 1000
+    base = medians.get(1) or min(medians.values())
+    return [VerifyCost(nodes=n, median_ms=ms, relative=ms / base) for n, ms in medians.items()]
+
+
+@dataclass(frozen=True)
+class LoopOverhead:
+    steps: int
+    verify_ms_per_step: float
+    other_ms_per_step: float
+
+    @property
+    def overhead_share(self) -> float:
+        """Share of a step spent outside the target's forward."""
+        return self.other_ms_per_step / (self.verify_ms_per_step + self.other_ms_per_step)
+
+
+def loop_overhead(target: Target, drafter: Drafter, prompts: list[torch.Tensor], max_new_tokens: int = 64) -> LoopOverhead:
+    """Run the loop on each prompt; report mean per-step time in and outside the verify forward (prefill excluded)."""
+    verify, other, steps = 0.0, 0.0, 0
+    for ids in prompts:
+        out = generate(target, drafter, ids, max_new_tokens)
+        for s in out.steps[1:]:
+            verify += s.verify_s
+            other += s.other_s
+            steps += 1
+    steps = max(steps, 1)
+    return LoopOverhead(steps=steps, verify_ms_per_step=1000 * verify / steps, other_ms_per_step=1000 * other / steps)
+
+
+def format_costs(rows: list[VerifyCost]) -> str:
+    lines = ["| tree nodes | verify forward (ms, median) | × one-token step |", "|---:|---:|---:|"]
+    lines += [f"| {r.nodes} | {r.median_ms:.1f} | {r.relative:.2f} |" for r in rows]
+    return "\n".join(lines)
