@@ -1,0 +1,280 @@
+"""Medusa heads: K extra next-next-token predictors on the frozen target's final hidden state.
+
+Head k (k = 1..K) at position t predicts token t+1+k, k steps beyond the LM head's t+1 (the loss in heads/losses.py
+draws the index shift). Each head is a stack of ``num_layers`` residual blocks ``x + SiLU(W x + b)`` (distinct modules
+per head and per layer; W and b start at zero, so a new head predicts exactly what the LM head predicts) followed by a
+projection to the vocabulary:
+
+- ``shared``: the base model's own LM head, frozen. It is never stored in a checkpoint (tiny checkpoints).
+- ``own``:    a trainable copy of the LM head per head, initialised from it.
+- ``lora``:   the frozen LM head plus a per-head LoRA delta with peft's conventions: ``lora_A`` [r, D] Kaiming-uniform,
+              ``lora_B`` [V, r] zero, scaled by ``lora_alpha / r``; only the LoRA weights are stored.
+
+Nothing is applied on top of the projection (no logit soft-capping, no scaling): the LM head module applies none.
+The base's LM head is held by reference, never registered as a submodule: ``state_dict()`` holds the heads' own weights
+only, and DDP / DeepSpeed wrapping the heads never touch the base.
+
+Shapes: K heads, D hidden size, V vocabulary, "..." any leading dimensions (batch, time).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+
+from selfspec.tree import Tree
+
+PROJECTIONS = ("shared", "own", "lora")
+
+
+def _type_ok(value: Any, expected: str) -> bool:
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    is_num = is_int or isinstance(value, float)
+    if value is None:
+        return "None" in expected
+    if expected.startswith("int"):
+        return is_int
+    if expected.startswith("float"):
+        return is_num
+    if expected.startswith("str"):
+        return isinstance(value, str)
+    if expected.startswith("dict"):
+        return isinstance(value, dict)
+    if expected.startswith("list[list[int]]"):
+        return isinstance(value, list) and all(isinstance(c, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in c) for c in value)
+    if expected.startswith("list[list[float]]"):
+        return isinstance(value, list) and all(
+            isinstance(c, list) and all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in c) for c in value
+        )
+    raise TypeError(f"MedusaConfig has a field of unsupported type {expected}")
+
+
+@dataclass
+class MedusaConfig:
+    """Everything needed to rebuild the heads on top of their base model; stored as config.json. Strict."""
+
+    base_model: str
+    """the base model's name or path the heads were trained for (e.g. "smollm2-135m-instruct")."""
+    base_revision: str | None
+    """the base model's revision (commit or branch) on the Hub, when known."""
+    hidden_size: int
+    """D of the base model."""
+    vocab_size: int
+    """V of the base model's LM head."""
+    num_heads: int = 4
+    """K: head k predicts token t+1+k."""
+    num_layers: int = 1
+    """residual blocks per head (distinct modules)."""
+    projection: str = "shared"
+    """"shared" (frozen LM head of the base, not stored), "own" (a trained copy per head), "lora" (LoRA on the LM head)."""
+    lora_rank: int = 16
+    """r of the LoRA projection (used when projection == "lora")."""
+    lora_alpha: float = 32.0
+    """LoRA scaling numerator: the delta is scaled by lora_alpha / lora_rank (peft's convention)."""
+    tree: list[list[int]] | None = None
+    """Medusa-style choices, built from measured accuracy by heads.tree_search (never by hand)."""
+    head_accuracy: list[list[float]] | None = None
+    """[K][r]: measured probability that head k's rank-r candidate is the right token."""
+    mean_accepted: float | None = None
+    """mean accepted tokens per target forward, measured by a benchmark with ``tree`` (None until measured)."""
+    draft_type: str = "medusa"
+    """written to config.json; selfspec's drafter registry dispatches on it."""
+    recipe: dict | None = None
+    """the training recipe that produced these heads."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            expected = str(f.type)  # the annotation as written (postponed annotations are strings)
+            if not _type_ok(value, expected):
+                raise ValueError(f"MedusaConfig.{f.name}: expected {expected}, found {type(value).__name__} {value!r:.80}")
+        for name in ("hidden_size", "vocab_size", "num_heads", "lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MedusaConfig.{name} must be >= 1, found {getattr(self, name)}")
+        if self.num_layers < 0:
+            raise ValueError(f"MedusaConfig.num_layers must be >= 0, found {self.num_layers}")
+        if self.projection not in PROJECTIONS:
+            raise ValueError(f"MedusaConfig.projection: expected one of {list(PROJECTIONS)}, found {self.projection!r}")
+        if self.draft_type != "medusa":
+            raise ValueError(f"MedusaConfig.draft_type: expected 'medusa', found {self.draft_type!r}")
+        if self.tree is not None:
+            tree = Tree.from_choices(self.tree)  # raises on a path without its parent
+            if tree.depth > self.num_heads:
+                raise ValueError(f"MedusaConfig.tree is {tree.depth} levels deep; {self.num_heads} heads draft at most {self.num_heads}")
+        if self.head_accuracy is not None:
+            if len(self.head_accuracy) != self.num_heads:
+                raise ValueError(f"MedusaConfig.head_accuracy has {len(self.head_accuracy)} rows, expected one per head ({self.num_heads})")
+            if any(not 0.0 <= a <= 1.0 for row in self.head_accuracy for a in row):
+                raise ValueError("MedusaConfig.head_accuracy: expected probabilities in [0, 1]")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "MedusaConfig":
+        """Strict: unknown keys and missing required keys raise, saying which."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown MedusaConfig keys {unknown}; expected a subset of {sorted(known)}")
+        required = {"base_model", "base_revision", "hidden_size", "vocab_size"}
+        missing = sorted(required - set(data))
+        if missing:
+            raise ValueError(f"MedusaConfig is missing required keys {missing}")
+        return cls(**data)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def for_model(cls, model: PreTrainedModel, base_model: str | None = None, **kwargs: Any) -> "MedusaConfig":
+        """A config for heads on ``model``: hidden and vocab size read from it; other fields from kwargs."""
+        hidden, vocab = base_sizes(model)
+        name = base_model or getattr(model.config, "_name_or_path", None) or model.config.model_type
+        kwargs.setdefault("base_revision", None)
+        return cls(base_model=str(name), hidden_size=hidden, vocab_size=vocab, **kwargs)
+
+
+def base_sizes(model: PreTrainedModel) -> tuple[int, int]:
+    """(hidden size D, vocab size V of the LM head) of a causal LM."""
+    lm_head = model.get_output_embeddings()
+    if lm_head is None:
+        raise TypeError(f"expected a causal LM with an LM head, found {type(model).__name__} without one")
+    return int(model.config.get_text_config().hidden_size), int(lm_head.weight.shape[0])
+
+
+def check_lm_head(config: MedusaConfig, lm_head: nn.Module, what: str = "this model") -> None:
+    """Refuse an LM head of another shape than the heads were built for."""
+    weight = getattr(lm_head, "weight", None)
+    if weight is None or weight.dim() != 2:
+        raise TypeError(f"expected the base model's LM head (a Linear with a [V, D] weight), found {type(lm_head).__name__}")
+    vocab, hidden = weight.shape
+    if hidden != config.hidden_size:
+        raise ValueError(
+            f"heads were trained for hidden size {config.hidden_size}, {what} has {hidden}: "
+            f"load them onto the base they were trained for ({config.base_model})"
+        )
+    if vocab != config.vocab_size:
+        raise ValueError(
+            f"heads were trained for vocab size {config.vocab_size}, {what} has {vocab}: "
+            f"load them onto the base they were trained for ({config.base_model})"
+        )
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b), W and b zero-initialised: the identity until trained."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class LoraProjection(nn.Module):
+    """The frozen LM head (held by reference, not stored) plus a LoRA delta, named as peft names it."""
+
+    def __init__(self, lm_head: nn.Module, rank: int, alpha: float):
+        super().__init__()
+        vocab, hidden = lm_head.weight.shape
+        self._lm_head = (lm_head,)  # a tuple: not registered, so not in state_dict
+        self.lora_A = nn.ModuleDict({"default": nn.Linear(hidden, rank, bias=False)})
+        self.lora_B = nn.ModuleDict({"default": nn.Linear(rank, vocab, bias=False)})
+        nn.init.kaiming_uniform_(self.lora_A["default"].weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B["default"].weight)
+        self.scaling = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = _frozen_linear(self._lm_head[0], x)  # [..., V]
+        delta = self.lora_B["default"](self.lora_A["default"](x))  # [..., V]
+        return base + delta.to(base.dtype) * self.scaling
+
+
+def _frozen_linear(lm_head: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The base's LM head applied to x without ever training it (its weights are detached)."""
+    bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias.detach()
+    return F.linear(x.to(lm_head.weight.dtype), lm_head.weight.detach(), bias)
+
+
+class MedusaHead(nn.Module):
+    def __init__(self, config: MedusaConfig, lm_head: nn.Module):
+        super().__init__()
+        self.blocks = nn.ModuleList([ResBlock(config.hidden_size) for _ in range(config.num_layers)])
+        self.proj: nn.Module | None = None
+        if config.projection == "own":
+            has_bias = getattr(lm_head, "bias", None) is not None
+            self.proj = nn.Linear(config.hidden_size, config.vocab_size, bias=has_bias)
+            with torch.no_grad():
+                self.proj.weight.copy_(lm_head.weight)
+                if has_bias:
+                    self.proj.bias.copy_(lm_head.bias)
+        elif config.projection == "lora":
+            self.proj = LoraProjection(lm_head, config.lora_rank, config.lora_alpha)
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., D] -> [..., D] after the residual blocks."""
+        x = hidden
+        for block in self.blocks:
+            x = block(x.to(block.linear.weight.dtype))
+        return x
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, config: MedusaConfig, lm_head: nn.Module):
+        """lm_head: the base model's (frozen) LM head; held by reference, never stored or trained here."""
+        super().__init__()
+        check_lm_head(config, lm_head)
+        self.config = config
+        self._lm_head = (lm_head,)  # a tuple: not a registered submodule (see the module docstring)
+        self.heads = nn.ModuleList([MedusaHead(config, lm_head) for _ in range(config.num_heads)])
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self._lm_head[0]
+
+    def head_logits(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """hidden [..., D] -> logits [..., V] of head k (0-based: heads.head_logits(h, 0) is head 1, predicting t+2)."""
+        head = self.heads[k]
+        x = head.features(hidden)
+        if head.proj is None:
+            return _frozen_linear(self.lm_head, x)
+        if isinstance(head.proj, nn.Linear):
+            return head.proj(x.to(head.proj.weight.dtype))
+        return head.proj(x)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., D]: the base's final hidden state (after its final norm) -> logits [K, ..., V]."""
+        return torch.stack([self.head_logits(hidden, k) for k in range(len(self.heads))])
+
+    # ------------------------------------------------------------------------------------ checkpoints (checkpoint.py)
+    def save_pretrained(self, directory: str | Path, repo_id: str | None = None) -> Path:
+        """config.json + model.safetensors (the heads' own weights) + README.md model card, written atomically."""
+        from heads.checkpoint import save_heads
+
+        return save_heads(self, directory, repo_id=repo_id)
+
+    @classmethod
+    def from_pretrained(
+        cls, path_or_repo_id: str | Path, base_model: PreTrainedModel, revision: str | None = None
+    ) -> "MedusaHeads":
+        """From a local directory or a Hub id (through the Hub cache). Strict; refuses a base of another size."""
+        from heads.checkpoint import load_heads
+
+        return load_heads(path_or_repo_id, base_model, revision=revision)
+
+    def push_to_hub(
+        self, repo_id: str, private: bool = False, revision: str | None = None, token: str | None = None,
+        dry_run: bool = False, commit_message: str = "Upload Medusa heads (selfspec)",
+    ) -> Any:
+        """Save to a temporary directory and upload it; dry_run returns the files it would upload (nothing is sent)."""
+        from heads.checkpoint import push_heads
+
+        return push_heads(self, repo_id, private=private, revision=revision, token=token, dry_run=dry_run,
+                          commit_message=commit_message)
