@@ -321,6 +321,9 @@ def build_datasets(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tuple
     train_idx, eval_idx = split_indices(len(conversations), cfg.eval_fraction, cfg.seed)
     out = []
     for name, idx in (("train", train_idx), ("eval", eval_idx)):
+        if not idx:
+            out.append(datasets.Dataset.from_dict({"input_ids": [], "labels": []}, features=ROW_FEATURES))
+            continue
         rows = tokenize_dataset(conversations.select(idx), tokenizer, cfg.max_length)
         if name == "train" and len(rows) == 0:
             raise ValueError(f"no training rows left from {cfg.source!r}: all {len(idx)} conversations lose every "
