@@ -1,0 +1,282 @@
+"""How Medusa heads are stored and shared: a directory (or Hub repo) like PEFT's and huggingface_hub's mixin.
+
+    config.json         every MedusaConfig field, plus "selfspec_version" (draft_type is "medusa")
+    model.safetensors   the heads' own weights only (never the base model's), with a sha256 of the tensor bytes
+    README.md           the model card: Hub metadata, measured accuracy per head, the tree, a usage snippet
+
+Saving is atomic: files are written to a temporary directory next to the target; a new directory is renamed into
+place whole, an existing one gets each file replaced atomically (weights first, config.json last) so other files
+there (a git clone of the repo, say) are left alone. Loading is strict: unknown config keys, missing or unexpected
+tensors, shapes that disagree with config.json, a corrupt or truncated file, or a base of another size all raise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from huggingface_hub import ModelCardData, create_branch, create_repo, snapshot_download, upload_folder
+from huggingface_hub.errors import HFValidationError, HfHubHTTPError, LocalEntryNotFoundError
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+from transformers import PreTrainedModel
+
+from heads.medusa import MedusaConfig, MedusaHeads, base_sizes
+from heads.tree_search import expected_accept_length
+
+CONFIG, WEIGHTS, CARD = "config.json", "model.safetensors", "README.md"
+FILES = (CONFIG, WEIGHTS, CARD)
+HUB_DATASETS = {"sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
+"""data sources the model card can name as Hub datasets (local files are not named)."""
+
+
+def selfspec_version() -> str:
+    return importlib.metadata.version("selfspec")
+
+
+def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over names and raw bytes of the tensors, in name order (detects bytes changed inside the file)."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def expected_shapes(config: MedusaConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors (name -> shape) that heads built from ``config`` hold, computed without allocating them."""
+    with torch.device("meta"):
+        heads = MedusaHeads(config, nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+    return {name: tuple(t.shape) for name, t in heads.state_dict().items()}
+
+
+# --------------------------------------------------------------------------------------------------------- save
+def save_heads(heads: MedusaHeads, directory: str | Path, repo_id: str | None = None) -> Path:
+    """Write config.json, model.safetensors and README.md to ``directory`` atomically; returns the directory."""
+    target = Path(directory).expanduser()
+    if target.exists() and not target.is_dir():
+        raise NotADirectoryError(f"expected a directory to save the heads into, found a file at {target}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
+    try:
+        tensors = {name: t.detach().cpu().contiguous() for name, t in heads.state_dict().items()}
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", "sha256": tensors_sha256(tensors)})
+        (tmp / CONFIG).write_text(json.dumps({**heads.config.to_dict(), "selfspec_version": selfspec_version()}, indent=2) + "\n")
+        (tmp / CARD).write_text(model_card(heads.config, repo_id or str(target)))
+        if not target.exists():
+            os.rename(tmp, target)  # the whole checkpoint appears at once
+            return target
+        for name in (WEIGHTS, CARD, CONFIG):
+            os.replace(tmp / name, target / name)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# --------------------------------------------------------------------------------------------------------- load
+def resolve(path_or_repo_id: str | Path, revision: str | None = None) -> Path:
+    """A local checkpoint directory, or a Hub repo fetched through the Hub cache (a second load needs no network)."""
+    path = Path(path_or_repo_id).expanduser()
+    if path.is_dir():
+        if revision is not None:
+            raise ValueError(f"revision={revision!r} was given but {path} is a local directory: revisions are for Hub ids")
+        return path
+    if path.exists():
+        raise NotADirectoryError(f"expected a checkpoint directory or a Hub repo id, found the file {path}")
+    try:
+        return Path(snapshot_download(str(path_or_repo_id), revision=revision, allow_patterns=list(FILES)))
+    except (HFValidationError, HfHubHTTPError, LocalEntryNotFoundError) as err:
+        raise FileNotFoundError(
+            f"{path_or_repo_id!r} is not a local directory and could not be fetched from the Hugging Face Hub "
+            f"(revision {revision or 'main'}): {type(err).__name__}: {err}"
+        ) from err
+
+
+def read_config(directory: Path) -> MedusaConfig:
+    file = directory / CONFIG
+    if not file.is_file():
+        raise FileNotFoundError(f"{directory} has no {CONFIG}: expected a selfspec heads checkpoint ({', '.join(FILES)})")
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file} is not valid JSON ({err}): the checkpoint is corrupt, save or download it again") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a JSON object, found {type(data).__name__}")
+    if data.get("draft_type") != "medusa":
+        raise ValueError(
+            f"{file} says draft_type {data.get('draft_type')!r}; expected 'medusa' "
+            "(a FasterDecoding Medusa checkpoint has medusa_num_heads instead and must be imported first)"
+        )
+    data.pop("selfspec_version", None)
+    return MedusaConfig.from_dict(data)
+
+
+def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    file = directory / WEIGHTS
+    if not file.is_file():
+        raise FileNotFoundError(f"{directory} has {CONFIG} but no {WEIGHTS}: the checkpoint is incomplete")
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{file} is corrupt or truncated ({err}): save or download the checkpoint again") from err
+    stored = metadata.get("sha256")
+    if stored is not None and stored != tensors_sha256(tensors):
+        raise ValueError(f"{file} is corrupt: its tensors do not match the sha256 stored with them; save or download it again")
+    return tensors
+
+
+def check_tensors(config: MedusaConfig, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Refuse weights that disagree with config.json: missing, unexpected or wrongly shaped tensors."""
+    expected = expected_shapes(config)
+    stored_heads = {int(name.split(".")[1]) for name in tensors if name.startswith("heads.") and name.split(".")[1].isdigit()}
+    if stored_heads and len(stored_heads) != config.num_heads:
+        raise ValueError(f"{where} holds {len(stored_heads)} heads but config.json says num_heads={config.num_heads}")
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"{where} disagrees with config.json (num_heads={config.num_heads}, num_layers={config.num_layers}, "
+            f"projection={config.projection!r}): missing tensors {missing[:6]}, unexpected tensors {unexpected[:6]}"
+        )
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(
+                f"{where}: tensor {name} has shape {list(tensors[name].shape)}, config.json implies {list(shape)} "
+                f"(hidden_size={config.hidden_size}, vocab_size={config.vocab_size}, lora_rank={config.lora_rank})"
+            )
+
+
+def load_heads(path_or_repo_id: str | Path, base_model: PreTrainedModel, revision: str | None = None) -> MedusaHeads:
+    """Heads on ``base_model`` (its LM head, device), in the dtype they were stored in. Strict."""
+    directory = resolve(path_or_repo_id, revision)
+    config = read_config(directory)
+    hidden, vocab = base_sizes(base_model)
+    for what, want, have in (("hidden size", config.hidden_size, hidden), ("vocab size", config.vocab_size, vocab)):
+        if want != have:
+            raise ValueError(
+                f"heads were trained for {what} {want}, this model has {have}: the heads in {path_or_repo_id} belong "
+                f"on {config.base_model}, not on {type(base_model).__name__} ({base_model.config._name_or_path or '?'})"
+            )
+    tensors = read_tensors(directory)
+    check_tensors(config, tensors, f"{directory / WEIGHTS}")
+    lm_head = base_model.get_output_embeddings()
+    heads = MedusaHeads(config, lm_head)
+    heads.load_state_dict(tensors, strict=True)
+    dtypes = {t.dtype for t in tensors.values()}
+    return heads.to(device=lm_head.weight.device, dtype=dtypes.pop() if len(dtypes) == 1 else None).eval()
+
+
+# ------------------------------------------------------------------------------------------------------ publish
+def checkpoint_files(directory: Path) -> list[str]:
+    """The files of a valid checkpoint directory that a publish uploads; refuses one whose files disagree."""
+    config = read_config(directory)
+    check_tensors(config, read_tensors(directory), str(directory / WEIGHTS))
+    return [name for name in FILES if (directory / name).is_file()]
+
+
+def push_folder(
+    directory: str | Path, repo_id: str, private: bool = False, revision: str | None = None, token: str | None = None,
+    dry_run: bool = False, commit_message: str = "Upload Medusa heads (selfspec)",
+) -> list[str] | Any:
+    """Publish a saved checkpoint directory (only its checkpoint files) in one Hub commit.
+
+    dry_run: return the files that would be uploaded; nothing is sent. Otherwise the CommitInfo of the upload. The
+    token comes from ``token`` or the usual places (HF_TOKEN, ``hf auth login``).
+    """
+    files = checkpoint_files(Path(directory))
+    if dry_run:
+        return files
+    create_repo(repo_id, token=token, private=private, repo_type="model", exist_ok=True)
+    if revision is not None and revision != "main":
+        create_branch(repo_id, branch=revision, token=token, repo_type="model", exist_ok=True)
+    return upload_folder(
+        repo_id=repo_id, folder_path=str(directory), allow_patterns=files, revision=revision, token=token,
+        repo_type="model", commit_message=commit_message,
+    )
+
+
+def push_heads(heads: MedusaHeads, repo_id: str, **kwargs: Any) -> list[str] | Any:
+    """save_pretrained into a temporary directory (model card naming ``repo_id``) and push_folder it."""
+    with tempfile.TemporaryDirectory(prefix="selfspec-push-") as tmp:
+        directory = save_heads(heads, Path(tmp) / "heads", repo_id=repo_id)
+        return push_folder(directory, repo_id, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------- model card
+def card_datasets(recipe: dict | None) -> list[str] | None:
+    """The Hub dataset ids a recipe trained on (recipe["data"]["source"]); local files are not named."""
+    data = (recipe or {}).get("data")
+    source = data.get("source") if isinstance(data, dict) else None
+    if not isinstance(source, str):
+        return None
+    if source in HUB_DATASETS:
+        return [HUB_DATASETS[source]]
+    is_hub_id = source.count("/") == 1 and not Path(source).suffix and not Path(source).exists()
+    return [source] if is_hub_id else None
+
+
+def model_card(config: MedusaConfig, location: str) -> str:
+    """README.md: Hub metadata (base_model, library_name, tags, datasets), accuracy, tree and a usage snippet."""
+    meta = ModelCardData(
+        base_model=config.base_model, library_name="selfspec", tags=["speculative-decoding", "medusa"],
+        datasets=card_datasets(config.recipe),
+    )
+    revision = f" (revision `{config.base_revision}`)" if config.base_revision else ""
+    lines = [
+        "---", meta.to_yaml(), "---", "",
+        f"# Medusa heads for {config.base_model}", "",
+        f"{config.num_heads} Medusa heads ({config.num_layers} residual block(s) each, `{config.projection}` projection) "
+        f"for `{config.base_model}`{revision}, made with selfspec. Head k predicts the token k steps beyond the base "
+        "model's next token; selfspec drafts a tree of their top candidates and verifies it in one forward of the base "
+        "model, losslessly: the output is the base model's own.", "",
+        "## Measured accuracy", "",
+    ]
+    if config.head_accuracy:
+        ranks = max(len(row) for row in config.head_accuracy)
+        top = min(5, ranks)
+        lines += ["Probability that head k's rank-r candidate is the right token (held-out data), and its top-r total:", "",
+                  "| head | " + " | ".join(f"rank {r}" for r in range(ranks)) + f" | top-1 | top-{top} |",
+                  "|---" * (ranks + 3) + "|"]
+        for k, row in enumerate(config.head_accuracy):
+            cells = [f"{a:.3f}" for a in row] + [""] * (ranks - len(row))
+            lines.append(f"| {k + 1} | " + " | ".join(cells) + f" | {sum(row[:1]):.3f} | {sum(row[:top]):.3f} |")
+    else:
+        lines.append("Not measured yet.")
+    lines += ["", "## Tree", ""]
+    if config.tree:
+        depth = max(len(c) for c in config.tree)
+        lines.append(f"{len(config.tree)} draft nodes, depth {depth}, built from the measured accuracy by `heads.tree_search`.")
+        if config.head_accuracy:
+            lines.append(f"Expected accepted tokens per step (from the measured accuracy): "
+                         f"{expected_accept_length(config.head_accuracy, config.tree):.2f}.")
+        lines += ["", f"`{json.dumps(config.tree)}`"]
+    else:
+        lines.append("No tree stored: selfspec drafts a chain of the heads' top-1 candidates.")
+    if config.mean_accepted is not None:
+        lines += ["", f"Measured mean accepted tokens per step: {config.mean_accepted:.2f}."]
+    if config.recipe:
+        lines += ["", "## Training recipe", "", "```json", json.dumps(config.recipe, indent=2, default=str), "```"]
+    lines += [
+        "", "## Usage", "", "```python",
+        "from selfspec import Target, generate",
+        "from selfspec.models import load_model",
+        "from heads.drafter import load_drafter", "",
+        f'model, tokenizer = load_model("{config.base_model}")',
+        "target = Target(model)",
+        f'drafter = load_drafter("{location}", target)',
+        'ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hello!"}], add_generation_prompt=True, return_tensors="pt")["input_ids"]',
+        "out = generate(target, drafter, ids, max_new_tokens=128, eos_token_id=tokenizer.eos_token_id)",
+        "print(tokenizer.decode(out.tokens))", "```", "",
+    ]
+    return "\n".join(lines)
