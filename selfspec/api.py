@@ -1,0 +1,283 @@
+"""The Python API: load a target and a draft in one call, then ``generate`` or ``stream``.
+
+    import selfspec.api as ss
+    m = ss.load("smollm2-135m-instruct", draft="ngram")
+    out = m.generate("Write a haiku about the sea.", max_new_tokens=64)
+    print(out.text, out.stats)
+    for piece in m.stream("And one about the mountains."):
+        print(piece, end="", flush=True)
+
+Sampling arguments mirror transformers' ``generate``: ``temperature`` (0 = greedy), ``top_p``, ``top_k``; ``seed``
+makes a sampled run repeatable. ``generate_plain`` runs the same request through ``model.generate`` (plain decoding,
+or a transformers peer such as ``prompt_lookup_num_tokens=10``) and reports the same statistics.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.generation.streamers import BaseStreamer
+
+from selfspec import registry
+from selfspec.drafter import Drafter
+from selfspec.generate import stream as spec_stream
+from selfspec.models import BUILTIN, DEFAULT_MODEL, load_model, resolve
+from selfspec.sampling import Sampling
+from selfspec.target import Target
+from selfspec.tree import Tree
+
+Prompt = str | Sequence[dict[str, str]] | Sequence[int] | torch.Tensor
+"""text (the chat template is applied when chat=True), a list of chat messages, or token ids."""
+
+
+@dataclass(frozen=True)
+class Stats:
+    new_tokens: int
+    seconds: float
+    """wall time of the decoding (prefill included, tokenisation and text decoding excluded)."""
+    accept_lengths: tuple[int, ...]
+    """tokens gained per target forward (the prefill counts as one); they sum to new_tokens."""
+
+    @property
+    def steps(self) -> int:
+        return len(self.accept_lengths)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def mean_accepted(self) -> float:
+        return self.new_tokens / max(self.steps, 1)
+
+    def __str__(self) -> str:
+        return (f"{self.new_tokens} new tokens in {self.seconds:.2f} s ({self.tokens_per_s:.1f} tokens/s), "
+                f"{self.steps} steps, {self.mean_accepted:.2f} mean accepted tokens per step")
+
+
+@dataclass(frozen=True)
+class Result:
+    text: str
+    tokens: list[int]
+    """the new tokens (EOS included when generation stopped at it)."""
+    stats: Stats
+
+
+class IncrementalDecoder:
+    """Turns a growing list of token ids into text pieces; holds back a piece that ends inside a multi-byte character."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tokenizer, self.ids, self.emitted = tokenizer, [], ""
+
+    def decode(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def push(self, ids: Sequence[int]) -> str:
+        self.ids.extend(ids)
+        text = self.decode()
+        if text.endswith("\ufffd") or not text.startswith(self.emitted):
+            return ""  # wait for the rest of the character (or for the text to settle)
+        piece, self.emitted = text[len(self.emitted):], text
+        return piece
+
+    def flush(self) -> str:
+        text = self.decode()
+        piece = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        self.emitted = text
+        return piece
+
+
+class TextStream:
+    """Iterate for text pieces as the target accepts them; afterwards ``.text``, ``.tokens`` and ``.stats``."""
+
+    def __init__(self, steps: Iterator, tokenizer: PreTrainedTokenizerBase):
+        self._steps, self._decoder = steps, IncrementalDecoder(tokenizer)
+        self.tokens: list[int] = []
+        self._lengths: list[int] = []
+        self._seconds = 0.0
+        self.done = False
+
+    def __iter__(self) -> Iterator[str]:
+        while True:
+            t0 = time.perf_counter()
+            step = next(self._steps, None)
+            self._seconds += time.perf_counter() - t0
+            if step is None:
+                break
+            self.tokens.extend(step.tokens)
+            self._lengths.append(len(step.tokens))
+            piece = self._decoder.push(step.tokens)
+            if piece:
+                yield piece
+        self.done = True
+        piece = self._decoder.flush()
+        if piece:
+            yield piece
+
+    @property
+    def text(self) -> str:
+        return self._decoder.emitted
+
+    @property
+    def stats(self) -> Stats:
+        """Statistics of what has been generated so far (all of it once the iteration is over)."""
+        return Stats(new_tokens=len(self.tokens), seconds=self._seconds, accept_lengths=tuple(self._lengths))
+
+
+class StepCounter(BaseStreamer):
+    """A transformers streamer that records how many tokens each ``generate`` step added (the prompt is skipped)."""
+
+    def __init__(self) -> None:
+        self.lengths: list[int] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.lengths.append(int(value.numel()))
+
+    def end(self) -> None:
+        return None
+
+
+class SpecModel:
+    """A target model, its tokenizer and a drafter; decoding is always lossless (exact acceptance)."""
+
+    def __init__(self, target: Target, tokenizer: PreTrainedTokenizerBase, drafter: Drafter, name: str = ""):
+        self.target, self.tokenizer, self.drafter, self.name = target, tokenizer, drafter, name
+        self.model: PreTrainedModel = target.model
+        model = target.model
+        eos = model.generation_config.eos_token_id
+        if eos is None:
+            eos = tokenizer.eos_token_id
+        self.eos_token_id: list[int] = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+    # ---------------------------------------------------------------------------------------------------- prompts
+    def encode(self, prompt: Prompt, chat: bool = True) -> torch.Tensor:
+        """-> long [T] on the target's device."""
+        if isinstance(prompt, torch.Tensor):
+            ids = prompt.reshape(-1).tolist()
+        elif isinstance(prompt, str) or (len(prompt) and isinstance(prompt[0], dict)):
+            ids = self._encode_text(prompt, chat)
+        else:
+            ids = [int(i) for i in prompt]
+        return torch.tensor(ids, dtype=torch.long, device=self.target.device)
+
+    def _encode_text(self, prompt: str | Sequence[dict[str, str]], chat: bool) -> list[int]:
+        if isinstance(prompt, str) and not chat:
+            return self.tokenizer(prompt).input_ids
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"the tokenizer of {self.name or 'this model'} has no chat template: pass chat=False "
+                             f"(plain text) or token ids")
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    # --------------------------------------------------------------------------------------------------- decoding
+    def stream(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+               top_k: int = 0, seed: int | None = None, chat: bool = True) -> TextStream:
+        """Text pieces as they are accepted; the returned TextStream holds .text, .tokens and .stats afterwards."""
+        ids = self.encode(prompt, chat)
+        sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k)
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=self.target.device).manual_seed(seed)
+        steps = spec_stream(self.target, self.drafter, ids, max_new_tokens, sampling=sampling,
+                            eos_token_id=self.eos_token_id, generator=generator)
+        return TextStream(steps, self.tokenizer)
+
+    def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int | None = None, chat: bool = True) -> Result:
+        """Generate to the end; the text is decoded once, after timing stops."""
+        ids = self.encode(prompt, chat)
+        sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k)
+        generator = None if seed is None else torch.Generator(device=self.target.device).manual_seed(seed)
+        tokens: list[int] = []
+        lengths: list[int] = []
+        t0 = time.perf_counter()
+        for step in spec_stream(self.target, self.drafter, ids, max_new_tokens, sampling=sampling,
+                                eos_token_id=self.eos_token_id, generator=generator):
+            tokens.extend(step.tokens)
+            lengths.append(len(step.tokens))
+        seconds = time.perf_counter() - t0
+        return Result(text=self._decode(tokens), tokens=tokens,
+                      stats=Stats(new_tokens=len(tokens), seconds=seconds, accept_lengths=tuple(lengths)))
+
+    @torch.inference_mode()
+    def generate_plain(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+                       top_k: int = 0, seed: int | None = None, chat: bool = True, **hf_kwargs: Any) -> Result:
+        """The same request through transformers' ``model.generate`` (extra kwargs, e.g. prompt_lookup_num_tokens=10,
+        go to it). accept_lengths are the tokens each of its steps added, as its streamer sees them."""
+        ids = self.encode(prompt, chat)[None]  # [1, T]
+        sample = temperature > 0
+        kwargs: dict[str, Any] = dict(do_sample=sample, max_new_tokens=max_new_tokens)
+        if sample:
+            kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
+            if seed is not None:
+                torch.manual_seed(seed)
+        else:  # neutralise any sampling defaults of the checkpoint's generation_config
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+        counter = StepCounter()
+        pad = self.model.generation_config.pad_token_id
+        t0 = time.perf_counter()
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), streamer=counter,
+                                  pad_token_id=pad if pad is not None else (self.eos_token_id or [None])[0],
+                                  **kwargs, **hf_kwargs)
+        if self.target.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        tokens = out[0, ids.shape[1]:].tolist()
+        return Result(text=self._decode(tokens), tokens=tokens,
+                      stats=Stats(new_tokens=len(tokens), seconds=seconds, accept_lengths=tuple(counter.lengths)))
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What a model's config says, read without loading any weights."""
+
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    aliases: tuple[str, ...]
+    """other names of the model (its directory, the Hub id of a built-in)."""
+
+
+def target_info(model: str, revision: str | None = None) -> TargetInfo:
+    location, gguf = resolve(model)
+    kwargs: dict[str, Any] = {"revision": revision} if revision else {}
+    if gguf:
+        kwargs["gguf_file"] = gguf
+    cfg = AutoConfig.from_pretrained(location, **kwargs).get_text_config()
+    aliases = (location, BUILTIN[model]["hub_id"]) if model in BUILTIN else (location,)
+    return TargetInfo(int(cfg.hidden_size), int(cfg.vocab_size), int(cfg.num_hidden_layers), aliases)
+
+
+def check_drafts(model: str, drafts: Sequence[registry.DraftSpec], revision: str | None = None,
+                 allow_other_base: bool = False) -> None:
+    """Refuse draft checkpoints trained for another model, from the configs alone."""
+    if not any(d.location for d in drafts):
+        return
+    info = target_info(model, revision)
+    for d in drafts:
+        registry.check_base(d, model, info.hidden_size, info.vocab_size, info.aliases, allow_other_base=allow_other_base)
+
+
+def load(model: str = DEFAULT_MODEL, draft: str = "ngram", dtype: str | torch.dtype = "float32",
+         tree: str | Tree | None = None, device: str = "cpu", revision: str | None = None,
+         draft_revision: str | None = None, allow_other_base: bool = False) -> SpecModel:
+    """Target + tokenizer + drafter in one call. The draft and the tree are checked against the target's config
+    before any weights are loaded (a draft for another base model fails here, fast)."""
+    spec = registry.parse_draft(draft, revision=draft_revision)
+    tree_obj = registry.parse_tree(tree) if isinstance(tree, str) else tree
+    check_drafts(model, [spec], revision, allow_other_base)
+    hf_model, tokenizer = load_model(model, dtype=dtype, revision=revision, device=device)
+    target = Target(hf_model)
+    return SpecModel(target, tokenizer, registry.build_drafter(spec, target, tree_obj), name=model)

@@ -1,0 +1,204 @@
+"""What a user's ``--draft`` and ``--tree`` strings turn into, checked before any model is loaded.
+
+``--draft`` accepts:
+
+- ``none``                          plain decoding through the speculative loop (``NoDrafter``)
+- ``ngram`` / ``ngram:depth=8,max_nodes=24``   prompt lookup over a trie (``NGramDrafter``), no training
+- a local directory or a Hub id whose ``config.json`` says ``"draft_type": X``: loaded by the function registered
+  under entry-point group ``selfspec.drafters``, name X, called as ``load(path_or_repo_id, target, revision=, tree=)``.
+  selfspec never imports the package that trains drafts; that package registers its loaders in its pyproject.
+
+``--tree`` accepts ``chain:K``, ``full:3,2,1`` (children per level), Medusa-style JSON choices ``[[0], [0, 0], [1]]``
+or a ``.json`` file holding such a list.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any, Callable
+
+from selfspec.drafter import Drafter, NoDrafter
+from selfspec.ngram import NGramDrafter
+from selfspec.target import Target
+from selfspec.tree import Tree
+
+ENTRY_POINT_GROUP = "selfspec.drafters"
+NGRAM_KEYS = ("max_ngram", "min_ngram", "depth", "max_nodes", "max_matches")
+ACCEPTED = (
+    "'none', 'ngram' (optionally 'ngram:depth=8,max_nodes=24' with keys " + ", ".join(NGRAM_KEYS) + "), "
+    "or a local directory / Hub id of a draft checkpoint whose config.json has \"draft_type\""
+)
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """A parsed ``--draft``: what kind of drafter, where its checkpoint is, and what its config.json says."""
+
+    kind: str
+    """'none', 'ngram', or a checkpoint's draft_type."""
+    location: str | None = None
+    """the checkpoint directory or Hub id (None for 'none' / 'ngram')."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """the checkpoint's config.json, or the n-gram options."""
+    revision: str | None = None
+
+    @property
+    def label(self) -> str:
+        """A short name for file names and tables: 'ngram', 'none', or the checkpoint's directory name."""
+        if self.location is None:
+            return self.kind
+        return Path(self.location.rstrip("/")).name or self.kind
+
+
+def drafter_loaders() -> dict[str, Any]:
+    """The registered checkpoint loaders: entry-point name -> EntryPoint (not imported yet)."""
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def _looks_local(spec: str) -> bool:
+    """A Hub id is exactly 'owner/name' (or 'name'); anything else with a path shape is meant as a local path."""
+    return spec.startswith((".", "/", "~")) or spec.count("/") > 1 or "\\" in spec or Path(spec).expanduser().exists()
+
+
+def _read_hub_config(repo_id: str, revision: str | None) -> dict[str, Any]:
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
+
+    try:
+        path = hf_hub_download(repo_id, "config.json", revision=revision)
+    except (HfHubHTTPError, HFValidationError, LocalEntryNotFoundError, OSError) as err:
+        raise FileNotFoundError(
+            f"--draft {repo_id!r} is not a local directory, and its config.json could not be fetched from the Hub "
+            f"({type(err).__name__}: {err}). Expected {ACCEPTED}."
+        ) from err
+    return _read_json(Path(path), f"the config.json of Hub repo {repo_id}")
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{what} ({path}) is not valid JSON: {err}") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} ({path}) should hold a JSON object, found {type(data).__name__}")
+    return data
+
+
+def parse_ngram(options: str) -> dict[str, int]:
+    """'depth=8,max_nodes=24' -> {'depth': 8, 'max_nodes': 24}; unknown keys and non-integers fail."""
+    out: dict[str, int] = {}
+    for item in filter(None, (s.strip() for s in options.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in NGRAM_KEYS:
+            raise ValueError(f"bad n-gram option {item!r}: expected key=value with key one of {', '.join(NGRAM_KEYS)}")
+        try:
+            out[key] = int(value)
+        except ValueError:
+            raise ValueError(f"n-gram option {key} must be an integer, found {value!r}") from None
+    NGramDrafter(**out)  # validates the ranges now, not after the model is loaded
+    return out
+
+
+def parse_draft(spec: str, revision: str | None = None) -> DraftSpec:
+    """Parse and validate a ``--draft`` string, reading a checkpoint's config.json but no weights."""
+    if spec == "none":
+        return DraftSpec(kind="none")
+    if spec == "ngram" or spec.startswith("ngram:"):
+        return DraftSpec(kind="ngram", config=parse_ngram(spec[len("ngram:"):]))
+    if _looks_local(spec):
+        path = Path(spec).expanduser()
+        if not path.is_dir():
+            raise FileNotFoundError(f"draft checkpoint directory {path} does not exist. --draft expects {ACCEPTED}.")
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json: expected a draft checkpoint directory (config.json + weights)")
+        config = _read_json(path / "config.json", "the draft checkpoint's config")
+        location = str(path)
+    elif "/" in spec:
+        config = _read_hub_config(spec, revision)
+        location = spec
+    else:
+        raise ValueError(f"unknown --draft {spec!r}: expected {ACCEPTED}")
+    draft_type = config.get("draft_type")
+    if not isinstance(draft_type, str):
+        raise ValueError(f"{location}/config.json has no \"draft_type\" string (found {draft_type!r}); expected {ACCEPTED}")
+    loaders = drafter_loaders()
+    if draft_type not in loaders:
+        known = ", ".join(sorted(loaders)) or "none registered: is the package that trains heads installed (pip install -e .)?"
+        raise ValueError(
+            f"{location} is a {draft_type!r} draft, but no loader is registered for it under entry-point group "
+            f"{ENTRY_POINT_GROUP!r} (registered: {known})"
+        )
+    return DraftSpec(kind=draft_type, location=location, config=config, revision=revision)
+
+
+def _norm(name: str) -> str:
+    return name.rstrip("/").split("/")[-1].lower()
+
+
+def check_base(spec: DraftSpec, model_name: str, hidden_size: int, vocab_size: int, aliases: tuple[str, ...] = (),
+               allow_other_base: bool = False) -> None:
+    """Refuse a checkpoint trained for another model. model_name and aliases name the target; sizes are its own."""
+    if spec.location is None:
+        return
+    cfg = spec.config
+    base = cfg.get("base_model")
+    for key, found in (("hidden_size", hidden_size), ("vocab_size", vocab_size)):
+        want = cfg.get(key)
+        if want is not None and want != found:
+            raise ValueError(
+                f"these heads were trained for {base or 'another model'} with {key} {want}, but the target "
+                f"{model_name} has {key} {found}: pass the model they were trained for (--model {base or '...'})"
+            )
+    names = {_norm(n) for n in (model_name, *aliases) if n}
+    if base and not allow_other_base and _norm(base) not in names:
+        raise ValueError(
+            f"these heads were trained for {base}, but the target is {model_name}: pass --model {base}, "
+            f"or allow_other_base=True (--allow-other-base) if {model_name} is a copy of the same model"
+        )
+
+
+def parse_tree(spec: str | None) -> Tree | None:
+    """A ``--tree`` string -> Tree (None keeps the drafter's or checkpoint's own tree)."""
+    if spec is None or spec == "":
+        return None
+    forms = "expected 'chain:K', 'full:3,2,1', JSON choices like '[[0],[0,0],[1]]', or a .json file of choices"
+    try:
+        if spec.startswith("chain:"):
+            return Tree.chain(int(spec[len("chain:"):]))
+        if spec.startswith("full:"):
+            return Tree.full([int(k) for k in spec[len("full:"):].split(",")])
+        text = spec
+        if spec.endswith(".json"):
+            path = Path(spec).expanduser()
+            if not path.is_file():
+                raise FileNotFoundError(f"tree file {path} does not exist; {forms}")
+            text = path.read_text()
+        if text.lstrip().startswith("["):
+            choices = json.loads(text)
+            if not all(isinstance(c, list) and all(isinstance(r, int) for r in c) for c in choices):
+                raise ValueError(f"tree choices must be a list of lists of integers, found {text[:80]!r}")
+            return Tree.from_choices(choices)
+    except (json.JSONDecodeError, ValueError) as err:
+        raise ValueError(f"bad --tree {spec!r}: {err}; {forms}") from err
+    raise ValueError(f"unknown --tree {spec!r}: {forms}")
+
+
+def build_drafter(spec: DraftSpec, target: Target, tree: Tree | None = None) -> Drafter:
+    """Construct the drafter a DraftSpec names, for this target (loads the checkpoint's weights, if any)."""
+    if spec.kind in ("none", "ngram"):
+        if tree is not None:
+            hint = "ngram grows its own trie: size it with 'ngram:depth=8,max_nodes=24'" if spec.kind == "ngram" else ""
+            raise ValueError(f"--tree does not apply to --draft {spec.kind}; {hint or 'it drafts nothing'}")
+        return NoDrafter() if spec.kind == "none" else NGramDrafter(**spec.config)
+    entry = drafter_loaders()[spec.kind]
+    try:
+        loader: Callable[..., Drafter] = entry.load()
+    except ImportError as err:
+        raise ImportError(f"the {spec.kind!r} drafter is registered as {entry.value} but cannot be imported: {err}") from err
+    drafter = loader(spec.location, target, revision=spec.revision, tree=tree)
+    if not isinstance(drafter, Drafter):
+        raise TypeError(f"{entry.value} returned {type(drafter).__name__}, expected a selfspec Drafter (draft + update)")
+    return drafter

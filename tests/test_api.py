@@ -1,0 +1,119 @@
+"""selfspec.api on a tiny random Llama chat model: lossless against transformers' generate, streaming, statistics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny_chat_model
+from selfspec import api
+
+PROMPTS = ["hello café", "write a short story about the sea"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    yield from tiny_chat_model.one_thread()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_chat_model.build(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def ngram(model_dir):
+    return api.load(str(model_dir), draft="ngram")
+
+
+@pytest.mark.parametrize("draft", ["ngram", "ngram:depth=4,max_nodes=8", "none"])
+def test_greedy_generate_equals_transformers_generate(model_dir, draft):
+    m = api.load(str(model_dir), draft=draft)
+    for prompt in PROMPTS:
+        ids = m.encode(prompt)
+        expected = m.model.generate(ids[None], attention_mask=torch.ones_like(ids[None]), do_sample=False,
+                                    max_new_tokens=40)[0, ids.shape[0]:].tolist()
+        out = m.generate(prompt, max_new_tokens=40)
+        assert out.tokens == expected
+        assert out.text == m.tokenizer.decode(expected, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        assert out.stats.new_tokens == 40 == sum(out.stats.accept_lengths)
+        assert out.stats.steps == len(out.stats.accept_lengths)
+        assert out.stats.mean_accepted == pytest.approx(40 / out.stats.steps)
+        assert out.stats.tokens_per_s == pytest.approx(40 / out.stats.seconds)
+
+
+def test_stops_at_eos_where_generate_stops(ngram):
+    full = ngram.generate(PROMPTS[0], max_new_tokens=30).tokens
+    eos = full[12]  # a token the model produces mid-answer plays EOS
+    stop = full.index(eos)
+    saved = ngram.eos_token_id
+    ngram.eos_token_id = [eos]
+    try:
+        out = ngram.generate(PROMPTS[0], max_new_tokens=30)
+        plain = ngram.generate_plain(PROMPTS[0], max_new_tokens=30, eos_token_id=eos)
+    finally:
+        ngram.eos_token_id = saved
+    assert out.tokens == plain.tokens == full[: stop + 1]
+
+
+def test_generate_plain_peers_and_step_counts(ngram):
+    plain = ngram.generate_plain(PROMPTS[0], max_new_tokens=24)
+    assert plain.stats.accept_lengths == (1,) * 24
+    for kwargs in ({"prompt_lookup_num_tokens": 10}, {"assistant_early_exit": 1}):
+        peer = ngram.generate_plain(PROMPTS[0], max_new_tokens=24, **kwargs)
+        assert peer.tokens == plain.tokens
+        assert sum(peer.stats.accept_lengths) == 24
+        assert peer.stats.steps < 24  # the model repeats itself: lookup and early exit each accept something
+
+
+def test_stream_concatenates_to_generate_text(ngram):
+    for prompt in PROMPTS:
+        expected = ngram.generate(prompt, max_new_tokens=40)
+        stream = ngram.stream(prompt, max_new_tokens=40)
+        pieces = list(stream)
+        assert "".join(pieces) == expected.text == stream.text
+        assert stream.tokens == expected.tokens
+        assert stream.stats.accept_lengths == expected.stats.accept_lengths
+
+
+def test_incremental_decoder_holds_back_split_characters(ngram):
+    tok = ngram.tokenizer
+    text = "café → naïve résumé"
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert len(ids) > len(text.split())  # multi-byte characters span several tokens
+    decoder = api.IncrementalDecoder(tok)
+    pieces = [decoder.push([i]) for i in ids] + [decoder.flush()]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text
+    assert any(p == "" for p in pieces[:-1])  # at least one token ended inside a character and was held back
+
+
+def test_prompt_forms(ngram):
+    chat = ngram.encode("hi there")
+    template = ngram.tokenizer.apply_chat_template([{"role": "user", "content": "hi there"}], tokenize=False,
+                                                   add_generation_prompt=True)
+    assert chat.tolist() == ngram.tokenizer(template, add_special_tokens=False).input_ids
+    assert chat[0] == ngram.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert ngram.encode("hi there", chat=False).tolist() == ngram.tokenizer("hi there").input_ids
+    assert ngram.encode([5, 6, 7]).tolist() == [5, 6, 7]
+    assert ngram.encode(torch.tensor([[5, 6, 7]])).tolist() == [5, 6, 7]
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    assert ngram.generate(messages, max_new_tokens=5).tokens == ngram.generate(ngram.encode(messages), max_new_tokens=5).tokens
+
+
+def test_sampling_with_seed_repeats(ngram):
+    a = ngram.generate(PROMPTS[0], max_new_tokens=20, temperature=0.8, top_p=0.9, top_k=50, seed=3)
+    b = ngram.generate(PROMPTS[0], max_new_tokens=20, temperature=0.8, top_p=0.9, top_k=50, seed=3)
+    assert a.tokens == b.tokens and len(a.tokens) == 20
+    with pytest.raises(ValueError, match="top_p must be in"):
+        ngram.generate(PROMPTS[0], temperature=0.8, top_p=0.0)
+
+
+def test_no_chat_template_is_a_clear_error(ngram):
+    template = ngram.tokenizer.chat_template
+    ngram.tokenizer.chat_template = None
+    try:
+        with pytest.raises(ValueError, match="no chat template: pass chat=False"):
+            ngram.encode("hi")
+    finally:
+        ngram.tokenizer.chat_template = template
