@@ -1,0 +1,100 @@
+"""Self-distillation on a tiny random Llama with SmolLM2's tokenizer: replies are the target's own, the output is a
+saved dataset with a messages column, and an interrupted run resumes to exactly what an uninterrupted one writes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import datasets
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from heads.data import DataConfig, build_datasets
+from heads.distill import DistillConfig, distill, main
+from selfspec.models import DEFAULT_MODEL, resolve
+from conftest import tiny_model
+
+CONVERSATIONS = [
+    [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hello!"},
+     {"role": "assistant", "content": "Bonjour !"}],
+    [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+     {"role": "user", "content": "Another one?"}, {"role": "assistant", "content": "Red."}],
+    [{"role": "user", "content": "Count to three."}, {"role": "assistant", "content": "1, 2, 3."}],
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(resolve(DEFAULT_MODEL)[0])
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return tiny_model("llama", vocab=len(tok))
+
+
+@pytest.fixture
+def source(tmp_path):
+    path = tmp_path / "conv.jsonl"
+    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS))
+    return DataConfig(source=str(path), exclude_questions=None)
+
+
+def greedy_reply(model, tok, messages, max_new_tokens):
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)[0, ids.shape[1]:].tolist()
+    out = out[: out.index(tok.eos_token_id)] if tok.eos_token_id in out else out
+    return tok.decode(out, skip_special_tokens=True).strip()
+
+
+def test_greedy_distillation_writes_the_targets_replies_and_resumes(model, tok, source, tmp_path):
+    cfg = DistillConfig(max_new_tokens=4, batch_size=2, shard_size=1)
+    out = tmp_path / "out"
+    assert distill(model, tok, source, out, cfg, max_shards=2) is None  # "killed" after two shards
+    assert sorted(p.name for p in (out / "shards").iterdir()) == ["shard-00000", "shard-00001"]
+    assert distill(model, tok, source, out, cfg) == out  # resumed: only the third shard is generated
+    result = datasets.load_from_disk(str(out))
+    assert list(result["source_index"]) == [0, 1, 2] and not (out / "shards").exists()
+    got = list(result["messages"])
+    # user turns and the system message kept; each reply is the target's own greedy continuation of its own history
+    assert [[m["role"] for m in c] for c in got] == [[m["role"] for m in c] for c in CONVERSATIONS]
+    assert [[m["content"] for m in c if m["role"] != "assistant"] for c in got] == [
+        [m["content"] for m in c if m["role"] != "assistant"] for c in CONVERSATIONS]
+    for conv in got:
+        for i, m in enumerate(conv):
+            if m["role"] == "assistant":
+                assert m["content"] == greedy_reply(model, tok, conv[:i], 4)
+    # usable as a training source as it is
+    train, _ = build_datasets(DataConfig(source=str(out), eval_fraction=0.0, exclude_questions=None, pack=False), tok)
+    assert len(train) >= 1
+    assert distill(model, tok, source, out, cfg) == out  # finished: returned as is
+
+
+def test_sampled_resumed_run_equals_uninterrupted_run(model, tok, source, tmp_path):
+    cfg = DistillConfig(max_new_tokens=5, batch_size=3, shard_size=2, do_sample=True, temperature=1.0, seed=7)
+    whole = distill(model, tok, source, tmp_path / "whole", cfg)
+    assert distill(model, tok, source, tmp_path / "parts", cfg, max_shards=1) is None
+    parts = distill(model, tok, source, tmp_path / "parts", cfg)
+    whole_messages = list(datasets.load_from_disk(str(whole))["messages"])
+    assert list(datasets.load_from_disk(str(parts))["messages"]) == whole_messages
+    other_seed = distill(model, tok, source, tmp_path / "other", dataclasses.replace(cfg, seed=8))
+    assert list(datasets.load_from_disk(str(other_seed))["messages"]) != whole_messages  # it really samples
+
+
+def test_resuming_with_other_settings_is_refused(model, tok, source, tmp_path):
+    distill(model, tok, source, tmp_path / "out", DistillConfig(max_new_tokens=2, shard_size=1), max_shards=1)
+    with pytest.raises(ValueError, match=r"other settings \(\['config'\] differ\)"):
+        distill(model, tok, source, tmp_path / "out", DistillConfig(max_new_tokens=3, shard_size=1))
+
+
+def test_cli_help_explains(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--model", "--source", "--out", "--max-conversations", "--do-sample", "--max-shards"):
+        assert flag in text
+    assert "Resumable" in text
