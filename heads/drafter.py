@@ -1,0 +1,68 @@
+"""Medusa heads as a selfspec Drafter: each head's top candidates fill a static tree.
+
+As in Medusa, a node's token depends only on its depth and rank: the node reached by the rank path (r1, ..., rd) holds
+head d's rank-rd candidate, computed once per step from the target's hidden state at the position before the root.
+
+    hidden h_t ──▶ LM head ──▶ root x_{t+1} (the target's own token)
+               ──▶ head 1  ──▶ top-k for x_{t+2}   (depth 1 of the tree)
+               ──▶ head 2  ──▶ top-k for x_{t+3}   (depth 2)  ...
+
+Drafts are deterministic (q = None): greedy acceptance is exact, and selfspec's ``sample_accept`` treats each node as
+a point mass, which keeps sampling lossless too.
+
+Shapes: K heads, R ranks used by the tree, N tree nodes, V vocabulary, D hidden size.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from heads.medusa import MedusaHeads
+from selfspec.accept import Acceptance
+from selfspec.drafter import Draft, DraftState, check_tree
+from selfspec.target import Target
+from selfspec.tree import Tree
+
+
+class MedusaDrafter:
+    def __init__(self, heads: MedusaHeads, tree: Tree | Sequence[Sequence[int]]):
+        self.heads = heads.eval()
+        tree = tree if isinstance(tree, Tree) else Tree.from_choices(tree)
+        self.tree = check_tree(tree, max_depth=len(heads.heads), max_topk=heads.config.vocab_size, drafter="Medusa heads")
+        self.topk = self.tree.max_rank + 1
+        self._depth = self.tree.depth_tensor[1:] - 1  # [N - 1] the head that fills each draft node (0-based)
+        self._rank = torch.tensor(self.tree.ranks[1:], dtype=torch.long)  # [N - 1] its candidate rank
+
+    @torch.inference_mode()
+    def draft(self, state: DraftState) -> Draft:
+        root = state.tokens[-1:]  # [1]
+        if len(self.tree) == 1:
+            return Draft(tree=self.tree, tokens=root.clone())
+        used = int(self._depth.max()) + 1
+        logits = torch.stack([self.heads.head_logits(state.hidden, k) for k in range(used)])  # [K', V]
+        cand = logits.topk(self.topk, dim=-1).indices  # [K', R]
+        nodes = cand[self._depth.to(cand.device), self._rank.to(cand.device)]  # [N - 1]
+        return Draft(tree=self.tree, tokens=torch.cat([root, nodes.to(root.device)]))
+
+    def update(self, draft: Draft, acceptance: Acceptance) -> None:
+        return None
+
+
+def default_tree(num_heads: int) -> Tree:
+    """Without a measured tree: a chain of every head's top-1 candidate."""
+    return Tree.chain(num_heads)
+
+
+def load_drafter(
+    path_or_repo_id: str | Path, target: Target, revision: str | None = None,
+    tree: Tree | Sequence[Sequence[int]] | None = None,
+) -> MedusaDrafter:
+    """Heads from a checkpoint (local directory or Hub id) on ``target``'s model, drafting ``tree``; tree=None uses the
+    checkpoint's stored tree, or a chain of the heads' top-1 candidates when it stores none."""
+    heads = MedusaHeads.from_pretrained(path_or_repo_id, target.model, revision=revision)
+    if tree is None:
+        tree = Tree.from_choices(heads.config.tree) if heads.config.tree else default_tree(heads.config.num_heads)
+    return MedusaDrafter(heads, tree)
