@@ -1,0 +1,201 @@
+"""Spec-Bench in one run: selfspec drafts and the peers transformers ships, per dtype, against plain ``generate``.
+
+    1. validate   the question file, every method and every draft checkpoint (config.json only)   — no model yet
+    2. per dtype  load the target once; build one runner per method on that same model
+    3. warm up    every method on the first turn of the first question (not timed, not written)
+    4. answer     every turn of every question, the conversation so far under the chat template (turn 2 sees the
+                  same method's turn-1 answer); greedy; with repeats > 1 the wall time is the median
+    5. report     one Spec-Bench answer file per method and dtype, a summary table (markdown + JSON), a PNG
+
+Methods: ``plain`` (``model.generate``, greedy), ``pld`` / ``pld:N`` (``prompt_lookup_num_tokens=N``, default 10),
+``aee`` / ``aee:E`` (``assistant_early_exit=E``, default half the layers), ``none`` (selfspec's loop without a
+draft), ``ngram`` / ``ngram:...``, and draft checkpoint directories or Hub ids. For the transformers methods
+``accept_lengths`` are the tokens each ``generate`` step handed its streamer (plain: all 1s).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from selfspec import registry, specbench
+from selfspec.api import Result, SpecModel, check_drafts, target_info
+from selfspec.drafter import NoDrafter
+from selfspec.models import DEFAULT_MODEL, load_model, parse_dtype
+from selfspec.plots import plot_summary
+from selfspec.specbench import Answer, Question
+from selfspec.target import Target
+
+DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "bench" / "spec_bench_mt_bench.jsonl"
+HF_METHODS = ("plain", "pld", "aee")
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    questions: Path = DEFAULT_QUESTIONS
+    """a Spec-Bench question file (question_id, category, turns)."""
+    out_dir: Path = Path("outputs/bench")
+    methods: tuple[str, ...] = ("plain", "pld", "aee", "ngram")
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    model: str = DEFAULT_MODEL
+    max_new_tokens: int = 192
+    limit: int | None = None
+    """answer only the first N questions."""
+    repeats: int = 1
+    """time each turn this many times; the median is reported."""
+    warmup_tokens: int = 32
+    device: str = "cpu"
+    allow_other_base: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1 or self.repeats < 1 or self.warmup_tokens < 0:
+            raise ValueError(f"max_new_tokens and repeats must be >= 1 and warmup_tokens >= 0, found "
+                             f"{self.max_new_tokens}, {self.repeats}, {self.warmup_tokens}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit must be >= 1, found {self.limit}")
+        if not self.methods or not self.dtypes:
+            raise ValueError("expected at least one method and one dtype")
+
+
+@dataclass(frozen=True)
+class Method:
+    label: str
+    """the name in file names and tables."""
+    hf_kwargs: dict[str, Any] | None = None
+    """for transformers methods: extra ``model.generate`` arguments (plain: {})."""
+    draft: registry.DraftSpec | None = None
+    """for selfspec methods: the parsed --draft."""
+
+
+def _option(spec: str, name: str) -> int | None:
+    """'pld:12' -> 12, 'pld' -> None."""
+    if spec == name:
+        return None
+    value = spec[len(name) + 1:]
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"method {spec!r}: expected {name} or {name}:N with a positive integer N")
+    return int(value)
+
+
+def parse_methods(specs: tuple[str, ...], num_layers: int, revision: str | None = None) -> list[Method]:
+    """Parse every method, reading draft checkpoints' config.json (no weights); 'plain' always comes first.
+    num_layers: the target's layer count (aee exits at half of it unless told otherwise)."""
+    methods: list[Method] = []
+    for spec in specs:
+        if spec == "plain":
+            methods.append(Method("plain", hf_kwargs={}))
+        elif spec == "pld" or spec.startswith("pld:"):
+            n = _option(spec, "pld") or 10
+            methods.append(Method(spec, hf_kwargs={"prompt_lookup_num_tokens": n}))
+        elif spec == "aee" or spec.startswith("aee:"):
+            exit_layer = _option(spec, "aee") or max(num_layers // 2, 1)
+            if exit_layer >= num_layers:
+                raise ValueError(f"method {spec!r}: the exit layer must be below the target's {num_layers} layers")
+            methods.append(Method(spec, hf_kwargs={"assistant_early_exit": exit_layer}))
+        else:
+            draft = registry.parse_draft(spec, revision=revision)
+            methods.append(Method(draft.label if draft.location else spec, draft=draft))
+    labels = [m.label for m in methods]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"two methods share a name: {labels}; give checkpoint directories distinct names")
+    if "plain" not in labels:
+        methods.insert(0, Method("plain", hf_kwargs={}))  # every speed-up is measured against it
+    return sorted(methods, key=lambda m: m.label != "plain")
+
+
+def _runner(method: Method, target: Target, tokenizer: Any, model_name: str) -> SpecModel:
+    drafter = registry.build_drafter(method.draft, target) if method.draft is not None else NoDrafter()
+    return SpecModel(target, tokenizer, drafter, name=model_name)
+
+
+def _run_once(runner: SpecModel, method: Method, ids: torch.Tensor, max_new_tokens: int) -> Result:
+    if method.hf_kwargs is not None:
+        return runner.generate_plain(ids, max_new_tokens=max_new_tokens, **method.hf_kwargs)
+    return runner.generate(ids, max_new_tokens=max_new_tokens)
+
+
+def answer_question(runner: SpecModel, method: Method, question: Question, max_new_tokens: int, repeats: int = 1) -> Answer:
+    """Every turn with the conversation so far; the answer text (special tokens removed, stripped) goes into the
+    next turn's prompt, as Spec-Bench does."""
+    answer = Answer(question_id=question.question_id, category=question.category)
+    messages: list[dict[str, str]] = []
+    for turn in question.turns:
+        messages.append({"role": "user", "content": turn})
+        ids = runner.encode(messages)
+        results = [_run_once(runner, method, ids, max_new_tokens) for _ in range(repeats)]
+        first = results[0]
+        if any(r.tokens != first.tokens for r in results[1:]):
+            raise RuntimeError(f"{method.label} gave different greedy outputs across repeats on question "
+                               f"{question.question_id}: decoding is not deterministic on this machine")
+        text = first.text.strip()
+        answer.turns.append(text)
+        answer.token_ids.append(first.tokens)
+        answer.new_tokens.append(first.stats.new_tokens)
+        answer.wall_time.append(statistics.median(r.stats.seconds for r in results))
+        answer.accept_lengths.extend(first.stats.accept_lengths)
+        answer.decoding_steps.append(first.stats.steps)
+        messages.append({"role": "assistant", "content": text})
+    return answer
+
+
+def _machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")]
+        cpu = names[0] if names else cpu
+    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "date": datetime.datetime.now().isoformat(timespec="seconds")}
+
+
+def run_bench(cfg: BenchConfig) -> specbench.Summary:
+    # 1. validate everything a run needs before any model is loaded
+    questions = specbench.load_questions(cfg.questions, cfg.limit)
+    dtypes = list(dict.fromkeys(parse_dtype(d) for d in cfg.dtypes))
+    methods = parse_methods(cfg.methods, target_info(cfg.model).num_layers)
+    check_drafts(cfg.model, [m.draft for m in methods if m.draft is not None], allow_other_base=cfg.allow_other_base)
+    model_id = Path(cfg.model.rstrip("/")).name
+
+    runs: dict[tuple[str, str], list[Answer]] = {}
+    for dtype in dtypes:
+        dname = DTYPE_NAMES[dtype]
+        # 2. one target per dtype, shared by every method
+        model, tokenizer = load_model(cfg.model, dtype=dtype, device=cfg.device)
+        target = Target(model)
+        runners = {m.label: _runner(m, target, tokenizer, cfg.model) for m in methods}
+        # 3. warm-up
+        if cfg.warmup_tokens:
+            warm = Question(questions[0].question_id, questions[0].category, questions[0].turns[:1])
+            for m in methods:
+                answer_question(runners[m.label], m, warm, cfg.warmup_tokens)
+        # 4. answer, methods interleaved per question so that load on the machine hits them alike
+        for m in methods:
+            runs[(m.label, dname)] = []
+        for q in tqdm(questions, desc=f"bench {dname}", disable=not cfg.progress, unit="question"):
+            for m in methods:
+                runs[(m.label, dname)].append(answer_question(runners[m.label], m, q, cfg.max_new_tokens, cfg.repeats))
+        del runners, target, model
+
+    # 5. report
+    meta = {"model": cfg.model, "questions": str(cfg.questions), "n_questions": len(questions),
+            "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats, "methods": [m.label for m in methods],
+            "machine": _machine()}
+    out = Path(cfg.out_dir)
+    for (label, dname), answers in runs.items():
+        specbench.write_answers(out / f"{model_id}-{label.replace(':', '-')}-{dname}.jsonl", answers, model_id)
+    summary = specbench.summarize(runs, meta=meta)
+    (out / "summary.md").write_text(specbench.to_markdown(summary), encoding="utf-8")
+    (out / "summary.json").write_text(json.dumps(summary.to_json(), indent=1), encoding="utf-8")
+    plot_summary(summary, out / "summary.png")
+    return summary

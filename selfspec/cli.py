@@ -1,0 +1,211 @@
+"""The command line behind ``python infer.py``: decode (one prompt or an interactive chat), ``bench`` and ``costs``.
+
+    python infer.py --prompt "Write a haiku"                 # default model, --draft ngram, streamed, then statistics
+    python infer.py --draft outputs/heads --compare ...      # also plain `generate`: speed-up and identical or not
+    python infer.py                                          # interactive chat (multi-turn, the chat template)
+    python infer.py bench --limit 12 --dtype fp32,bf16       # Spec-Bench answers, table and plot
+    python infer.py costs                                    # verify-forward time against tree size
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable, Sequence, TextIO
+
+from transformers.utils import logging as hf_logging
+
+from selfspec import api
+from selfspec.bench import DEFAULT_QUESTIONS, BenchConfig, run_bench
+from selfspec.models import DEFAULT_MODEL
+from selfspec.specbench import to_markdown
+
+INTERRUPTED = 130
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"target model: a Hub id, a local directory, a .gguf file, or the built-in {DEFAULT_MODEL!r} "
+                        "(default; built offline on first use)")
+    p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of --model")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="infer.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Speculative decoding with a model's own built-in draft: streams text as the target accepts it, "
+                    "then prints statistics. Greedy output is token-identical to plain decoding.",
+        epilog="subcommands:\n  infer.py bench ...   Spec-Bench answers for selfspec and its peers (infer.py bench --help)\n"
+               "  infer.py costs ...   verify-forward time against tree size on this machine (infer.py costs --help)",
+    )
+    _model_args(p)
+    p.add_argument("--draft", default="ngram",
+                   help="the draft: 'ngram' (prompt lookup, default; options as 'ngram:depth=8,max_nodes=24'), 'none' "
+                        "(plain decoding through the same loop), or a draft checkpoint (directory or Hub id: Medusa "
+                        "heads, an exit head, a layer-skip config ...)")
+    p.add_argument("--draft-revision", default=None, help="Hub revision of a --draft checkpoint")
+    p.add_argument("--tree", default=None,
+                   help="candidate tree for checkpoint drafts (default: the checkpoint's own): 'chain:K', "
+                        "'full:3,2,1' (children per level), JSON choices '[[0],[0,0],[1]]', or a .json file of them")
+    p.add_argument("--prompt", default=None, help="the prompt; without it, an interactive multi-turn chat starts")
+    p.add_argument("--no-chat", action="store_true",
+                   help="feed --prompt as plain text instead of wrapping it in the model's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many new tokens (default: 256)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default, exact); > 0 samples, with the same distribution as plain sampling")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep tokens up to this mass (1.0 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens (0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed, for repeatable sampling")
+    p.add_argument("--dtype", default="float32", help="float32/fp32 (default), bfloat16/bf16 or float16/fp16")
+    p.add_argument("--compare", action="store_true",
+                   help="also run plain decoding (transformers' generate) on the same prompt; print the speed-up and "
+                        "whether the outputs are identical")
+    p.add_argument("--allow-other-base", action="store_true",
+                   help="accept a draft checkpoint whose base_model names another model (e.g. a local copy of it)")
+    return p
+
+
+def build_bench_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="infer.py bench",
+        description="Answer Spec-Bench questions with plain decoding, transformers' prompt lookup and early exit, and "
+                    "selfspec drafts, per dtype; write Spec-Bench answer files, a table per category and a plot.")
+    _model_args(p)
+    p.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS,
+                   help=f"Spec-Bench question file, one JSON per line (default: {DEFAULT_QUESTIONS})")
+    p.add_argument("--out-dir", type=Path, default=Path("outputs/bench"), help="where answers and the summary go")
+    p.add_argument("--methods", default="plain,pld,aee,ngram",
+                   help="comma-separated: plain, pld[:N] (prompt_lookup_num_tokens, default 10), aee[:E] "
+                        "(assistant_early_exit, default half the layers), none, ngram[:opts], draft checkpoints")
+    p.add_argument("--dtype", default="fp32,bf16", help="comma-separated dtypes, one target load each")
+    p.add_argument("--max-new-tokens", type=int, default=192)
+    p.add_argument("--limit", type=int, default=None, help="answer only the first N questions")
+    p.add_argument("--repeats", type=int, default=1, help="time every turn R times and report the median")
+    p.add_argument("--warmup-tokens", type=int, default=32, help="tokens per method in the untimed warm-up (0 = none)")
+    p.add_argument("--allow-other-base", action="store_true", help="see infer.py --help")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def build_costs_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="infer.py costs", description="Median time of one tree verification against "
+                                "tree size, over a cache of --context tokens: what a bigger tree costs here.")
+    _model_args(p)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--sizes", default="1,2,4,8,16,32,64", help="tree sizes (nodes), comma-separated")
+    p.add_argument("--context", type=int, default=256, help="cached tokens under the tree")
+    p.add_argument("--repeats", type=int, default=20)
+    return p
+
+
+def _split(text: str) -> tuple[str, ...]:
+    return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
+def _start(model: api.SpecModel, prompt: api.Prompt, args: argparse.Namespace) -> api.TextStream:
+    return model.stream(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                        top_k=args.top_k, seed=args.seed, chat=not args.no_chat)
+
+
+def _show(stream: api.TextStream, out: TextIO) -> None:
+    """Write the pieces as they come (a KeyboardInterrupt leaves ``stream`` holding what was generated)."""
+    for piece in stream:
+        out.write(piece)
+        out.flush()
+    out.write("\n")
+
+
+def _compare(model: api.SpecModel, args: argparse.Namespace, spec: api.TextStream, err: TextIO) -> None:
+    plain = model.generate_plain(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=not args.no_chat)
+    err.write(f"[plain generate] {plain.stats}\n")
+    err.write(f"[compare] speed-up {spec.stats.tokens_per_s / plain.stats.tokens_per_s:.2f}x; ")
+    if args.temperature > 0:
+        err.write("outputs not compared (sampling: both draw from the same distribution, not the same tokens)\n")
+    elif plain.tokens == spec.tokens:
+        err.write("outputs identical\n")
+    else:
+        first = next((i for i, (a, b) in enumerate(zip(plain.tokens, spec.tokens)) if a != b),
+                     min(len(plain.tokens), len(spec.tokens)))
+        err.write(f"outputs DIFFER from token {first} on\n")
+
+
+def run_decode(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr,
+               read: Callable[[str], str] = input) -> int:
+    model = api.load(args.model, draft=args.draft, dtype=args.dtype, tree=args.tree, device=args.device,
+                     revision=args.revision, draft_revision=args.draft_revision, allow_other_base=args.allow_other_base)
+    label = f"[selfspec {args.draft}]"
+    if args.prompt is not None:
+        stream = _start(model, args.prompt, args)
+        try:
+            _show(stream, out)
+        except KeyboardInterrupt:
+            err.write(f"\n{label} interrupted: {stream.stats}\n")
+            return INTERRUPTED
+        err.write(f"{label} {stream.stats}\n")
+        if args.compare:
+            _compare(model, args, stream, err)
+        return 0
+    if args.no_chat:
+        err.write("interactive mode is a chat: drop --no-chat, or pass --prompt\n")
+        return 2
+    err.write(f"chat with {args.model} (--draft {args.draft}); an empty line or Ctrl-D ends, Ctrl-C stops a reply\n")
+    messages: list[dict[str, str]] = []
+    while True:
+        try:
+            text = read("you> ")
+        except (EOFError, KeyboardInterrupt):
+            err.write("\n")
+            return 0
+        if not text.strip():
+            return 0
+        messages.append({"role": "user", "content": text})
+        out.write("assistant> ")
+        stream = _start(model, messages, args)
+        try:
+            _show(stream, out)
+        except KeyboardInterrupt:
+            err.write(f"\n{label} interrupted: {stream.stats}\n")
+            return INTERRUPTED
+        err.write(f"{label} {stream.stats}\n")
+        messages.append({"role": "assistant", "content": stream.text})
+
+
+def run_bench_cli(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
+    a = build_bench_parser().parse_args(argv)
+    cfg = BenchConfig(questions=a.questions, out_dir=a.out_dir, methods=_split(a.methods), dtypes=_split(a.dtype),
+                      model=a.model, max_new_tokens=a.max_new_tokens, limit=a.limit, repeats=a.repeats,
+                      warmup_tokens=a.warmup_tokens, device=a.device, allow_other_base=a.allow_other_base,
+                      progress=not a.no_progress)
+    summary = run_bench(cfg)
+    out.write(to_markdown(summary))
+    out.write(f"\nanswers, summary.md, summary.json and summary.png in {cfg.out_dir}\n")
+    return 0
+
+
+def run_costs_cli(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
+    from selfspec.costs import format_costs, verify_costs
+    from selfspec.models import load_model
+    from selfspec.target import Target
+
+    a = build_costs_parser().parse_args(argv)
+    sizes = tuple(int(s) for s in _split(a.sizes))
+    model, _ = load_model(a.model, dtype=a.dtype, revision=a.revision, device=a.device)
+    out.write(format_costs(verify_costs(Target(model), sizes=sizes, context=a.context, repeats=a.repeats)) + "\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    hf_logging.disable_progress_bar()  # the weight-loading bar would interleave with streamed text
+    try:
+        if argv[:1] == ["bench"]:
+            return run_bench_cli(argv[1:])
+        if argv[:1] == ["costs"]:
+            return run_costs_cli(argv[1:])
+        return run_decode(build_parser().parse_args(argv))
+    except (FileNotFoundError, ValueError, TypeError, ImportError) as err:
+        sys.stderr.write(f"error: {err}\n")
+        return 2

@@ -1,0 +1,52 @@
+"""The benchmark's picture: speed-up per category per method (one panel per dtype), and accepted-length histograms.
+
+Drawn on a matplotlib ``Figure`` with the Agg canvas directly, so importing this module never changes the global
+matplotlib backend and needs no display.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from selfspec.specbench import Summary
+
+
+def plot_summary(summary: Summary, path: str | Path) -> Path:
+    """Row per dtype: left, grouped bars of speed-up over plain decoding per category; right, accept-length histogram."""
+    dtypes = list(dict.fromkeys(r.dtype for r in summary.rows))
+    methods = list(dict.fromkeys(r.method for r in summary.rows))
+    categories = list(dict.fromkeys(r.category for r in summary.rows if r.category != "overall")) + ["overall"]
+    cell = {(r.method, r.dtype, r.category): r for r in summary.rows}
+    fig = Figure(figsize=(14, 4.5 * len(dtypes)), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(dtypes), 2, squeeze=False, width_ratios=(3, 1))
+    width = 0.8 / max(len(methods), 1)
+    for row, dtype in enumerate(dtypes):
+        bars, hist = axes[row]
+        for j, method in enumerate(methods):
+            xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(categories))]
+            ys = [cell[(method, dtype, c)].speedup if (method, dtype, c) in cell else 0.0 for c in categories]
+            bars.bar(xs, ys, width=width, label=method)
+        drafted = [m for m in methods if m != "plain" and summary.accept_lengths.get(f"{m}/{dtype}")]
+        if drafted:
+            data = [summary.accept_lengths[f"{m}/{dtype}"] for m in drafted]
+            top = max(max(d) for d in data)
+            weights = [[1 / len(d)] * len(d) for d in data]  # share of the method's steps
+            hist.hist(data, bins=range(1, top + 2), weights=weights, label=drafted, align="left")
+            hist.set_xticks(range(1, top + 1))
+            hist.legend(fontsize="small")
+        bars.axhline(1.0, color="black", linewidth=0.8)
+        bars.set_xticks(range(len(categories)), categories, rotation=30, ha="right")
+        bars.set_ylabel(f"speed-up over plain ({dtype})")
+        bars.set_title(f"{dtype}: speed-up per category")
+        bars.legend(fontsize="small")
+        hist.set_xlabel("tokens accepted per target forward")
+        hist.set_ylabel("share of steps")
+        hist.set_title(f"{dtype}: accepted lengths")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    return path

@@ -1,0 +1,205 @@
+"""Spec-Bench's file formats, and the numbers its evaluation scripts compute from them.
+
+Questions (one JSON object per line): ``{"question_id": 81, "category": "writing", "turns": ["...", "..."]}``.
+Answers (one per line, in question order): ``{"question_id", "category", "model_id", "choices": [{"index": 0,
+"turns": [str], "new_tokens": [int], "wall_time": [float], "accept_lengths": [int], "decoding_steps": [int]}]}``;
+``evaluation/speed.py`` reads choices[0]'s new_tokens, wall_time and accept_lengths, ``evaluation/equal.py`` compares
+choices[0]["turns"] line by line.
+
+The metrics follow speed.py: tokens/s is the mean over questions of sum(new_tokens) / sum(wall_time); the speed-up is
+the ratio of two such means; mean accepted tokens is the mean of all accept_lengths.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import mean
+from typing import Any, Sequence
+
+
+@dataclass(frozen=True)
+class Question:
+    question_id: int | str
+    category: str
+    turns: tuple[str, ...]
+
+
+@dataclass
+class Answer:
+    """One method's answer to every turn of one question (token ids kept in memory for the identity check)."""
+
+    question_id: int | str
+    category: str
+    turns: list[str] = field(default_factory=list)
+    new_tokens: list[int] = field(default_factory=list)
+    wall_time: list[float] = field(default_factory=list)
+    accept_lengths: list[int] = field(default_factory=list)
+    decoding_steps: list[int] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(self.new_tokens) / sum(self.wall_time)
+
+    def record(self, model_id: str) -> dict[str, Any]:
+        """The Spec-Bench answer line."""
+        choice = {"index": 0, "turns": self.turns, "decoding_steps": self.decoding_steps, "new_tokens": self.new_tokens,
+                  "wall_time": self.wall_time, "accept_lengths": self.accept_lengths}
+        return {"question_id": self.question_id, "category": self.category, "model_id": model_id, "choices": [choice]}
+
+
+def load_questions(path: str | Path, limit: int | None = None) -> list[Question]:
+    """Read and validate a Spec-Bench question file; any malformed line fails with its line number."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"question file {path} does not exist (expected Spec-Bench questions, one JSON per line)")
+    out: list[Question] = []
+    seen: set[Any] = set()
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where} is not JSON ({err}); expected a Spec-Bench question per line") from err
+        if not isinstance(obj, dict):
+            raise ValueError(f"{where}: expected a JSON object with question_id, category, turns; found {type(obj).__name__}")
+        missing = [k for k in ("question_id", "category", "turns") if k not in obj]
+        if missing:
+            raise ValueError(f"{where} is not a Spec-Bench question: missing {missing} (has {sorted(obj)})")
+        qid, category, turns = obj["question_id"], obj["category"], obj["turns"]
+        if not isinstance(qid, (int, str)) or isinstance(qid, bool):
+            raise ValueError(f"{where}: question_id must be an integer or string, found {qid!r}")
+        if not isinstance(category, str) or not category:
+            raise ValueError(f"{where}: category must be a non-empty string, found {category!r}")
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+            raise ValueError(f"{where}: turns must be a non-empty list of non-empty strings, found {str(turns)[:80]}")
+        if qid in seen:
+            raise ValueError(f"{where}: question_id {qid!r} appears twice")
+        seen.add(qid)
+        out.append(Question(question_id=qid, category=category, turns=tuple(turns)))
+    if not out:
+        raise ValueError(f"{path} holds no questions")
+    return out[:limit] if limit is not None else out
+
+
+def write_answers(path: str | Path, answers: Sequence[Answer], model_id: str) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(a.record(model_id), ensure_ascii=False) + "\n" for a in answers), encoding="utf-8")
+    return path
+
+
+def first_difference(a: Answer, b: Answer) -> tuple[int, int] | None:
+    """(turn, token index) where two answers' token ids first differ, or None when identical."""
+    for turn, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
+        if x != y:
+            index = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+            return turn, index
+    if len(a.token_ids) != len(b.token_ids):
+        return min(len(a.token_ids), len(b.token_ids)), 0
+    return None
+
+
+@dataclass(frozen=True)
+class Row:
+    method: str
+    dtype: str
+    category: str
+    """a category name or 'overall'."""
+    questions: int
+    mean_accepted: float
+    tokens_per_s: float
+    speedup: float
+    """over plain decoding in the same dtype."""
+    speedup_vs_fastest_plain: float
+    """over the fastest plain decoding of any dtype in the run."""
+    identical: int
+    """questions whose every turn is token-identical to plain decoding's in the same dtype."""
+
+
+@dataclass
+class Summary:
+    rows: list[Row]
+    fastest_plain: str
+    """the dtype whose plain decoding was fastest overall."""
+    differences: dict[str, list[dict[str, Any]]]
+    """'method/dtype' -> [{question_id, category, identical, first_difference: {turn, token} | None}]."""
+    accept_lengths: dict[str, list[int]]
+    """'method/dtype' -> every accept length of the run (for the histogram)."""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"meta": self.meta, "fastest_plain": self.fastest_plain, "rows": [r.__dict__ for r in self.rows],
+                "differences": self.differences}
+
+
+def _speed(answers: Sequence[Answer]) -> float:
+    return mean(a.tokens_per_s for a in answers)
+
+
+def summarize(runs: dict[tuple[str, str], list[Answer]], plain: str = "plain", meta: dict[str, Any] | None = None) -> Summary:
+    """runs: (method, dtype) -> answers in question order. Every dtype needs a run of the ``plain`` method."""
+    dtypes = list(dict.fromkeys(d for _, d in runs))
+    missing = [d for d in dtypes if (plain, d) not in runs]
+    if missing:
+        raise ValueError(f"speed-ups need a {plain!r} run in every dtype; missing for {missing}")
+    fastest = max(dtypes, key=lambda d: _speed(runs[(plain, d)]))
+    rows: list[Row] = []
+    differences: dict[str, list[dict[str, Any]]] = {}
+    for (method, dtype), answers in runs.items():
+        base = runs[(plain, dtype)]
+        diffs = []
+        for a, b in zip(answers, base, strict=True):
+            diff = first_difference(a, b)
+            diffs.append({"question_id": a.question_id, "category": a.category, "identical": diff is None,
+                          "first_difference": None if diff is None else {"turn": diff[0], "token": diff[1]}})
+        differences[f"{method}/{dtype}"] = diffs
+        categories = list(dict.fromkeys(a.category for a in answers))
+        for category in [*categories, "overall"]:
+            pick = [i for i, a in enumerate(answers) if category in ("overall", a.category)]
+            mine, theirs = [answers[i] for i in pick], [base[i] for i in pick]
+            fastest_base = [runs[(plain, fastest)][i] for i in pick]
+            lengths = [n for a in mine for n in a.accept_lengths]
+            rows.append(Row(
+                method=method, dtype=dtype, category=category, questions=len(pick),
+                mean_accepted=mean(lengths), tokens_per_s=_speed(mine),
+                speedup=_speed(mine) / _speed(theirs), speedup_vs_fastest_plain=_speed(mine) / _speed(fastest_base),
+                identical=sum(diffs[i]["identical"] for i in pick),
+            ))
+    accept = {f"{m}/{d}": [n for a in answers for n in a.accept_lengths] for (m, d), answers in runs.items()}
+    return Summary(rows=rows, fastest_plain=fastest, differences=differences, accept_lengths=accept, meta=meta or {})
+
+
+def to_markdown(summary: Summary) -> str:
+    """The overall table, the per-category speed-ups, and where answers differ from plain decoding."""
+    overall = [r for r in summary.rows if r.category == "overall"]
+    lines = [
+        f"Speed-ups are over plain `generate` in the same dtype, and over the fastest plain decoding of this run "
+        f"({summary.fastest_plain}). Identical: questions whose every turn is token-identical to plain decoding's.",
+        "",
+        "| method | dtype | mean accepted tokens | tokens/s | speed-up | vs fastest plain | identical |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    lines += [f"| {r.method} | {r.dtype} | {r.mean_accepted:.2f} | {r.tokens_per_s:.1f} | {r.speedup:.2f}x | "
+              f"{r.speedup_vs_fastest_plain:.2f}x | {r.identical}/{r.questions} |" for r in overall]
+    categories = list(dict.fromkeys(r.category for r in summary.rows if r.category != "overall"))
+    keys = list(dict.fromkeys((r.method, r.dtype) for r in summary.rows))
+    cell = {(r.method, r.dtype, r.category): r for r in summary.rows}
+    lines += ["", "Per category: speed-up over plain decoding in the same dtype (mean accepted tokens).", "",
+              "| method | dtype | " + " | ".join(categories) + " |", "|---|---|" + "---:|" * len(categories)]
+    for m, d in keys:
+        lines.append(f"| {m} | {d} | " + " | ".join(
+            f"{cell[(m, d, c)].speedup:.2f}x ({cell[(m, d, c)].mean_accepted:.2f})" for c in categories) + " |")
+    lines += ["", "Answers that differ from plain decoding (question: turn, first differing token index):", ""]
+    for key, diffs in summary.differences.items():
+        bad = [d for d in diffs if not d["identical"]]
+        if key.startswith("plain/"):
+            continue
+        where = ", ".join(f"q{d['question_id']}: turn {d['first_difference']['turn'] + 1}, token "
+                          f"{d['first_difference']['token']}" for d in bad)
+        lines.append(f"- {key}: {len(diffs) - len(bad)}/{len(diffs)} identical" + (f"; {where}" if bad else ""))
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,191 @@
+"""infer.py bench on a tiny model: Spec-Bench answer files exactly as evaluation/speed.py and equal.py read them, the
+summary table, the plot, and bad input refused before any model is loaded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import tiny_chat_model
+from selfspec import api, bench, cli, specbench
+
+QUESTIONS = [
+    {"question_id": 81, "category": "writing", "turns": ["Write about the sea.", "Now say it again, shorter."]},
+    {"question_id": 101, "category": "reasoning", "turns": ["the quick brown fox", "and the lazy dog?"]},
+    {"question_id": 121, "category": "coding", "turns": ["Hello, how are you today?", "Thank you."]},
+]
+METHODS = ("plain", "pld", "ngram")
+DTYPES = ("float32", "bfloat16")
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    yield from tiny_chat_model.one_thread()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_chat_model.build(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def write_questions(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def run(model_dir, tmp_path_factory):
+    """One bench run through the command line (plain, prompt lookup, selfspec n-gram; fp32 and bf16)."""
+    tmp = tmp_path_factory.mktemp("bench")
+    questions = write_questions(tmp / "q.jsonl", QUESTIONS)
+    out = tmp / "out"
+    code = cli.main(["bench", "--model", str(model_dir), "--questions", str(questions), "--out-dir", str(out),
+                     "--methods", ",".join(METHODS), "--dtype", "fp32,bf16", "--max-new-tokens", str(MAX_NEW),
+                     "--repeats", "2", "--warmup-tokens", "4", "--no-progress"])
+    assert code == 0
+    return out
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_answer_files_have_spec_bench_format(run):
+    for method in METHODS:
+        for dtype in DTYPES:
+            rows = read_jsonl(run / f"model-{method}-{dtype}.jsonl")
+            assert [r["question_id"] for r in rows] == [q["question_id"] for q in QUESTIONS]
+            assert [r["category"] for r in rows] == [q["category"] for q in QUESTIONS]
+            for r in rows:
+                assert isinstance(r["choices"], list) and len(r["choices"]) == 1
+                c = r["choices"][0]
+                assert c["index"] == 0
+                assert len(c["turns"]) == len(c["new_tokens"]) == len(c["wall_time"]) == 2
+                assert all(isinstance(t, str) for t in c["turns"])
+                assert all(type(n) is int and 1 <= n <= MAX_NEW for n in c["new_tokens"])
+                assert all(type(t) is float and t > 0 for t in c["wall_time"])
+                assert all(type(a) is int and a >= 1 for a in c["accept_lengths"])
+                assert sum(c["accept_lengths"]) == sum(c["new_tokens"])
+                assert sum(c["decoding_steps"]) == len(c["accept_lengths"])
+                if method == "plain":
+                    assert set(c["accept_lengths"]) == {1}
+                # what speed.py computes per question
+                assert sum(c["new_tokens"]) / sum(c["wall_time"]) > 0
+
+
+def test_lossless_methods_equal_plain_as_equal_py_sees_it(run):
+    """equal.py compares str(choices[0]['turns']) line by line: fp32 answers must match plain decoding's."""
+    def lines(method):
+        return [str(r["choices"][0]["turns"]) for r in read_jsonl(run / f"model-{method}-float32.jsonl")]
+
+    assert lines("ngram") == lines("plain") == lines("pld")
+
+
+def test_second_turn_sees_the_same_methods_first_answer(run, model_dir):
+    m = api.load(str(model_dir), draft="none")
+    row = read_jsonl(run / "model-plain-float32.jsonl")[0]
+    first, second = row["choices"][0]["turns"]
+    q = QUESTIONS[0]["turns"]
+    assert m.generate_plain(q[0], max_new_tokens=MAX_NEW).text.strip() == first
+    messages = [{"role": "user", "content": q[0]}, {"role": "assistant", "content": first},
+                {"role": "user", "content": q[1]}]
+    assert m.generate_plain(messages, max_new_tokens=MAX_NEW).text.strip() == second
+
+
+def test_summary_table_json_and_plot(run):
+    summary = json.loads((run / "summary.json").read_text())
+    rows = summary["rows"]
+    assert {(r["method"], r["dtype"]) for r in rows} == {(m, d) for m in METHODS for d in DTYPES}
+    assert {r["category"] for r in rows} == {"writing", "reasoning", "coding", "overall"}
+    assert summary["fastest_plain"] in DTYPES
+    for r in rows:
+        if r["method"] == "plain":
+            assert r["speedup"] == 1.0 and r["mean_accepted"] == 1.0
+        if r["dtype"] == "float32":
+            assert r["identical"] == r["questions"]  # lossless in fp32
+        if r["dtype"] == summary["fastest_plain"]:
+            assert r["speedup_vs_fastest_plain"] == pytest.approx(r["speedup"])
+    assert summary["meta"]["n_questions"] == 3 and summary["meta"]["repeats"] == 2
+    diffs = summary["differences"]["ngram/float32"]
+    assert [d["identical"] for d in diffs] == [True] * 3 and diffs[0]["first_difference"] is None
+    md = (run / "summary.md").read_text()
+    assert "| method | dtype | mean accepted tokens | tokens/s | speed-up | vs fastest plain | identical |" in md
+    assert "| ngram | float32 |" in md and "| writing | reasoning | coding |" in md
+    assert "- ngram/float32: 3/3 identical" in md
+    png = (run / "summary.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_summary_from_records_matches_speed_py():
+    """Speed-up = mean per-question tok/s over the plain run's; first difference located per turn and token."""
+    def ans(qid, cat, tokens, seconds, lengths):
+        return specbench.Answer(qid, cat, turns=["x"], new_tokens=[len(tokens)], wall_time=[seconds],
+                                accept_lengths=lengths, token_ids=[tokens])
+
+    runs = {
+        ("plain", "float32"): [ans(1, "a", [1, 2, 3, 4], 4.0, [1] * 4), ans(2, "b", [5, 6], 1.0, [1, 1])],
+        ("fast", "float32"): [ans(1, "a", [1, 2, 3, 4], 1.0, [3, 1]), ans(2, "b", [5, 7], 1.0, [2])],
+    }
+    s = specbench.summarize(runs)
+    overall = {r.method: r for r in s.rows if r.category == "overall"}
+    assert overall["fast"].tokens_per_s == pytest.approx((4 / 1 + 2 / 1) / 2)
+    assert overall["fast"].speedup == pytest.approx(3.0 / ((1 + 2) / 2))
+    assert overall["fast"].mean_accepted == pytest.approx(6 / 3)
+    assert overall["fast"].identical == 1
+    assert s.differences["fast/float32"][1]["first_difference"] == {"turn": 0, "token": 1}
+    with pytest.raises(ValueError, match="need a 'plain' run in every dtype; missing for \\['bfloat16'\\]"):
+        specbench.summarize({**runs, ("fast", "bfloat16"): runs[("fast", "float32")]})
+
+
+def test_the_shared_mt_bench_file_is_valid():
+    if not bench.DEFAULT_QUESTIONS.is_file():
+        pytest.fail(f"the shared question file {bench.DEFAULT_QUESTIONS} is missing")
+    questions = specbench.load_questions(bench.DEFAULT_QUESTIONS)
+    assert len(questions) == 80 and all(len(q.turns) == 2 for q in questions)
+    assert {q.category for q in questions} == {"writing", "roleplay", "reasoning", "math", "coding", "extraction",
+                                                "stem", "humanities"}
+    assert len(specbench.load_questions(bench.DEFAULT_QUESTIONS, limit=12)) == 12
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"question_id": 1, "category": "x"}\n', r"q.jsonl:1 is not a Spec-Bench question: missing \['turns'\]"),
+    ("not json\n", r"q.jsonl:1 is not JSON"),
+    ('{"question_id": 1, "category": "x", "turns": "hi"}\n', "turns must be a non-empty list of non-empty strings"),
+    ('{"question_id": 1, "category": "x", "turns": ["a"]}\n{"question_id": 1, "category": "x", "turns": ["b"]}\n',
+     "q.jsonl:2: question_id 1 appears twice"),
+    ("", "holds no questions"),
+])
+def test_bad_question_file_fails_before_any_model_loads(tmp_path, monkeypatch, capsys, model_dir, content, message):
+    monkeypatch.setattr(bench, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    (tmp_path / "q.jsonl").write_text(content)
+    with pytest.raises(ValueError, match=message):
+        bench.run_bench(bench.BenchConfig(questions=tmp_path / "q.jsonl", model=str(model_dir), out_dir=tmp_path))
+
+
+def test_missing_inputs_fail_before_any_model_loads(tmp_path, monkeypatch, capsys, model_dir):
+    monkeypatch.setattr(bench, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    questions = write_questions(tmp_path / "q.jsonl", QUESTIONS)
+    base = ["bench", "--model", str(model_dir), "--out-dir", str(tmp_path / "out")]
+    assert cli.main(base + ["--questions", str(questions), "--methods", f"plain,{tmp_path / 'no-heads'}"]) == 2
+    assert "draft checkpoint directory" in capsys.readouterr().err
+    assert cli.main(base + ["--questions", str(tmp_path / "none.jsonl")]) == 2
+    assert "question file" in capsys.readouterr().err
+    assert cli.main(base + ["--questions", str(questions), "--methods", "plain,pld:x"]) == 2
+    assert "expected pld or pld:N" in capsys.readouterr().err
+    assert cli.main(base + ["--questions", str(questions), "--dtype", "fp8"]) == 2
+    assert "unknown dtype 'fp8'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_methods_parse():
+    methods = bench.parse_methods(("ngram", "pld:4", "aee"), num_layers=30)
+    assert [m.label for m in methods] == ["plain", "ngram", "pld:4", "aee"]  # plain is added and comes first
+    assert methods[2].hf_kwargs == {"prompt_lookup_num_tokens": 4}
+    assert methods[3].hf_kwargs == {"assistant_early_exit": 15}
+    with pytest.raises(ValueError, match="exit layer must be below the target's 30 layers"):
+        bench.parse_methods(("aee:30",), num_layers=30)
+    with pytest.raises(ValueError, match="two methods share a name"):
+        bench.parse_methods(("ngram", "ngram"), num_layers=30)

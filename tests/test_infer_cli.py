@@ -1,0 +1,113 @@
+"""python infer.py: --help, a streamed prompt with statistics, --compare, the interactive chat, Ctrl-C, bad input."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tiny_chat_model
+from selfspec import api, cli
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONIOENCODING": "utf-8"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    yield from tiny_chat_model.one_thread()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_chat_model.build(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def infer(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "infer.py", *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          encoding="utf-8", timeout=timeout)
+
+
+def args(model_dir, *extra: str):
+    return cli.build_parser().parse_args(["--model", str(model_dir), "--max-new-tokens", "20", *extra])
+
+
+def test_help_explains_every_option():
+    result = infer("--help")
+    assert result.returncode == 0
+    for option in ("--model", "--draft", "--tree", "--prompt", "--temperature", "--top-p", "--top-k", "--seed",
+                   "--max-new-tokens", "--dtype", "--compare", "chain:K", ".gguf", "interactive", "bench", "costs"):
+        assert option in result.stdout, option
+
+
+def test_prompt_streams_text_then_statistics(model_dir):
+    expected = api.load(str(model_dir), draft="ngram").generate("hello café", max_new_tokens=20)
+    result = infer("--model", str(model_dir), "--prompt", "hello café", "--max-new-tokens", "20")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == expected.text + "\n"
+    stats = [line for line in result.stderr.splitlines() if line.startswith("[selfspec ngram]")]
+    assert len(stats) == 1
+    assert "20 new tokens in" in stats[0] and "tokens/s" in stats[0] and "mean accepted tokens per step" in stats[0]
+
+
+def test_compare_reports_speedup_and_identical(model_dir):
+    out, err = io.StringIO(), io.StringIO()
+    assert cli.run_decode(args(model_dir, "--prompt", "the quick brown fox", "--compare"), out, err) == 0
+    lines = err.getvalue().splitlines()
+    assert lines[0].startswith("[selfspec ngram] 20 new tokens")
+    assert lines[1].startswith("[plain generate] 20 new tokens")
+    assert lines[2].startswith("[compare] speed-up ") and lines[2].endswith("x; outputs identical")
+
+
+def test_interactive_chat_keeps_the_conversation(model_dir):
+    turns = iter(["hello café", "and the sea?", ""])
+    out, err = io.StringIO(), io.StringIO()
+    assert cli.run_decode(args(model_dir), out, err, read=lambda prompt: next(turns)) == 0
+    m = api.load(str(model_dir), draft="ngram")
+    first = m.generate("hello café", max_new_tokens=20).text
+    second = m.generate([{"role": "user", "content": "hello café"}, {"role": "assistant", "content": first},
+                         {"role": "user", "content": "and the sea?"}], max_new_tokens=20).text
+    assert out.getvalue() == f"assistant> {first}\nassistant> {second}\n"
+    assert sum(line.startswith("[selfspec ngram]") for line in err.getvalue().splitlines()) == 2
+
+
+class InterruptAfter(io.StringIO):
+    def __init__(self, pieces: int):
+        super().__init__()
+        self.left = pieces
+
+    def write(self, text: str) -> int:
+        if self.left == 0:
+            raise KeyboardInterrupt
+        self.left -= 1
+        return super().write(text)
+
+
+def test_ctrl_c_prints_what_was_generated_and_exits_130(model_dir):
+    out, err = InterruptAfter(3), io.StringIO()
+    assert cli.run_decode(args(model_dir, "--prompt", "hello café"), out, err) == cli.INTERRUPTED == 130
+    assert "interrupted:" in err.getvalue() and "new tokens in" in err.getvalue()
+    out, err = InterruptAfter(1), io.StringIO()  # "assistant> " and one piece, then Ctrl-C inside the chat
+    assert cli.run_decode(args(model_dir), out, err, read=lambda prompt: "hello café") == 130
+    assert "interrupted:" in err.getvalue()
+
+
+def test_bad_draft_is_one_clear_line_before_loading(model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(api, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert cli.main(["--model", str(model_dir), "--prompt", "hi", "--draft", str(tmp_path / "heads")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: draft checkpoint directory") and err.count("\n") == 1
+    assert cli.main(["--model", str(model_dir), "--prompt", "hi", "--draft", "ngram", "--tree", "star"]) == 2
+    assert "unknown --tree 'star'" in capsys.readouterr().err
+
+
+@pytest.mark.smollm2
+def test_default_model_prompt():
+    result = infer("--prompt", "Hi", "--max-new-tokens", "16", timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert any(line.startswith("[selfspec ngram]") and "new tokens in" in line for line in result.stderr.splitlines())

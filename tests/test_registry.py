@@ -1,0 +1,147 @@
+"""--draft / --tree parsing, entry-point drafters, and refusing a draft for another base model before any model loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import tiny_chat_model
+from selfspec import api, registry
+from selfspec.drafter import NoDrafter
+from selfspec.ngram import NGramDrafter
+from selfspec.tree import Tree
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    yield from tiny_chat_model.one_thread()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_chat_model.build(tmp_path_factory.mktemp("tiny") / "model")
+
+
+class FakeEntryPoint:
+    """Stands in for an importlib EntryPoint of group selfspec.drafters."""
+
+    def __init__(self, fn, value="fake.module:load"):
+        self.fn, self.value = fn, value
+
+    def load(self):
+        return self.fn
+
+
+def checkpoint(tmp_path, **config):
+    d = tmp_path / "heads-ckpt"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def test_builtin_specs():
+    assert registry.parse_draft("none").kind == "none"
+    spec = registry.parse_draft("ngram:depth=4,max_nodes=9")
+    assert (spec.kind, spec.config, spec.label) == ("ngram", {"depth": 4, "max_nodes": 9}, "ngram")
+    with pytest.raises(ValueError, match="bad n-gram option 'width=3'.*depth, max_nodes"):
+        registry.parse_draft("ngram:width=3")
+    with pytest.raises(ValueError, match="must be an integer, found 'x'"):
+        registry.parse_draft("ngram:depth=x")
+    with pytest.raises(ValueError, match="depth, max_nodes and max_matches must be >= 1"):
+        registry.parse_draft("ngram:depth=0")
+    with pytest.raises(ValueError, match="unknown --draft 'medusa'.*'none', 'ngram'"):
+        registry.parse_draft("medusa")
+
+
+def test_checkpoint_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="draft checkpoint directory .*missing does not exist"):
+        registry.parse_draft(str(tmp_path / "missing"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        registry.parse_draft(str(empty))
+    no_type = checkpoint(tmp_path, base_model="x")
+    with pytest.raises(ValueError, match='no "draft_type"'):
+        registry.parse_draft(str(no_type))
+    (no_type / "config.json").write_text(json.dumps({"draft_type": "warp"}))
+    with pytest.raises(ValueError, match="a 'warp' draft, but no loader is registered.*registered: medusa"):
+        registry.parse_draft(str(no_type))
+
+
+def test_medusa_is_registered_in_pyproject():
+    assert registry.drafter_loaders()["medusa"].value == "heads.drafter:load_drafter"
+
+
+def test_check_base():
+    spec = registry.DraftSpec(kind="medusa", location="/x/heads",
+                              config={"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "hidden_size": 576,
+                                      "vocab_size": 49152})
+    registry.check_base(spec, "smollm2-135m-instruct", 576, 49152)  # the built-in's name matches the Hub id's
+    with pytest.raises(ValueError, match="trained for HuggingFaceTB/SmolLM2-135M-Instruct with hidden_size 576, but the "
+                                         "target /m/tiny has hidden_size 64"):
+        registry.check_base(spec, "/m/tiny", 64, 49152)
+    with pytest.raises(ValueError, match="trained for HuggingFaceTB/SmolLM2-135M-Instruct, but the target is /m/copy"):
+        registry.check_base(spec, "/m/copy", 576, 49152)
+    registry.check_base(spec, "/m/copy", 576, 49152, allow_other_base=True)
+
+
+def test_parse_tree(tmp_path):
+    assert registry.parse_tree(None) is None
+    assert registry.parse_tree("chain:3") == Tree.chain(3)
+    assert registry.parse_tree("full:2,1") == Tree.full([2, 1])
+    assert registry.parse_tree("[[0], [0, 0], [1]]") == Tree.from_choices([(0,), (0, 0), (1,)])
+    f = tmp_path / "tree.json"
+    f.write_text("[[0], [1]]")
+    assert registry.parse_tree(str(f)) == Tree.from_choices([(0,), (1,)])
+    with pytest.raises(ValueError, match="unknown --tree 'medusa63'.*'chain:K'"):
+        registry.parse_tree("medusa63")
+    with pytest.raises(ValueError, match="bad --tree .*has no parent"):
+        registry.parse_tree("[[0, 0]]")
+    with pytest.raises(FileNotFoundError, match="tree file .*nope.json does not exist"):
+        registry.parse_tree(str(tmp_path / "nope.json"))
+
+
+def test_load_with_a_registered_checkpoint(model_dir, tmp_path, monkeypatch):
+    calls = []
+
+    def fake_load(path, target, revision=None, tree=None):
+        calls.append((path, target.hidden_size, revision, tree))
+        return NGramDrafter(depth=2)
+
+    monkeypatch.setattr(registry, "drafter_loaders", lambda: {"fake": FakeEntryPoint(fake_load)})
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    ckpt = checkpoint(tmp_path, draft_type="fake", base_model=str(model_dir), hidden_size=64, vocab_size=vocab)
+    m = api.load(str(model_dir), draft=str(ckpt), tree="chain:2")
+    assert calls == [(str(ckpt), 64, None, Tree.chain(2))]
+    assert isinstance(m.drafter, NGramDrafter) and m.drafter.depth == 2
+
+
+def test_draft_for_another_model_fails_before_loading(model_dir, tmp_path, monkeypatch):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the draft was checked")
+
+    monkeypatch.setattr(api, "load_model", no_loading)
+    monkeypatch.setattr(registry, "drafter_loaders", lambda: {"medusa": FakeEntryPoint(None)})
+    ckpt = checkpoint(tmp_path, draft_type="medusa", base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
+                      hidden_size=576, vocab_size=49152)
+    with pytest.raises(ValueError, match="these heads were trained for HuggingFaceTB/SmolLM2-135M-Instruct with "
+                                         "hidden_size 576, but the target .* has hidden_size 64"):
+        api.load(str(model_dir), draft=str(ckpt))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        api.load(str(model_dir), draft=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="unknown --tree"):
+        api.load(str(model_dir), draft="ngram", tree="medusa63")
+
+
+def test_tree_with_ngram_or_none_is_refused(model_dir):
+    with pytest.raises(ValueError, match="--tree does not apply to --draft ngram.*ngram:depth=8"):
+        api.load(str(model_dir), draft="ngram", tree="chain:3")
+    assert isinstance(api.load(str(model_dir), draft="none").drafter, NoDrafter)
+
+
+def test_loader_that_returns_no_drafter_is_refused(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(registry, "drafter_loaders", lambda: {"bad": FakeEntryPoint(lambda *a, **k: object())})
+    ckpt = checkpoint(tmp_path, draft_type="bad")
+    with pytest.raises(TypeError, match="fake.module:load returned object, expected a selfspec Drafter"):
+        api.load(str(model_dir), draft=str(ckpt))
