@@ -31,6 +31,7 @@ from transformers import PreTrainedModel
 
 from heads.medusa import MedusaConfig, MedusaHeads, base_sizes
 from heads.tree_search import expected_accept_length
+from selfspec.models import BUILTIN
 
 CONFIG, WEIGHTS, CARD = "config.json", "model.safetensors", "README.md"
 FILES = (CONFIG, WEIGHTS, CARD)
@@ -228,8 +229,9 @@ def card_datasets(recipe: dict | None) -> list[str] | None:
 
 def model_card(config: MedusaConfig, location: str) -> str:
     """README.md: Hub metadata (base_model, library_name, tags, datasets), accuracy, tree and a usage snippet."""
+    base = BUILTIN[config.base_model]["hub_id"] if config.base_model in BUILTIN else config.base_model
     meta = ModelCardData(
-        base_model=config.base_model, library_name="selfspec", tags=["speculative-decoding", "medusa"],
+        base_model=base, library_name="selfspec", tags=["speculative-decoding", "medusa"],
         datasets=card_datasets(config.recipe),
     )
     revision = f" (revision `{config.base_revision}`)" if config.base_revision else ""

@@ -132,9 +132,15 @@ class MedusaConfig:
 
     @classmethod
     def for_model(cls, model: PreTrainedModel, base_model: str | None = None, **kwargs: Any) -> "MedusaConfig":
-        """A config for heads on ``model``: hidden and vocab size read from it; other fields from kwargs."""
+        """A config for heads on ``model``: hidden and vocab size read from it; other fields from kwargs.
+
+        base_model defaults to the model's Hub id, or the name of its local directory (never a machine's full path):
+        the built-in default loads from ``.../smollm2-135m-instruct`` and is named ``smollm2-135m-instruct``.
+        """
         hidden, vocab = base_sizes(model)
         name = base_model or getattr(model.config, "_name_or_path", None) or model.config.model_type
+        if base_model is None and Path(name).expanduser().is_dir():
+            name = Path(name).expanduser().resolve().name
         kwargs.setdefault("base_revision", None)
         return cls(base_model=str(name), hidden_size=hidden, vocab_size=vocab, **kwargs)
 

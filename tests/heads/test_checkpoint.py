@@ -217,3 +217,18 @@ def test_model_card_metadata_accuracy_tree_and_usage(llama, tmp_path):
     assert "Expected accepted tokens per step (from the measured accuracy): 2.04." in body  # 1 + .6 + .2 + .6 * .4
     assert "Measured mean accepted tokens per step: 1.90." in body
     assert f'load_drafter("{tmp_path / "ck"}", target)' in body
+
+
+def test_base_model_is_named_without_a_local_path(tmp_path):
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path / "models" / "my-base")
+    model.config._name_or_path = str(tmp_path / "models" / "my-base")
+    assert MedusaConfig.for_model(model).base_model == "my-base"
+    assert MedusaConfig.for_model(model, base_model="org/my-base").base_model == "org/my-base"
+
+
+def test_model_card_names_the_builtin_default_by_its_hub_id():
+    config = MedusaConfig(base_model="smollm2-135m-instruct", base_revision=None, hidden_size=576, vocab_size=49152)
+    meta = yaml.safe_load(ckpt.model_card(config, "me/heads").split("---\n")[1])
+    assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and "datasets" not in meta
+    assert 'load_model("smollm2-135m-instruct")' in ckpt.model_card(config, "me/heads")
