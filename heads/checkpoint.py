@@ -277,7 +277,8 @@ def model_card(config: MedusaConfig, location: str) -> str:
         f'model, tokenizer = load_model("{config.base_model}")',
         "target = Target(model)",
         f'drafter = load_drafter("{location}", target)',
-        'ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hello!"}], add_generation_prompt=True, return_tensors="pt")["input_ids"]',
+        'messages = [{"role": "user", "content": "Hello!"}]',
+        'ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")["input_ids"]',
         "out = generate(target, drafter, ids, max_new_tokens=128, eos_token_id=tokenizer.eos_token_id)",
         "print(tokenizer.decode(out.tokens))", "```", "",
     ]

@@ -47,12 +47,9 @@ def _type_ok(value: Any, expected: str) -> bool:
         return isinstance(value, str)
     if expected.startswith("dict"):
         return isinstance(value, dict)
-    if expected.startswith("list[list[int]]"):
-        return isinstance(value, list) and all(isinstance(c, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in c) for c in value)
-    if expected.startswith("list[list[float]]"):
-        return isinstance(value, list) and all(
-            isinstance(c, list) and all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in c) for c in value
-        )
+    if expected.startswith("list[list["):
+        inner = "int" if expected.startswith("list[list[int]]") else "float"
+        return isinstance(value, list) and all(isinstance(c, list) and all(_type_ok(x, inner) for x in c) for c in value)
     raise TypeError(f"MedusaConfig has a field of unsupported type {expected}")
 
 
@@ -107,10 +104,14 @@ class MedusaConfig:
         if self.tree is not None:
             tree = Tree.from_choices(self.tree)  # raises on a path without its parent
             if tree.depth > self.num_heads:
-                raise ValueError(f"MedusaConfig.tree is {tree.depth} levels deep; {self.num_heads} heads draft at most {self.num_heads}")
+                raise ValueError(
+                    f"MedusaConfig.tree is {tree.depth} levels deep; {self.num_heads} heads draft at most {self.num_heads}"
+                )
         if self.head_accuracy is not None:
             if len(self.head_accuracy) != self.num_heads:
-                raise ValueError(f"MedusaConfig.head_accuracy has {len(self.head_accuracy)} rows, expected one per head ({self.num_heads})")
+                raise ValueError(
+                    f"MedusaConfig.head_accuracy has {len(self.head_accuracy)} rows, expected one per head ({self.num_heads})"
+                )
             if any(not 0.0 <= a <= 1.0 for row in self.head_accuracy for a in row):
                 raise ValueError("MedusaConfig.head_accuracy: expected probabilities in [0, 1]")
 

@@ -43,7 +43,10 @@ def path_probability(acc: Sequence[Sequence[float]] | torch.Tensor, path: Sequen
     prob = 1.0
     for depth, rank in enumerate(path):
         if not 0 <= rank < len(rows[depth]):
-            raise ValueError(f"path {list(path)} uses rank {rank} at depth {depth + 1}; head {depth + 1} has ranks 0..{len(rows[depth]) - 1}")
+            raise ValueError(
+                f"path {list(path)} uses rank {rank} at depth {depth + 1}; "
+                f"head {depth + 1} has ranks 0..{len(rows[depth]) - 1}"
+            )
         prob *= rows[depth][rank]
     return prob
 
@@ -127,5 +130,9 @@ def measure_accuracy(heads: torch.nn.Module, batches: Iterable[tuple[torch.Tenso
             hits[k] += h
             counts[k] += n
     if min(counts) == 0:
-        raise ValueError(f"no target positions to measure head {counts.index(0) + 1} on: expected held-out batches longer than {counts.index(0) + 2} tokens with labels")
+        k = counts.index(0)
+        raise ValueError(
+            f"no target positions to measure head {k + 1} on: expected held-out batches longer than {k + 2} tokens "
+            "with labels (ids other than -100)"
+        )
     return hits.double() / torch.tensor(counts, dtype=torch.float64)[:, None]
