@@ -132,8 +132,9 @@ def _compare(model: api.SpecModel, args: argparse.Namespace, spec: api.TextStrea
         err.write(f"outputs DIFFER from token {first} on\n")
 
 
-def run_decode(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr,
+def run_decode(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None,
                read: Callable[[str], str] = input) -> int:
+    out, err = out or sys.stdout, err or sys.stderr
     model = api.load(args.model, draft=args.draft, dtype=args.dtype, tree=args.tree, device=args.device,
                      revision=args.revision, draft_revision=args.draft_revision, allow_other_base=args.allow_other_base)
     label = f"[selfspec {args.draft}]"
@@ -173,7 +174,8 @@ def run_decode(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO =
         messages.append({"role": "assistant", "content": stream.text})
 
 
-def run_bench_cli(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
+def run_bench_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
+    out = out or sys.stdout
     a = build_bench_parser().parse_args(argv)
     cfg = BenchConfig(questions=a.questions, out_dir=a.out_dir, methods=_split(a.methods), dtypes=_split(a.dtype),
                       model=a.model, max_new_tokens=a.max_new_tokens, limit=a.limit, repeats=a.repeats,
@@ -185,7 +187,8 @@ def run_bench_cli(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
     return 0
 
 
-def run_costs_cli(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
+def run_costs_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
+    out = out or sys.stdout
     from selfspec.costs import format_costs, verify_costs
     from selfspec.models import load_model
     from selfspec.target import Target

@@ -54,7 +54,8 @@ def load_questions(path: str | Path, limit: int | None = None) -> list[Question]
     """Read and validate a Spec-Bench question file; any malformed line fails with its line number."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"question file {path} does not exist (expected Spec-Bench questions, one JSON per line)")
+        raise FileNotFoundError(f"question file {path} does not exist: pass --questions PATH to a Spec-Bench question "
+                                f"file (one JSON object per line with question_id, category, turns)")
     out: list[Question] = []
     seen: set[Any] = set()
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
@@ -174,31 +175,29 @@ def summarize(runs: dict[tuple[str, str], list[Answer]], plain: str = "plain", m
     return Summary(rows=rows, fastest_plain=fastest, differences=differences, accept_lengths=accept, meta=meta or {})
 
 
+HEADER = ["| method | dtype | mean accepted tokens | tokens/s | speed-up | vs fastest plain | identical |",
+          "|---|---|---:|---:|---:|---:|---:|"]
+
+
+def _line(r: Row) -> str:
+    return (f"| {r.method} | {r.dtype} | {r.mean_accepted:.2f} | {r.tokens_per_s:.1f} | {r.speedup:.2f}x | "
+            f"{r.speedup_vs_fastest_plain:.2f}x | {r.identical}/{r.questions} |")
+
+
 def to_markdown(summary: Summary) -> str:
-    """The overall table, the per-category speed-ups, and where answers differ from plain decoding."""
-    overall = [r for r in summary.rows if r.category == "overall"]
+    """The overall table, one table per category, and where answers differ from plain decoding."""
     lines = [
         f"Speed-ups are over plain `generate` in the same dtype, and over the fastest plain decoding of this run "
         f"({summary.fastest_plain}). Identical: questions whose every turn is token-identical to plain decoding's.",
-        "",
-        "| method | dtype | mean accepted tokens | tokens/s | speed-up | vs fastest plain | identical |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "", "### overall", "", *HEADER, *(_line(r) for r in summary.rows if r.category == "overall"),
     ]
-    lines += [f"| {r.method} | {r.dtype} | {r.mean_accepted:.2f} | {r.tokens_per_s:.1f} | {r.speedup:.2f}x | "
-              f"{r.speedup_vs_fastest_plain:.2f}x | {r.identical}/{r.questions} |" for r in overall]
-    categories = list(dict.fromkeys(r.category for r in summary.rows if r.category != "overall"))
-    keys = list(dict.fromkeys((r.method, r.dtype) for r in summary.rows))
-    cell = {(r.method, r.dtype, r.category): r for r in summary.rows}
-    lines += ["", "Per category: speed-up over plain decoding in the same dtype (mean accepted tokens).", "",
-              "| method | dtype | " + " | ".join(categories) + " |", "|---|---|" + "---:|" * len(categories)]
-    for m, d in keys:
-        lines.append(f"| {m} | {d} | " + " | ".join(
-            f"{cell[(m, d, c)].speedup:.2f}x ({cell[(m, d, c)].mean_accepted:.2f})" for c in categories) + " |")
-    lines += ["", "Answers that differ from plain decoding (question: turn, first differing token index):", ""]
+    for category in dict.fromkeys(r.category for r in summary.rows if r.category != "overall"):
+        lines += ["", f"### {category}", "", *HEADER, *(_line(r) for r in summary.rows if r.category == category)]
+    lines += ["", "### answers that differ from plain decoding", "", "(question: turn, first differing token index)", ""]
     for key, diffs in summary.differences.items():
-        bad = [d for d in diffs if not d["identical"]]
         if key.startswith("plain/"):
             continue
+        bad = [d for d in diffs if not d["identical"]]
         where = ", ".join(f"q{d['question_id']}: turn {d['first_difference']['turn'] + 1}, token "
                           f"{d['first_difference']['token']}" for d in bad)
         lines.append(f"- {key}: {len(diffs) - len(bad)}/{len(diffs)} identical" + (f"; {where}" if bad else ""))

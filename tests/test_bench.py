@@ -16,7 +16,7 @@ QUESTIONS = [
     {"question_id": 101, "category": "reasoning", "turns": ["the quick brown fox", "and the lazy dog?"]},
     {"question_id": 121, "category": "coding", "turns": ["Hello, how are you today?", "Thank you."]},
 ]
-METHODS = ("plain", "pld", "ngram")
+METHODS = ("plain", "pld", "ngram", "heads")  # "heads": untrained Medusa heads, a checkpoint directory
 DTYPES = ("float32", "bfloat16")
 MAX_NEW = 12
 
@@ -41,9 +41,10 @@ def run(model_dir, tmp_path_factory):
     """One bench run through the command line (plain, prompt lookup, selfspec n-gram; fp32 and bf16)."""
     tmp = tmp_path_factory.mktemp("bench")
     questions = write_questions(tmp / "q.jsonl", QUESTIONS)
+    heads = tiny_chat_model.build_heads(model_dir, tmp / "heads")
     out = tmp / "out"
     code = cli.main(["bench", "--model", str(model_dir), "--questions", str(questions), "--out-dir", str(out),
-                     "--methods", ",".join(METHODS), "--dtype", "fp32,bf16", "--max-new-tokens", str(MAX_NEW),
+                     "--methods", ",".join([*METHODS[:-1], str(heads)]), "--dtype", "fp32,bf16", "--max-new-tokens", str(MAX_NEW),
                      "--repeats", "2", "--warmup-tokens", "4", "--no-progress"])
     assert code == 0
     return out
@@ -81,7 +82,7 @@ def test_lossless_methods_equal_plain_as_equal_py_sees_it(run):
     def lines(method):
         return [str(r["choices"][0]["turns"]) for r in read_jsonl(run / f"model-{method}-float32.jsonl")]
 
-    assert lines("ngram") == lines("plain") == lines("pld")
+    assert lines("ngram") == lines("plain") == lines("pld") == lines("heads")
 
 
 def test_second_turn_sees_the_same_methods_first_answer(run, model_dir):
@@ -113,10 +114,21 @@ def test_summary_table_json_and_plot(run):
     assert [d["identical"] for d in diffs] == [True] * 3 and diffs[0]["first_difference"] is None
     md = (run / "summary.md").read_text()
     assert "| method | dtype | mean accepted tokens | tokens/s | speed-up | vs fastest plain | identical |" in md
-    assert "| ngram | float32 |" in md and "| writing | reasoning | coding |" in md
+    assert all(f"### {c}" in md for c in ("overall", "writing", "reasoning", "coding"))
+    assert md.count("| ngram | float32 |") == 4  # overall and each category
     assert "- ngram/float32: 3/3 identical" in md
     png = (run / "summary.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_markdown_reports_first_differences():
+    def ans(tokens):
+        return specbench.Answer(7, "math", turns=["x", "y"], new_tokens=[2, 2], wall_time=[1.0, 1.0],
+                                accept_lengths=[1, 1, 1, 1], token_ids=tokens)
+
+    runs = {("plain", "bfloat16"): [ans([[1, 2], [3, 4]])], ("ngram", "bfloat16"): [ans([[1, 2], [3, 5]])]}
+    md = specbench.to_markdown(specbench.summarize(runs))
+    assert "- ngram/bfloat16: 0/1 identical; q7: turn 2, token 1" in md
 
 
 def test_summary_from_records_matches_speed_py():

@@ -75,6 +75,22 @@ def test_interactive_chat_keeps_the_conversation(model_dir):
     assert sum(line.startswith("[selfspec ngram]") for line in err.getvalue().splitlines()) == 2
 
 
+def test_medusa_checkpoint_through_the_entry_point(model_dir, tmp_path):
+    heads = tiny_chat_model.build_heads(model_dir, tmp_path / "heads")
+    out, err = io.StringIO(), io.StringIO()
+    code = cli.run_decode(args(model_dir, "--prompt", "hello café", "--draft", str(heads), "--tree", "full:2,1",
+                               "--compare"), out, err)
+    assert code == 0, err.getvalue()
+    assert err.getvalue().splitlines()[-1].endswith("outputs identical")
+    assert type(api.load(str(model_dir), draft=str(heads)).drafter).__name__ == "MedusaDrafter"
+
+
+def test_costs_subcommand(model_dir, capsys):
+    assert cli.main(["costs", "--model", str(model_dir), "--sizes", "1,4", "--context", "8", "--repeats", "2"]) == 0
+    rows = [line.split("|")[1].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert rows[-2:] == ["1", "4"]
+
+
 class InterruptAfter(io.StringIO):
     def __init__(self, pieces: int):
         super().__init__()

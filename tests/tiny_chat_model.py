@@ -54,6 +54,16 @@ def build(path: Path, seed: int = 0) -> Path:
     return path
 
 
+def build_heads(model_dir: Path, path: Path, num_heads: int = 2) -> Path:
+    """Untrained (zero-initialised) Medusa heads for the model in ``model_dir``, saved as a checkpoint at ``path``."""
+    from heads.checkpoint import save_heads
+    from heads.medusa import MedusaConfig, MedusaHeads
+
+    model = LlamaForCausalLM.from_pretrained(model_dir)
+    config = MedusaConfig.for_model(model, num_heads=num_heads, num_layers=1)
+    return save_heads(MedusaHeads(config, model.get_output_embeddings()), path)
+
+
 def one_thread():
     """Generator for a module-scoped fixture: torch on one thread while the module runs, then as before.
 
