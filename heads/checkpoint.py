@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,8 @@ def save_heads(heads: MedusaHeads, directory: str | Path, repo_id: str | None = 
     if target.exists() and not target.is_dir():
         raise NotADirectoryError(f"expected a directory to save the heads into, found a file at {target}")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
+    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()  # the default mode (not mkdtemp's 0700): the renamed checkpoint is as readable as any new directory
     try:
         tensors = {name: t.detach().cpu().contiguous() for name, t in heads.state_dict().items()}
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", "sha256": tensors_sha256(tensors)})

@@ -19,6 +19,7 @@ Shapes: K heads, D hidden size, V vocabulary, "..." any leading dimensions (batc
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -107,6 +108,11 @@ class MedusaConfig:
                 raise ValueError(
                     f"MedusaConfig.tree is {tree.depth} levels deep; {self.num_heads} heads draft at most {self.num_heads}"
                 )
+        if self.recipe is not None:
+            try:
+                json.dumps(self.recipe)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"MedusaConfig.recipe must be JSON-serialisable (it is stored in config.json): {err}") from err
         if self.head_accuracy is not None:
             if len(self.head_accuracy) != self.num_heads:
                 raise ValueError(

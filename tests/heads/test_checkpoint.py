@@ -232,3 +232,15 @@ def test_model_card_names_the_builtin_default_by_its_hub_id():
     meta = yaml.safe_load(ckpt.model_card(config, "me/heads").split("---\n")[1])
     assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and "datasets" not in meta
     assert 'load_model("smollm2-135m-instruct")' in ckpt.model_card(config, "me/heads")
+
+
+def test_checkpoint_directory_gets_the_default_permissions(llama, tmp_path):
+    directory = trained(llama).save_pretrained(tmp_path / "ck")
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    assert directory.stat().st_mode == fresh.stat().st_mode
+
+
+def test_recipe_must_be_json(llama):
+    with pytest.raises(ValueError, match="recipe must be JSON-serialisable"):
+        MedusaConfig.for_model(llama, recipe={"output_dir": Path("/x")})
