@@ -1,0 +1,346 @@
+"""The training recipe: typed, strict dataclasses loaded from YAML plus ``key=value`` / ``a.b=value`` overrides.
+
+Every field has a type and a one-line docstring. Loading checks every value against its field's type (nested
+dataclasses, ``X | None``, ``Literal[...]``, ``list[X]``, ``dict``): an unknown key fails with the closest known names,
+a wrong type fails with what was expected and what was found. Overrides are parsed as YAML scalars (``3``, ``1e-3``,
+``true``, ``null``, ``[a, b]``), except that a field typed ``str`` keeps the text as written. No exec, no eval.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence, TypeVar
+
+import yaml
+
+from heads.data import DataConfig
+
+T = TypeVar("T")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2-135m-instruct"
+    """the frozen target: a built-in name, a local directory, a Hub id, a .gguf file, or "tiny-random-llama" (tests)."""
+    revision: str | None = None
+    """the Hub revision of the target (recorded in the heads' config.json)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype the frozen target is loaded in; the heads always train in float32 (see mixed_precision)."""
+    attn_implementation: str = "sdpa"
+    """transformers attention implementation of the target."""
+    config: dict | None = None
+    """a transformers config dict (with "model_type") to build a randomly initialised target instead of loading name."""
+    seed: int = 0
+    """seed of the random initialisation when the target is random ("tiny-random-llama" or config)."""
+
+
+@dataclass
+class HeadsConfig:
+    num_heads: int = 4
+    """K: head k (1..K) at position t predicts token t+1+k."""
+    num_layers: int = 1
+    """residual blocks per head (distinct modules)."""
+    projection: Literal["shared", "own", "lora"] = "shared"
+    """vocabulary projection: the frozen LM head ("shared"), a trained copy per head ("own"), or a LoRA on it."""
+    lora_rank: int = 16
+    """LoRA rank when projection == "lora"."""
+    lora_alpha: float = 32.0
+    """LoRA scaling numerator (delta scaled by lora_alpha / lora_rank)."""
+
+
+@dataclass
+class LossConfig:
+    kind: Literal["ce", "kl"] = "ce"
+    """"ce": cross-entropy on the data's tokens; "kl": KL(target || head) to the target's own distribution."""
+    decay: float = 0.8
+    """head k's loss weight is decay**(k-1)."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    """peak learning rate of AdamW."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    scheduler: str = "cosine"
+    """a transformers scheduler name (get_scheduler): cosine, linear, constant_with_warmup, ..."""
+    warmup_steps: int = 0
+    """optimizer steps of linear warm-up."""
+    max_grad_norm: float | None = 1.0
+    """gradient clipping norm (null: no clipping)."""
+    batch_size: int = 4
+    """sequences per micro-batch per process."""
+    grad_accum: int = 1
+    """micro-batches accumulated into one optimizer step."""
+    epochs: int = 1
+    """passes over the training split."""
+    max_steps: int | None = None
+    """stop after this many optimizer steps (null: run all epochs)."""
+
+
+@dataclass
+class EvalConfig:
+    every: int = 100
+    """evaluate per-head accuracy on the held-out split every this many optimizer steps (0: only at the end)."""
+    batch_size: int = 4
+    """sequences per held-out batch."""
+    max_batches: int | None = None
+    """held-out batches per evaluation and process (null: the whole split)."""
+    ranks: int = 10
+    """candidate ranks measured per head at the end (acc[k][r] for r < ranks), the tree search's input."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100
+    """save a checkpoint (accelerate state) every this many optimizer steps (0: never)."""
+    keep: int = 2
+    """keep the last this many checkpoints."""
+    resume_from: str | None = None
+    """"latest" (the newest checkpoint in output_dir, or a fresh start when there is none), a checkpoint path, or null."""
+
+
+@dataclass
+class LoggingConfig:
+    log_with: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """accelerate trackers (tensorboard, wandb, ...); [] for none."""
+    every: int = 10
+    """log training metrics every this many optimizer steps."""
+    project: str = "medusa"
+    """tracker project / run name."""
+    progress_bar: bool = True
+    """show a tqdm progress bar on the main process."""
+
+
+@dataclass
+class HiddenCacheConfig:
+    enabled: bool = False
+    """store the frozen target's final hidden states (half precision, memory-mapped) and reuse them in later epochs."""
+    dir: str | None = None
+    """where the cache lives (null: <output_dir>/hidden_cache); one subdirectory per model + data fingerprint."""
+    dtype: Literal["float16", "bfloat16"] = "float16"
+    """storage dtype of the cached hidden states."""
+
+
+@dataclass
+class TreeConfig:
+    budget: int = 64
+    """draft nodes of the tree built at the end from the measured head accuracy."""
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = "runs/medusa"
+    """where checkpoints, logs, the hidden cache and the final heads (<output_dir>/heads) go."""
+    seed: int = 0
+    """seed of the heads' initialisation, data order and everything random."""
+    mixed_precision: Literal["no", "fp16", "bf16"] | None = None
+    """autocast of the heads' forward (null: whatever `accelerate launch` / its config says, else "no")."""
+    cpu: bool | None = None
+    """force CPU (null: CPU when no GPU is present, unless DeepSpeed is in use)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """the frozen target."""
+    heads: HeadsConfig = field(default_factory=HeadsConfig)
+    """the Medusa heads being trained."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """training data (heads/data.py)."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """the Medusa loss (heads/losses.py)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """optimizer, schedule, batch sizes, length of training."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """held-out accuracy."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """atomic checkpoints and resuming."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """trackers and progress bar."""
+    hidden_cache: HiddenCacheConfig = field(default_factory=HiddenCacheConfig)
+    """cached target hidden states."""
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    """the draft tree built from measured accuracy."""
+
+    def __post_init__(self) -> None:
+        positive = {
+            "heads.num_heads": self.heads.num_heads, "optim.batch_size": self.optim.batch_size,
+            "optim.grad_accum": self.optim.grad_accum, "optim.epochs": self.optim.epochs,
+            "eval.batch_size": self.eval.batch_size, "eval.ranks": self.eval.ranks, "checkpoint.keep": self.checkpoint.keep,
+            "logging.every": self.logging.every, "tree.budget": self.tree.budget,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise ValueError(f"{name}: expected a value >= 1, found {value}")
+        for name, value in {"eval.every": self.eval.every, "checkpoint.every": self.checkpoint.every,
+                            "optim.warmup_steps": self.optim.warmup_steps, "heads.num_layers": self.heads.num_layers}.items():
+            if value < 0:
+                raise ValueError(f"{name}: expected a value >= 0, found {value}")
+        if self.optim.max_steps is not None and self.optim.max_steps < 1:
+            raise ValueError(f"optim.max_steps: expected null or a value >= 1, found {self.optim.max_steps}")
+        if len(self.optim.betas) != 2:
+            raise ValueError(f"optim.betas: expected two numbers, found {self.optim.betas}")
+        if not 0.0 < self.loss.decay <= 1.0:
+            raise ValueError(f"loss.decay: expected a value in (0, 1], found {self.loss.decay}")
+        if self.eval.ranks < 5:
+            raise ValueError(f"eval.ranks: expected >= 5 (top-5 accuracy is reported), found {self.eval.ranks}")
+
+
+# ------------------------------------------------------------------------------------------------ strict loading
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _check(value: Any, tp: Any, where: str) -> Any:
+    """value (from YAML) checked against annotation tp -> the value to store (nested dicts become dataclasses)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{where}: expected a mapping of {tp.__name__} fields, found {type(value).__name__} {value!r:.80}")
+        return from_dict(tp, value, where)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for option in args:
+            try:
+                return _check(value, option, where)
+            except ValueError as err:
+                errors.append(err)
+        raise ValueError(f"{where}: expected {' or '.join(_type_name(a) for a in args)}, found {type(value).__name__} {value!r:.80}")
+    if origin is Literal:
+        if value not in args:
+            raise ValueError(f"{where}: expected one of {list(args)}, found {value!r:.80}")
+        return value
+    if origin in (list, Sequence) or tp is list:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{where}: expected a list, found {type(value).__name__} {value!r:.80}")
+        item = args[0] if args else Any
+        return [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{where}: expected a mapping, found {type(value).__name__} {value!r:.80}")
+        return dict(value)
+    if tp is type(None):
+        if value is not None:
+            raise ValueError(f"{where}: expected null, found {value!r:.80}")
+        return None
+    if tp is bool:
+        ok = isinstance(value, bool)
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif tp is str:
+        ok = isinstance(value, str)
+    else:
+        raise TypeError(f"{where}: config fields of type {_type_name(tp)} are not supported")
+    if not ok:
+        raise ValueError(f"{where}: expected {_type_name(tp)}, found {type(value).__name__} {value!r:.80}")
+    return value
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
+    """Build dataclass ``cls`` from a (nested) mapping, strictly: unknown keys and wrong types raise ValueError."""
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls) if f.init]
+    prefix = f"{where}." if where else ""
+    for key in data:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=3, cutoff=0.6)
+            hint = f"; did you mean {' or '.join(repr(prefix + c) for c in close)}?" if close else ""
+            raise ValueError(f"unknown key {prefix}{key!r}{hint} (expected one of {known} in {cls.__name__})")
+    values = {key: _check(value, hints[key], prefix + key) for key, value in data.items()}
+    return cls(**values)
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _field_type(cls: type, path: list[str]) -> Any:
+    """The annotation at a dotted path through nested dataclasses (None when the path leaves them)."""
+    tp: Any = cls
+    for key in path:
+        candidates = [a for a in (typing.get_args(tp) or (tp,)) if dataclasses.is_dataclass(a)]
+        if not candidates:
+            return None
+        hints = typing.get_type_hints(candidates[0])
+        if key not in hints:
+            return None
+        tp = hints[key]
+    return tp
+
+
+def apply_overrides(data: dict, overrides: Sequence[str], cls: type = None) -> dict:
+    """``a.b=value`` strings applied to a nested dict (a copy). Values are YAML scalars unless the field is a str."""
+    cls = cls or TrainConfig
+    data = yaml.safe_load(yaml.safe_dump(data)) or {}  # a deep copy
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r}: expected key=value (e.g. optim.lr=3e-4)")
+        path = key.strip().split(".")
+        tp = _field_type(cls, path)
+        value = yaml.safe_load(text) if text.strip() else None
+        if tp in (str, str | None) and text.strip() not in ("null", "~", ""):
+            value = text  # a str field keeps what was written ("001" stays "001")
+        node = data
+        for i, part in enumerate(path[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"override {item!r}: {'.'.join(path[: i + 1])} is {child!r}, not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """The recipe at ``path`` (YAML; None: all defaults) with ``key=value`` overrides applied, checked strictly."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {path} does not exist")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a YAML mapping of recipe sections, found {type(data).__name__}")
+    return from_dict(TrainConfig, apply_overrides(data, overrides))
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name -> its one-line docstring (read from the source), for --help."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = str(nxt.value.value)
+    return docs
+
+
+def describe(cls: type = TrainConfig, prefix: str = "") -> list[str]:
+    """One line per leaf field: dotted name, type, default, docstring (what ``train.py --help`` prints)."""
+    lines = []
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            lines.extend(describe(tp, f"{prefix}{f.name}."))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        lines.append(f"  {prefix}{f.name} ({_type_name(tp)}, default {default!r}): {docs.get(f.name, '')}")
+    return lines

@@ -1,0 +1,439 @@
+"""The accelerate training loop for Medusa heads on a frozen target.
+
+``train(cfg)`` reads as its steps:
+
+  1. the frozen target (eval mode, no gradients, outside any DDP / DeepSpeed engine)
+  2. accelerator (CPU / GPU / DDP / DeepSpeed from ``accelerate launch``), trackers, seed, the heads
+  3. data: train / held-out rows with their dataset index (the key of the hidden-state cache)
+  4. AdamW over the heads only, warm-up + schedule (transformers' ``get_scheduler``); ``accelerator.prepare``
+  5. resume: ``load_state`` (heads, optimizer, scheduler, RNG, progress) and skip the batches already seen
+  6. the loop: target hidden states (computed or cached) -> heads -> Medusa loss -> backward, accumulate, step;
+     a NaN / inf loss stops with the step and the last good checkpoint; SIGINT / SIGTERM save and stop cleanly;
+     log, evaluate held-out accuracy and save atomic checkpoints every N steps
+  7. the end: measure acc[k][r] on held-out data, build the tree from it, save the heads (main process only)
+
+Checkpoints live in ``<output_dir>/checkpoints/step_NNNNNNN``: ``accelerator.save_state`` writes a hidden temporary
+directory which is renamed into place, so a killed run leaves either a complete checkpoint or none.
+
+Shapes: K heads, B batch, T time, D hidden size, V vocabulary, R measured ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import signal
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
+from tqdm.auto import tqdm
+from transformers import get_scheduler
+
+from heads.base_model import load_base
+from heads.config import TrainConfig, to_dict
+from heads.data import build_datasets
+from heads.losses import medusa_loss
+from heads.medusa import MedusaConfig, MedusaHeads
+from heads.hidden_cache import TargetStates, make_caches
+from heads.tree_search import best_choices
+
+log = logging.getLogger(__name__)
+CHECKPOINT_PREFIX = "step_"
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite."""
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    status: str
+    """"done" or "interrupted" (by SIGINT / SIGTERM, after saving a checkpoint)."""
+    step: int
+    """optimizer steps completed."""
+    checkpoint: Path | None
+    """the last checkpoint written or resumed from."""
+    heads_dir: Path | None
+    """where the final heads were saved (None when interrupted)."""
+    accuracy: list[list[float]] | None
+    """acc[k][r] measured on the held-out split at the end (None when interrupted or without held-out data)."""
+    signal: int | None = None
+    """the signal that interrupted the run."""
+
+
+class Progress:
+    """Where training stands; saved in every checkpoint through ``accelerator.register_for_checkpointing``."""
+
+    def __init__(self) -> None:
+        self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
+
+
+# --------------------------------------------------------------------------------------------------------- data
+class IndexedRows(torch.utils.data.Dataset):
+    """A datasets.Dataset of (input_ids, labels) rows, each returned with its index."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        row = self.rows[i]
+        return {"index": i, "input_ids": row["input_ids"], "labels": row["labels"]}
+
+
+class Collate:
+    """Right-pads a list of rows: index [B], lengths [B], input_ids / attention_mask / labels [B, T]."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def __call__(self, items: list[dict]) -> dict:
+        lengths = [len(it["input_ids"]) for it in items]
+        T = max(lengths)
+        ids = torch.full((len(items), T), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(items), T), -100, dtype=torch.long)
+        mask = torch.zeros((len(items), T), dtype=torch.long)
+        for b, (it, n) in enumerate(zip(items, lengths)):
+            ids[b, :n] = torch.tensor(it["input_ids"])
+            labels[b, :n] = torch.tensor(it["labels"])
+            mask[b, :n] = 1
+        return {"index": torch.tensor([it["index"] for it in items]), "lengths": torch.tensor(lengths),
+                "input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def loader(rows, batch_size: int, shuffle: bool, pad_id: int) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(IndexedRows(rows), batch_size=batch_size, shuffle=shuffle, collate_fn=Collate(pad_id))
+
+
+# --------------------------------------------------------------------------------------------------- checkpoints
+def checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under root, oldest first (temporary directories of interrupted saves are ignored)."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)]
+    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+
+
+def resolve_resume(resume_from: str | None, root: Path) -> Path | None:
+    if resume_from is None:
+        return None
+    if resume_from == "latest":
+        found = checkpoints(root)
+        if not found:
+            log.info("resume_from=latest: no checkpoint in %s yet, starting from scratch", root)
+        return found[-1] if found else None
+    path = Path(resume_from).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint.resume_from={resume_from!r}: expected 'latest' or a checkpoint directory, "
+                                f"found no directory there (checkpoints in {root}: {[p.name for p in checkpoints(root)]})")
+    return path
+
+
+def save_checkpoint(accelerator: Accelerator, root: Path, step: int, keep: int) -> Path:
+    """accelerator.save_state into a temporary directory, renamed into place; keeps the newest ``keep``."""
+    final = root / f"{CHECKPOINT_PREFIX}{step:07d}"
+    tmp = root / f".tmp-{final.name}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        if final.exists():  # re-saving a step after resuming from an older checkpoint
+            shutil.rmtree(final)
+        tmp.rename(final)
+        for old in checkpoints(root)[:-keep]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return final
+
+
+# --------------------------------------------------------------------------------------------------- the loop
+class StopFlag:
+    """SIGINT / SIGTERM set a flag; the loop saves a checkpoint at the next optimizer step and returns."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "StopFlag":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:  # a second signal: stop now, without saving
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def build_accelerator(cfg: TrainConfig) -> Accelerator:
+    import os
+
+    uses_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    cpu = cfg.cpu if cfg.cpu is not None else (not torch.cuda.is_available() and not uses_deepspeed)
+    if uses_deepspeed and not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op when it starts (minutes on a small CPU),
+        # even for a single process, which has nothing to reduce: mark the op unavailable so it falls back to gloo.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return Accelerator(
+        cpu=cpu, mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.optim.grad_accum,
+        log_with=cfg.logging.log_with or None, project_dir=cfg.output_dir,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),
+    )
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    """Nested recipe -> flat {a.b: scalar} (lists and None as text) for trackers' hyper-parameter tables."""
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else json.dumps(value)
+    return out
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    # 1. the frozen target, loaded before the accelerator exists: under DeepSpeed ZeRO-3 transformers would otherwise
+    #    partition it at load time (zero.Init); it stays a plain module outside the engine
+    model, tokenizer = load_base(cfg.model)
+
+    # 2. accelerator, trackers, seed, the heads
+    accelerator = build_accelerator(cfg)
+    set_seed(cfg.seed)
+    out_dir, ckpt_root = Path(cfg.output_dir), Path(cfg.output_dir) / "checkpoints"
+    if cfg.logging.log_with:
+        accelerator.init_trackers(cfg.logging.project, config=_flat(to_dict(cfg)))
+    model.to(accelerator.device)
+    mcfg = MedusaConfig.for_model(
+        model, base_model=cfg.model.name, base_revision=cfg.model.revision, num_heads=cfg.heads.num_heads,
+        num_layers=cfg.heads.num_layers, projection=cfg.heads.projection, lora_rank=cfg.heads.lora_rank,
+        lora_alpha=cfg.heads.lora_alpha, recipe=to_dict(cfg),
+    )
+    heads = MedusaHeads(mcfg, model.get_output_embeddings())
+
+    # 3. data
+    with accelerator.main_process_first():
+        train_rows, eval_rows = build_datasets(cfg.data, tokenizer)
+    train_dl = loader(train_rows, cfg.optim.batch_size, True, tokenizer.pad_token_id)
+    eval_dl = loader(eval_rows, cfg.eval.batch_size, False, tokenizer.pad_token_id) if len(eval_rows) else None
+
+    # 4. optimizer, schedule, prepare (the target stays outside: only the heads are trained / wrapped)
+    optimizer = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=cfg.optim.lr,
+                                  betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay)
+    batches_per_epoch = math.ceil(len(train_rows) / (cfg.optim.batch_size * accelerator.num_processes))
+    steps_per_epoch = math.ceil(batches_per_epoch / cfg.optim.grad_accum)
+    total_steps = steps_per_epoch * cfg.optim.epochs
+    if cfg.optim.max_steps is not None:
+        total_steps = min(total_steps, cfg.optim.max_steps)
+    # a prepared scheduler steps once per process per optimizer step (accelerate's convention)
+    scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=cfg.optim.warmup_steps * accelerator.num_processes,
+                              num_training_steps=total_steps * accelerator.num_processes)
+    prepared = accelerator.prepare(heads, optimizer, train_dl, scheduler, *([eval_dl] if eval_dl else []))
+    heads, optimizer, train_dl, scheduler = prepared[:4]
+    eval_dl = prepared[4] if eval_dl else None
+    progress = Progress()
+    accelerator.register_for_checkpointing(progress)
+    caches = make_caches(cfg, accelerator, model, {"train": train_rows, "eval": eval_rows})
+    states = TargetStates(model, accelerator, cfg.loss.kind, caches, cfg.hidden_cache.dtype)
+    log.info("process %d/%d on %s: %d train rows, %d batches per epoch, %d optimizer steps in all%s",
+             accelerator.process_index, accelerator.num_processes, accelerator.device, len(train_rows), len(train_dl),
+             total_steps, " (DeepSpeed: heads only in the engine)" if accelerator.distributed_type == DistributedType.DEEPSPEED else "")
+
+    # 5. resume
+    last_ckpt = resolve_resume(cfg.checkpoint.resume_from, ckpt_root)
+    if last_ckpt is not None:
+        accelerator.load_state(str(last_ckpt))
+        log.info("resumed from %s at step %d (epoch %d, batch %d)", last_ckpt, progress.step, progress.epoch, progress.batch_in_epoch)
+
+    # 6. the loop
+    def evaluate(ranks: int) -> dict:
+        return run_eval(cfg, accelerator, heads, eval_dl, states, ranks)
+
+    metrics_file = out_dir / "metrics.jsonl"
+    bar = tqdm(total=total_steps, initial=progress.step, desc="training heads", dynamic_ncols=True,
+               disable=not (accelerator.is_main_process and cfg.logging.progress_bar))
+    window = Window(cfg.heads.num_heads)
+    stopped = None
+    with StopFlag() as stop:
+        while progress.step < total_steps and stopped is None:
+            epoch_start = time.perf_counter()
+            train_dl.set_epoch(progress.epoch)
+            batches = accelerator.skip_first_batches(train_dl, progress.batch_in_epoch) if progress.batch_in_epoch else train_dl
+            for batch in batches:
+                with accelerator.accumulate(heads):
+                    hidden, target_logits = states(batch, "train")
+                    logits = heads(hidden)  # [K, B, T, V]
+                    out = medusa_loss(logits, batch["labels"], cfg.loss.decay, cfg.loss.kind, target_logits)
+                    flags = accelerator.reduce(torch.tensor([float(not torch.isfinite(out.total)), float(stop.signum is not None)],
+                                                            device=accelerator.device), "sum")
+                    if flags[0] > 0:
+                        raise TrainingDiverged(
+                            f"the loss became {out.total.item()} at step {progress.step + 1} (epoch {progress.epoch}, "
+                            f"batch {progress.batch_in_epoch}); last good checkpoint: {last_ckpt or 'none'}. Resume from it "
+                            f"with checkpoint.resume_from={last_ckpt or 'latest'} and a lower optim.lr, or look for bad rows.")
+                    accelerator.backward(out.total)
+                    if accelerator.sync_gradients and cfg.optim.max_grad_norm is not None:
+                        accelerator.clip_grad_norm_(heads.parameters(), cfg.optim.max_grad_norm)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+                progress.batch_in_epoch += 1
+                window.add(out, states.take_seconds())
+                if not accelerator.sync_gradients:
+                    continue
+                progress.step += 1
+                bar.update(1)
+                if progress.batch_in_epoch == len(train_dl):  # the epoch is complete: a checkpoint here resumes at the next
+                    progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
+                if progress.step % cfg.logging.every == 0 or progress.step == total_steps:
+                    record = window.flush(accelerator, progress.step, scheduler.get_last_lr()[0])
+                    bar.set_postfix(loss=f"{record['loss']:.4f}", top1=f"{record['top1'][0]:.3f}")
+                    emit(accelerator, metrics_file, record)
+                if cfg.eval.every and progress.step % cfg.eval.every == 0 and eval_dl is not None:
+                    emit(accelerator, metrics_file, {"step": progress.step, **evaluate(5)})
+                if flags[1] > 0 or (cfg.checkpoint.every and progress.step % cfg.checkpoint.every == 0):
+                    last_ckpt = save_checkpoint(accelerator, ckpt_root, progress.step, cfg.checkpoint.keep)
+                if flags[1] > 0:
+                    stopped = stop.signum or signal.SIGTERM
+                    break
+                if progress.step >= total_steps:
+                    break
+            else:
+                progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
+            emit(accelerator, metrics_file, {"step": progress.step, "epoch_seconds": time.perf_counter() - epoch_start,
+                                             "target_seconds_total": states.seconds_total, "cache_hits": states.cache_hits})
+    bar.close()
+    if stopped is not None:
+        accelerator.end_training()
+        log.warning("stopped by signal %d at step %d; checkpoint saved to %s; rerun with checkpoint.resume_from=latest "
+                    "to continue", stopped, progress.step, last_ckpt)
+        return TrainResult("interrupted", progress.step, last_ckpt, None, None, signal=int(stopped))
+
+    # 7. measure acc[k][r], build the tree, save the heads
+    accuracy = None
+    if eval_dl is not None:
+        result = evaluate(cfg.eval.ranks)
+        emit(accelerator, metrics_file, {"step": progress.step, "final": True, **result})
+        accuracy = result["accuracy"]
+    else:
+        log.warning("no held-out rows (data.eval_fraction=0): the heads are saved without measured accuracy or tree")
+    heads_dir = save_final(accelerator, heads, mcfg, model, accuracy, cfg.tree.budget, out_dir / "heads")
+    accelerator.end_training()
+    return TrainResult("done", progress.step, last_ckpt, heads_dir, accuracy)
+
+
+class Window:
+    """Training metrics summed over the micro-batches since the last log line."""
+
+    def __init__(self, num_heads: int):
+        self.num_heads = num_heads
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss, self.batches, self.start = 0.0, 0, time.perf_counter()
+        self.head_loss = torch.zeros(self.num_heads, dtype=torch.float64)
+        self.hits = torch.zeros(self.num_heads, 5, dtype=torch.float64)
+        self.count = torch.zeros(self.num_heads, dtype=torch.float64)
+        self.target_s = 0.0
+
+    def add(self, out, target_seconds: float) -> None:
+        self.loss += out.total.item()
+        self.batches += 1
+        self.head_loss += out.per_head.double().cpu()
+        self.hits += out.hits[:, :5].double()
+        self.count += out.count.double()
+        self.target_s += target_seconds
+
+    def flush(self, accelerator: Accelerator, step: int, lr: float) -> dict:
+        packed = torch.cat([torch.tensor([self.loss, self.batches]), self.head_loss, self.hits.flatten(), self.count])
+        packed = accelerator.reduce(packed.to(accelerator.device), "sum").cpu()  # over processes
+        K = self.num_heads
+        loss, batches, head_loss = packed[0].item(), packed[1].item(), packed[2 : 2 + K]
+        hits, count = packed[2 + K : 2 + 6 * K].view(K, 5), packed[2 + 6 * K :].clamp(min=1)
+        seconds = time.perf_counter() - self.start
+        record = {"step": step, "loss": loss / batches, "head_loss": (head_loss / batches).tolist(),
+                  "top1": (hits[:, 0] / count).tolist(), "top5": (hits.sum(1) / count).tolist(), "lr": lr,
+                  "seconds": seconds, "target_seconds": self.target_s}
+        self.reset()
+        return record
+
+
+@torch.no_grad()
+def run_eval(cfg: TrainConfig, accelerator: Accelerator, heads, eval_dl, states, ranks: int) -> dict:
+    """Held-out loss and acc[k][r] (r < ranks), exact across processes (duplicated padding rows are dropped)."""
+    heads.eval()
+    K = cfg.heads.num_heads
+    totals = torch.zeros(K, ranks + 2, dtype=torch.float64)  # per head: hits at each rank, positions, loss sum
+    for i, batch in enumerate(eval_dl):
+        if cfg.eval.max_batches is not None and i >= cfg.eval.max_batches:
+            break
+        hidden, target_logits = states(batch, "eval")
+        logits = heads(hidden)  # [K, B, T, V]
+        rows = []
+        for b in range(logits.shape[1]):
+            tl = None if target_logits is None else target_logits[b : b + 1]
+            out = medusa_loss(logits[:, b : b + 1], batch["labels"][b : b + 1], cfg.loss.decay, cfg.loss.kind, tl, ranks)
+            rows.append(torch.cat([out.hits.double(), out.count.double()[:, None],
+                                   (out.per_head.double().cpu() * out.count)[:, None]], dim=1))  # [K, R + 2]
+        per_row = accelerator.gather_for_metrics(torch.stack(rows).to(accelerator.device))  # [B_all, K, R + 2]
+        totals += per_row.cpu().sum(0)
+    states.take_seconds()
+    heads.train()
+    count = totals[:, ranks].clamp(min=1)
+    acc = totals[:, :ranks] / count[:, None]  # [K, R]
+    return {"eval_loss": (totals[:, ranks + 1] / count).tolist(), "eval_top1": acc[:, 0].tolist(),
+            "eval_top5": acc[:, :5].sum(1).tolist(), "eval_positions": totals[:, ranks].tolist(), "accuracy": acc.tolist()}
+
+
+def emit(accelerator: Accelerator, metrics_file: Path, record: dict) -> None:
+    """One metrics record: to the trackers (scalars, per head) and as a JSON line in <output_dir>/metrics.jsonl."""
+    if not accelerator.is_main_process:
+        return
+    scalars = {}
+    for key, value in record.items():
+        if key in ("step", "accuracy", "final"):
+            continue
+        if isinstance(value, list):
+            scalars.update({f"{key}/head{k + 1}": v for k, v in enumerate(value)})
+        else:
+            scalars[key] = value
+    accelerator.log(scalars, step=record["step"])
+    metrics_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(metrics_file, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def save_final(accelerator: Accelerator, heads, mcfg: MedusaConfig, model, accuracy, budget: int, directory: Path) -> Path:
+    """Heads with the measured accuracy and the tree built from it -> save_pretrained, on the main process only."""
+    state = accelerator.get_state_dict(heads)  # every process takes part (DeepSpeed gathers partitioned weights)
+    if accelerator.is_main_process:
+        tree = best_choices(accuracy, budget) if accuracy is not None else None
+        final = MedusaHeads(replace(mcfg, tree=tree, head_accuracy=accuracy), model.get_output_embeddings())
+        final.load_state_dict({k: v.float() for k, v in state.items()})
+        final.save_pretrained(directory)
+        log.info("saved the heads to %s (tree of %d nodes from measured accuracy)", directory, len(tree or []))
+    accelerator.wait_for_everyone()
+    return directory

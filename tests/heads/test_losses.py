@@ -1,0 +1,110 @@
+"""The Medusa loss: the index shift (head k at t is trained on labels[t+1+k]), ignore positions, weights, KL, accuracy."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from heads.losses import IGNORE_INDEX, head_weights, medusa_loss
+
+K, B, T, V = 3, 2, 12, 50
+
+
+def labels_arange() -> torch.Tensor:
+    """[B, T] distinct tokens per position, so that each shift names a different token."""
+    return torch.stack([torch.arange(T) + 3, torch.arange(T) + 20])
+
+
+def oracle_logits(labels: torch.Tensor, shift: int, scale: float = 100.0) -> torch.Tensor:
+    """logits [K, B, T, V] where head k (1-based) at t puts all mass on labels[t + shift + k] (when it exists)."""
+    logits = torch.zeros(K, B, T, V)
+    for k in range(1, K + 1):
+        for t in range(T):
+            if 0 <= t + shift + k < T:
+                logits[k - 1, torch.arange(B), t, labels[:, t + shift + k]] = scale
+    return logits
+
+
+def test_only_the_right_shift_gives_zero_loss_and_exact_accuracy():
+    labels = labels_arange()
+    right = medusa_loss(oracle_logits(labels, shift=1), labels)
+    assert right.per_head.max().item() < 1e-30
+    assert right.top1.tolist() == [1.0, 1.0, 1.0]
+    assert right.count.tolist() == [B * (T - 1 - k) for k in range(1, K + 1)]
+    for wrong_shift in (0, 2):  # the LM-head-like shift t+k, and one too far
+        wrong = medusa_loss(oracle_logits(labels, shift=wrong_shift), labels)
+        assert wrong.per_head.min().item() > 10.0
+        assert wrong.top1.max().item() == 0.0
+
+
+def test_ignored_labels_are_not_scored():
+    labels = labels_arange()
+    logits = oracle_logits(labels, shift=1)
+    masked = labels.clone()
+    masked[:, 5:] = IGNORE_INDEX
+    out = medusa_loss(logits, masked)
+    # head k is scored on positions t with t+1+k < 5: 4-k positions per row
+    assert out.count.tolist() == [B * (4 - k) for k in range(1, K + 1)]
+    assert out.top1.tolist() == [1.0, 1.0, 1.0]
+    # garbage logits on ignored positions change nothing
+    noisy = logits.clone()
+    for k in range(1, K + 1):
+        noisy[k - 1, :, 4 - k :] = torch.randn(B, T - 4 + k, V) * 50
+    assert torch.equal(medusa_loss(noisy, masked).per_head, out.per_head)
+
+
+def test_total_is_decay_weighted_sum_of_per_head_cross_entropy():
+    torch.manual_seed(0)
+    logits, labels = torch.randn(K, B, T, V), torch.randint(0, V, (B, T))
+    out = medusa_loss(logits, labels, decay=0.5)
+    for k in range(1, K + 1):
+        ref = F.cross_entropy(logits[k - 1, :, : T - 1 - k].reshape(-1, V), labels[:, 1 + k :].reshape(-1))
+        assert out.per_head[k - 1].item() == pytest.approx(ref.item(), rel=1e-6)
+    assert head_weights(K, 0.5).tolist() == [1.0, 0.5, 0.25]
+    expected = sum(0.5 ** (k - 1) * out.per_head[k - 1].item() for k in range(1, K + 1))
+    assert out.total.item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_top5_counts_ranks_below_five():
+    labels = labels_arange()
+    logits = torch.zeros(K, B, T, V)
+    logits[..., 40:44] = 10.0  # four decoys always rank above the label
+    for k in range(1, K + 1):
+        for t in range(T - 1 - k):
+            logits[k - 1, torch.arange(B), t, labels[:, t + 1 + k]] = 5.0  # the label: rank 4
+    out = medusa_loss(logits, labels, ranks=6)
+    assert out.top1.tolist() == [0.0] * K
+    assert out.top5.tolist() == [1.0] * K
+    assert out.hits[:, 4].tolist() == out.count.tolist()
+
+
+def test_kl_is_zero_only_when_head_k_at_t_matches_target_at_t_plus_k():
+    torch.manual_seed(1)
+    target = torch.randn(B, T, V) * 3
+    labels = torch.randint(0, V, (B, T))
+    right = torch.zeros(K, B, T, V)
+    off = torch.zeros(K, B, T, V)
+    for k in range(1, K + 1):
+        right[k - 1, :, : T - k] = target[:, k:]  # head k at t  <-  target at t+k
+        off[k - 1, :, : T - k - 1] = target[:, k + 1 :]  # one too far
+    assert medusa_loss(right, labels, kind="kl", target_logits=target).per_head.abs().max().item() < 1e-5
+    assert medusa_loss(off, labels, kind="kl", target_logits=target).per_head.min().item() > 0.5
+    with pytest.raises(ValueError, match="kind='kl' needs the target's logits"):
+        medusa_loss(right, labels, kind="kl")
+
+
+def test_sequence_too_short_for_a_head_gives_zero_not_nan():
+    labels = torch.randint(0, V, (B, 3))
+    out = medusa_loss(torch.randn(K, B, 3, V, requires_grad=True), labels)
+    assert out.count.tolist() == [B * 1, 0, 0]
+    assert all(math.isfinite(x) for x in out.per_head.tolist())
+    assert out.per_head[1:].tolist() == [0.0, 0.0]
+    out.total.backward()
+
+
+def test_shape_mismatch_says_expected_and_found():
+    with pytest.raises(ValueError, match=r"expected labels \[B, T\] = \[2, 12\].*found \[2, 11\]"):
+        medusa_loss(torch.zeros(K, B, T, V), torch.zeros(B, T - 1, dtype=torch.long))

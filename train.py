@@ -1,0 +1,36 @@
+"""Train Medusa heads on a frozen causal LM.
+
+    python train.py --config configs/medusa_smollm2.yaml [key=value ...]
+    accelerate launch [--config_file configs/accelerate/<setup>.yaml] train.py --config ... [key=value ...]
+"""
+
+import argparse
+import logging
+import sys
+
+from heads.config import describe, load_config
+from heads.trainer import TrainingDiverged, train
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="recipe keys (set in the YAML file or as key=value / a.b=value):\n" + "\n".join(describe()))
+    parser.add_argument("--config", help="a YAML recipe (configs/*.yaml); without it every key takes its default")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. optim.lr=3e-4 data.max_conversations=100")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error in the recipe: {err}", file=sys.stderr)
+        return 2
+    try:
+        result = train(cfg)
+    except TrainingDiverged as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 128 + result.signal if result.status == "interrupted" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
