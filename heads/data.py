@@ -14,10 +14,12 @@ paragraph). Conversations are rendered with the target's chat template and only 
 each reply's tokens up to and including its end-of-turn token (the tokenizer's EOS, e.g. ``<|im_end|>``) get their
 own id as label, everything else -100. Labels are *unshifted*: the loss shifts them (see ``heads/losses.py``).
 
-Packing concatenates whole (truncated) conversations, in order, into rows of at most ``max_length`` tokens. Attention
-crosses the boundaries between packed conversations, as in Medusa's and HF's ``ConstantLengthDataset`` training;
-the loss never does: every conversation starts with template tokens (labelled -100), so no position is trained to
-predict the first tokens of the next conversation from the previous one.
+Packing concatenates whole (truncated) conversations, in order, into rows of at most ``max_length`` tokens (no row
+carries position ids or a per-conversation mask). Attention therefore crosses the boundaries between packed
+conversations, as in HF's ``ConstantLengthDataset`` packing; the loss barely does: every conversation starts with
+template tokens labelled -100 (system and user turn: 25+ tokens with SmolLM2's template), so a position near the end
+of one conversation is trained to predict a token of the next one only if a head reaches beyond that untrained
+prefix. Plain-text rows are packed like a language-model corpus (EOS between documents, every token trained).
 
 Conversations whose user turns repeat a Spec-Bench MT-bench question (the evaluation set) are dropped.
 """

@@ -152,7 +152,8 @@ def distill(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, data: Da
         raise ValueError(f"{data.source!r} has a plain 'text' column: distillation needs conversations "
                          "(a 'messages' or 'conversations' column)")
     n_shards = -(-len(conversations) // cfg.shard_size)
-    _check_manifest(out, {"model": model_name or model.config.name_or_path, "source": dataclasses.asdict(data),
+    source = {k: getattr(data, k) for k in ("source", "split", "max_conversations", "exclude_questions")}
+    _check_manifest(out, {"model": model_name or model.config.name_or_path, "source": source,
                           "conversations": len(conversations), "config": dataclasses.asdict(cfg)})
     done = [s for s in range(n_shards) if _shard_dir(out, s).exists()]
     written = 0
@@ -225,8 +226,12 @@ def main(argv: list[str] | None = None) -> Path | None:
     p.add_argument("--dtype", default="float32", help="model dtype: float32, bfloat16, float16 (default: float32)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--max-shards", type=int, default=None, help="stop after writing this many new shards (resume later)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 is faster on a CPU shared with other jobs)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     from selfspec.models import load_model
 

@@ -98,3 +98,18 @@ def test_cli_help_explains(capsys):
     for flag in ("--model", "--source", "--out", "--max-conversations", "--do-sample", "--max-shards"):
         assert flag in text
     assert "Resumable" in text
+
+
+def test_cli_runs_and_resumes(model, tok, source, tmp_path, capsys):
+    model.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    argv = ["--model", str(tmp_path / "target"), "--source", source.source, "--out", str(tmp_path / "out"),
+            "--max-new-tokens", "3", "--shard-size", "2", "--threads", "1"]
+    threads = torch.get_num_threads()
+    try:
+        assert main(argv + ["--max-shards", "1"]) is None
+        assert "rerun to resume" in capsys.readouterr().out
+        assert main(argv) == tmp_path / "out"
+    finally:
+        torch.set_num_threads(threads)  # --threads sets it process-wide
+    assert len(datasets.load_from_disk(str(tmp_path / "out"))) == 3
