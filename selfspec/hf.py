@@ -3,11 +3,17 @@
 - ``forward``: one call of a decoder-only model with an explicit 4D additive mask, position ids and the cache.
 - ``cache_keep``: the one cache operation a tree needs after acceptance: keep the given new entries, drop the rest.
 - ``decoder_layers``: the model's list of transformer blocks (for self-speculation drafters).
+- self-speculation: ``replaced_layers`` (run the model with some layers skipped or swapped), ``captured_output`` (a
+  layer's output hidden state), ``forward_partial`` (a forward from token ids or from hidden states), and per-layer cache
+  access (``layer_lengths``, ``cache_truncate``, ``layer_entries``, ``append_entries``).
 
 Shapes: B batch (always 1 here), H kv heads, S cached length, N new tokens, V vocabulary, D hidden size.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Mapping
 
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
@@ -97,3 +103,120 @@ def sliding_window(model: PreTrainedModel) -> int | None:
     if getattr(cfg, "use_sliding_window", True) is False:
         return None
     return int(window)
+
+
+# ------------------------------------------------------------------------------------------ self-speculation contact
+# Drafting with part of the target (layer skipping, early exit) runs the model's own forward with some decoder layers
+# temporarily replaced: a skipped layer by ``Passthrough`` (its cache layer never grows), an exit by an adapter module.
+# The list keeps its length, so every remaining layer keeps its index (its cache layer, its Gemma/Qwen layer type).
+
+
+class Passthrough(torch.nn.Module):
+    """Stands in for a skipped decoder layer: returns its input hidden state unchanged, touches no cache."""
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return hidden_states
+
+
+class Apply(torch.nn.Module):
+    """Stands in for a decoder layer by applying ``module`` to the hidden state alone (e.g. an exit head)."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return self.module(hidden_states)
+
+
+@contextmanager
+def replaced_layers(model: PreTrainedModel, replace: Mapping[int, torch.nn.Module]) -> Iterator[None]:
+    """Within the block, decoder layer i is ``replace[i]``; the original layers are back afterwards, even on error.
+
+    Not thread-safe: the model must not run elsewhere meanwhile.
+    """
+    layers = decoder_layers(model)
+    bad = [i for i in replace if not 0 <= i < len(layers)]
+    if bad:
+        raise ValueError(f"layer indices {bad} are out of range: this model has {len(layers)} decoder layers (0..{len(layers) - 1})")
+    saved = {i: layers[i] for i in replace}
+    try:
+        for i, module in replace.items():
+            layers[i] = module
+        yield
+    finally:
+        for i, module in saved.items():
+            layers[i] = module
+
+
+@contextmanager
+def captured_output(module: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Collect the hidden-state output [B, N, D] of every call of ``module`` (a decoder layer) within the block."""
+    outputs: list[torch.Tensor] = []
+
+    def hook(_module: torch.nn.Module, _args: object, output: object) -> None:
+        outputs.append(output[0] if isinstance(output, tuple) else output)  # type: ignore[index]
+
+    handle = module.register_forward_hook(hook)
+    try:
+        yield outputs
+    finally:
+        handle.remove()
+
+
+def forward_partial(
+    model: PreTrainedModel,
+    position_ids: torch.Tensor,
+    mask: torch.Tensor,
+    cache: Cache,
+    input_ids: torch.Tensor | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids [N] or inputs_embeds [N, D], position_ids [N], mask [1, 1, N, K] -> logits [N, V], hidden [N, D].
+
+    ``hidden`` is the final hidden state after the model's final norm, as in ``forward``. K is the key length each
+    attending layer sees (its cached entries + N): with some layers replaced, cache layers may hold different lengths,
+    so the mask and the positions say everything and the cache's own length is never used. ``inputs_embeds`` enters
+    the first decoder layer unchanged (Llama-family models; GPT-2 adds position embeddings to it).
+    """
+    final: list[torch.Tensor] = []
+    handle = model.get_decoder().register_forward_hook(lambda _m, _a, out: final.append(out.last_hidden_state))
+    try:
+        out = model(
+            input_ids=None if input_ids is None else input_ids[None],
+            inputs_embeds=None if inputs_embeds is None else inputs_embeds[None],
+            position_ids=position_ids[None],
+            attention_mask=mask,
+            cache=cache,
+            use_cache=True,
+            return_dict=True,
+        )
+    finally:
+        handle.remove()
+    return out.logits[0], final[-1][0]
+
+
+def layer_lengths(cache: Cache) -> list[int]:
+    """How many entries each cache layer holds."""
+    return [layer.get_seq_length() for layer in cache.layers]
+
+
+def cache_truncate(cache: Cache, length: int) -> None:
+    """Drop, layer by layer, every entry at position >= length (layers that hold fewer are left alone)."""
+    for layer in cache.layers:
+        extra = layer.get_seq_length() - length
+        if extra > 0:
+            layer.crop(-extra)
+
+
+def layer_entries(cache: Cache, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [B, H, end - start, hd] of cache layer ``layer`` at positions start..end-1."""
+    entry = cache.layers[layer]
+    if entry.get_seq_length() < end or entry.keys.shape[-2] != entry.get_seq_length():
+        raise RuntimeError(f"cache layer {layer} holds {entry.get_seq_length()} entries, expected at least {end} (unwindowed)")
+    return entry.keys[:, :, start:end], entry.values[:, :, start:end]
+
+
+def append_entries(cache: Cache, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Append keys/values [B, H, n, hd] to cache layer ``layer`` (as the layer's own forward would have)."""
+    cache.layers[layer].update(keys, values)
