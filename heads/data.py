@@ -94,7 +94,8 @@ class DataConfig:
     def from_dict(cls, d: dict) -> "DataConfig":
         unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
-            raise ValueError(f"unknown DataConfig keys {unknown}: expected some of {[f.name for f in dataclasses.fields(cls)]}")
+            known = [f.name for f in dataclasses.fields(cls)]
+            raise ValueError(f"unknown DataConfig keys {unknown}: expected some of {known}")
         return cls(**d)
 
 
@@ -114,7 +115,8 @@ def load_source(source: str, split: str = "train") -> datasets.Dataset:
     if path.is_dir():
         if not (path / "state.json").exists() and not (path / "dataset_dict.json").exists():
             raise FileNotFoundError(f"{path} is a directory but not a dataset saved with save_to_disk "
-                                    f"(no state.json or dataset_dict.json); expected a file with a suffix in {sorted(FILE_LOADERS)}")
+                                    "(no state.json or dataset_dict.json); "
+                                    f"expected a file with a suffix in {sorted(FILE_LOADERS)}")
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
@@ -127,7 +129,9 @@ def load_source(source: str, split: str = "train") -> datasets.Dataset:
     try:
         return datasets.load_dataset(source, split=split)
     except Exception as err:  # network, auth, missing split, ...: say which id failed and why
-        raise RuntimeError(f"could not load Hub dataset {source!r} (split {split!r}): {type(err).__name__}: {err}") from err
+        raise RuntimeError(
+            f"could not load Hub dataset {source!r} (split {split!r}): {type(err).__name__}: {err}"
+        ) from err
 
 
 # --- 2. normalise ------------------------------------------------------------------------------------------------
@@ -204,7 +208,8 @@ def load_conversations(cfg: DataConfig) -> datasets.Dataset:
         n_reply = len(ds)
         ds = ds.filter(lambda row: not any(m["role"] == "user" and _norm_text(m["content"]) in excluded
                                            for m in row["messages"]))
-        dropped = f"{n_norm - n_reply} without a user -> assistant exchange, {n_reply - len(ds)} repeating an MT-bench question"
+        dropped = (f"{n_norm - n_reply} without a user -> assistant exchange, "
+                   f"{n_reply - len(ds)} repeating an MT-bench question")
     if len(ds) == 0:
         raise ValueError(f"no usable rows left in {cfg.source!r} after filtering: {n_raw} loaded, {dropped}")
     log.info("%s: %d rows loaded, %s, %d kept", cfg.source, n_raw, dropped, len(ds))
@@ -219,7 +224,9 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
-def tokenize_conversation(messages: list[dict], tokenizer: PreTrainedTokenizerBase, max_length: int) -> tuple[list[int], list[int]]:
+def tokenize_conversation(
+    messages: list[dict], tokenizer: PreTrainedTokenizerBase, max_length: int
+) -> tuple[list[int], list[int]]:
     """-> (input_ids, labels), truncated to max_length; labels = id on assistant reply tokens + end-of-turn, else -100.
 
     The template is rendered prefix by prefix: reply i occupies the characters between the rendering of
@@ -228,8 +235,8 @@ def tokenize_conversation(messages: list[dict], tokenizer: PreTrainedTokenizerBa
     boundary). Tokens after the reply's last end-of-turn token (e.g. the "\\n" after <|im_end|>) stay -100.
     """
     if tokenizer.chat_template is None:
-        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat template: expected a chat model's tokenizer "
-                         "(or use a dataset with a plain 'text' column)")
+        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat template: expected a chat model's "
+                         "tokenizer (or use a dataset with a plain 'text' column)")
     full = _render(tokenizer, messages)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, starts = enc["input_ids"], [a for a, _ in enc["offset_mapping"]]
@@ -241,7 +248,8 @@ def tokenize_conversation(messages: list[dict], tokenizer: PreTrainedTokenizerBa
         before, through = _render(tokenizer, messages[:i], True), _render(tokenizer, messages[: i + 1])
         if not (full.startswith(before) and full.startswith(through)):
             raise ValueError(f"the chat template of {tokenizer.name_or_path!r} does not render conversations "
-                             f"incrementally (turn {i} renders differently as a prefix); cannot locate assistant tokens")
+                             f"incrementally (turn {i} renders differently as a prefix); "
+                             "cannot locate assistant tokens")
         lo, hi = bisect.bisect_left(starts, len(before)), bisect.bisect_left(starts, len(through))
         if lo >= max_length:
             break
@@ -315,7 +323,8 @@ def split_indices(n: int, eval_fraction: float, seed: int) -> tuple[list[int], l
 
 
 def build_datasets(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """(train, eval), each row: input_ids [T] and labels [T] (token id on assistant tokens, -100 elsewhere), T <= max_length.
+    """(train, eval), each row: input_ids [T] and labels [T] (token id on assistant tokens, -100 elsewhere),
+    T <= max_length.
 
     The split is made on conversations before tokenising and packing, so no conversation is in both.
     """

@@ -137,8 +137,10 @@ def _check_manifest(out: Path, manifest: dict) -> None:
     os.replace(tmp, path)
 
 
-def distill(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, data: DataConfig, out: str | Path,
-            cfg: DistillConfig = DistillConfig(), max_shards: int | None = None, model_name: str | None = None) -> Path | None:
+def distill(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, data: DataConfig, out: str | Path,
+    cfg: DistillConfig = DistillConfig(), max_shards: int | None = None, model_name: str | None = None,
+) -> Path | None:
     """Regenerate the conversations of ``data`` (source, split, max_conversations, MT-bench exclusion) into ``out``.
 
     Returns ``out`` once the dataset is complete, or None when it stopped after ``max_shards`` new shards (run again
@@ -208,16 +210,21 @@ def main(argv: list[str] | None = None) -> Path | None:
                     "usable as the data source of training (DataConfig source=OUT).")
     p.add_argument("--model", required=True, help="target model: a Hub id, a local directory, a .gguf file, or "
                                                    "'smollm2-135m-instruct' (the offline default)")
-    p.add_argument("--source", default="sharegpt", help="conversations: 'sharegpt', a .json/.jsonl/.parquet file, "
-                                                        "a save_to_disk directory or a Hub dataset id (default: sharegpt)")
+    p.add_argument("--source", default="sharegpt",
+                   help="conversations: 'sharegpt', a .json/.jsonl/.parquet file, a save_to_disk directory "
+                        "or a Hub dataset id (default: sharegpt)")
     p.add_argument("--split", default="train", help="split of a Hub dataset (default: train)")
     p.add_argument("--out", required=True, help="output directory (created; also holds the resumable shards)")
     p.add_argument("--max-conversations", type=int, default=None, help="regenerate only the first N conversations")
-    p.add_argument("--max-new-tokens", type=int, default=DistillConfig.max_new_tokens, help="per reply (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=DistillConfig.batch_size, help="prompts per generate call (default: %(default)s)")
-    p.add_argument("--shard-size", type=int, default=DistillConfig.shard_size, help="conversations per saved shard (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=DistillConfig.max_new_tokens,
+                   help="per reply (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=DistillConfig.batch_size,
+                   help="prompts per generate call (default: %(default)s)")
+    p.add_argument("--shard-size", type=int, default=DistillConfig.shard_size,
+                   help="conversations per saved shard (default: %(default)s)")
     p.add_argument("--max-prompt-length", type=int, default=DistillConfig.max_prompt_length,
-                   help="stop a conversation once its next prompt is longer than this many tokens (default: %(default)s)")
+                   help="stop a conversation once its next prompt is longer than this many tokens "
+                        "(default: %(default)s)")
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (with --do-sample)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (with --do-sample)")
@@ -225,7 +232,8 @@ def main(argv: list[str] | None = None) -> Path | None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (each shard uses seed + shard index)")
     p.add_argument("--dtype", default="float32", help="model dtype: float32, bfloat16, float16 (default: float32)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    p.add_argument("--max-shards", type=int, default=None, help="stop after writing this many new shards (resume later)")
+    p.add_argument("--max-shards", type=int, default=None,
+                   help="stop after writing this many new shards (resume later)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 is faster on a CPU shared with other jobs)")
     args = p.parse_args(argv)
@@ -241,7 +249,8 @@ def main(argv: list[str] | None = None) -> Path | None:
                         do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                         max_prompt_length=args.max_prompt_length, seed=args.seed)
     result = distill(model, tokenizer, data, args.out, cfg, max_shards=args.max_shards, model_name=args.model)
-    print(f"distilled dataset: {result}" if result else f"stopped after --max-shards {args.max_shards}; rerun to resume")
+    print(f"distilled dataset: {result}" if result
+          else f"stopped after --max-shards {args.max_shards}; rerun to resume")
     return result
 
 

