@@ -31,13 +31,13 @@ import dataclasses
 import json
 import logging
 import math
+import random
 import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
-import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
@@ -318,8 +318,9 @@ def split_indices(n: int, eval_fraction: float, seed: int) -> tuple[list[int], l
     if n_eval >= n:
         raise ValueError(f"eval_fraction={eval_fraction} leaves no training rows out of {n} conversations: "
                          "use more data or a smaller eval_fraction")
-    perm = np.random.default_rng(seed).permutation(n)
-    return sorted(perm[n_eval:].tolist()), sorted(perm[:n_eval].tolist())
+    perm = list(range(n))
+    random.Random(seed).shuffle(perm)
+    return sorted(perm[n_eval:]), sorted(perm[:n_eval])
 
 
 def build_datasets(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[datasets.Dataset, datasets.Dataset]:
