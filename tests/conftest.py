@@ -1,0 +1,120 @@
+"""Shared fixtures: tiny randomly initialised decoder-only models built from configs (no downloads), and helpers.
+
+Every tiny model has hidden size 32, 2 layers and a vocabulary of 64. Weights are drawn with ``initializer_range=0.1``
+(5x transformers' default): the logits are spread out enough for clear greedy winners, and greedy continuations fall into
+repeats, so the n-gram drafter gets real accepted runs (about half the tokens) instead of testing only rejections.
+
+Torch runs on one thread: these models are too small to gain from more, and on a shared 2-core machine a second
+OpenMP thread makes every forward several times slower.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from selfspec.accept import Acceptance
+from selfspec.drafter import Draft, Drafter, DraftState
+
+torch.set_num_threads(1)
+
+VOCAB = 64
+ARCHS = ("llama", "qwen2", "mistral", "gemma3", "gpt2")
+
+_COMMON = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1,
+    bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
+)
+
+
+def tiny_model(arch: str, vocab: int = VOCAB, seed: int | None = None, max_positions: int = 256, **overrides) -> PreTrainedModel:
+    """A tiny random decoder-only causal LM of the given architecture, in fp32, eval mode, deterministic per seed."""
+    common = dict(_COMMON, vocab_size=vocab, max_position_embeddings=max_positions)
+    if arch == "llama":
+        config, cls = LlamaConfig(**common), LlamaForCausalLM
+    elif arch == "qwen2":
+        config, cls = Qwen2Config(**common), Qwen2ForCausalLM
+    elif arch == "mistral":
+        config, cls = MistralConfig(**common, sliding_window=4 * max_positions), MistralForCausalLM
+    elif arch == "gemma3":
+        # sliding layers alternate with full ones; the window is larger than any test sequence
+        config = Gemma3TextConfig(
+            **common, head_dim=8, sliding_window=max_positions, layer_types=["sliding_attention", "full_attention"],
+        )
+        cls = Gemma3ForCausalLM
+    elif arch == "gpt2":
+        config = GPT2Config(
+            vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=max_positions, initializer_range=0.1,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        )
+        cls = GPT2LMHeadModel
+    else:
+        raise ValueError(f"unknown tiny architecture {arch!r}; expected one of {ARCHS}")
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(ARCHS.index(arch) if seed is None else seed)  # a different random model per architecture
+    model = cls(config).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    model.generation_config.bos_token_id = None
+    return model
+
+
+def reference(model: PreTrainedModel, prompt: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
+    """The new tokens of plain greedy ``model.generate`` for prompt [T] (what selfspec must reproduce exactly)."""
+    with torch.inference_mode():
+        out = model.generate(
+            prompt[None], attention_mask=torch.ones_like(prompt)[None], max_new_tokens=max_new_tokens,
+            do_sample=False, eos_token_id=eos_token_id, pad_token_id=eos_token_id if eos_token_id is not None else 0,
+        )
+    return out[0, prompt.shape[0]:].tolist()
+
+
+def random_prompts(n: int, vocab: int, seed: int, min_len: int = 3, max_len: int = 14) -> list[torch.Tensor]:
+    """n prompts of random tokens with lengths in [min_len, max_len]; some repeat a span, so n-gram lookup finds hits."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = []
+    for i in range(n):
+        t = int(torch.randint(min_len, max_len + 1, (), generator=g))
+        p = torch.randint(0, vocab, (t,), generator=g)
+        if i % 3 == 0 and t >= 6:  # repeat the opening span at the end
+            p = torch.cat([p, p[: t // 2]])
+        prompts.append(p)
+    return prompts
+
+
+class Recording:
+    """Wraps a drafter and keeps every (draft, acceptance) pair and the loop's cache, for assertions."""
+
+    def __init__(self, inner: Drafter):
+        self.inner = inner
+        self.records: list[tuple[Draft, Acceptance]] = []
+        self.states: list[DraftState] = []
+
+    def draft(self, state: DraftState) -> Draft:
+        self.states.append(state)
+        return self.inner.draft(state)
+
+    def update(self, draft: Draft, acceptance: Acceptance) -> None:
+        self.records.append((draft, acceptance))
+        self.inner.update(draft, acceptance)
+
+
+@pytest.fixture(scope="session")
+def tiny_models() -> dict[str, PreTrainedModel]:
+    """One tiny model per architecture, built once per session."""
+    return {arch: tiny_model(arch) for arch in ARCHS}
