@@ -16,7 +16,10 @@ V vocabulary.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+import json
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -136,3 +139,113 @@ class LayerSkipDrafter(PartialModelDrafter):
                 raise ValueError(f"depth (draft tokens per step) must be >= 1, found {depth}")
             tree = Tree.chain(depth)
         super().__init__(target, {i: hf.Passthrough() for i in self.skip_layers}, tree, stop_below)
+
+
+# ------------------------------------------------------------------------------------------------ config checkpoint
+CONFIG_NAME = "config.json"
+DRAFT_TYPE = "layerskip"
+
+
+@dataclass(frozen=True)
+class LayerSkipConfig:
+    """A searched skip set, saved as ``config.json`` in a checkpoint directory (no weights: the target drafts)."""
+
+    base_model: str
+    """the model the skip set was searched on (Hub id or name)."""
+    num_hidden_layers: int
+    """its number of decoder layers; a target with another count is refused."""
+    skip_layers: tuple[int, ...]
+    """decoder layers the draft skips (0-based)."""
+    draft_depth: int
+    """draft tokens per step (the chain length) used in the search."""
+    stop_below: float = 0.0
+    """drafting stops when the draft's top-1 probability falls below this (0 = never)."""
+    measured: dict[str, float] = field(default_factory=dict)
+    """what the search measured for this skip set (tokens/s, mean accepted tokens, plain tokens/s, ...)."""
+    draft_type: str = DRAFT_TYPE
+
+    def __post_init__(self) -> None:
+        if self.draft_type != DRAFT_TYPE:
+            raise ValueError(f"draft_type must be {DRAFT_TYPE!r} for a layer-skip config, found {self.draft_type!r}")
+        if not isinstance(self.num_hidden_layers, int) or self.num_hidden_layers < 2:
+            raise ValueError(f"num_hidden_layers must be an integer >= 2, found {self.num_hidden_layers!r}")
+        object.__setattr__(self, "skip_layers", check_skip_layers(self.skip_layers, self.num_hidden_layers))
+        if not isinstance(self.draft_depth, int) or self.draft_depth < 1:
+            raise ValueError(f"draft_depth must be an integer >= 1, found {self.draft_depth!r}")
+        check_stop_below(self.stop_below)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["skip_layers"] = list(self.skip_layers)
+        return {"draft_type": out.pop("draft_type"), **out}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "the config") -> "LayerSkipConfig":
+        """Strict: unknown keys, missing keys and wrong JSON types fail, naming the key, the expected and the found."""
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ValueError(f"{source} has unknown keys {unknown}; a layer-skip config has {sorted(known)}")
+        kinds: dict[str, tuple[type, ...]] = {
+            "base_model": (str,), "num_hidden_layers": (int,), "skip_layers": (list,), "draft_depth": (int,),
+            "stop_below": (float, int), "measured": (dict,), "draft_type": (str,),
+        }
+        for key, value in data.items():
+            if not isinstance(value, kinds[key]) or isinstance(value, bool):
+                want = " or ".join(k.__name__ for k in kinds[key])
+                raise TypeError(f"{source}: {key} must be {want}, found {type(value).__name__} {value!r}")
+        missing = [f.name for f in known.values() if f.name not in data and f.default is MISSING and f.default_factory is MISSING]
+        if missing:
+            raise ValueError(f"{source} lacks keys {missing}")
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in data["skip_layers"]):
+            raise TypeError(f"{source}: skip_layers must be a list of integers, found {data['skip_layers']!r}")
+        return cls(**{**data, "skip_layers": tuple(data["skip_layers"]), "stop_below": float(data.get("stop_below", 0.0))})
+
+    def save(self, directory: str | Path) -> Path:
+        """Write ``directory/config.json`` (the directory is created); returns the file's path."""
+        path = Path(directory) / CONFIG_NAME
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path_or_repo_id: str | Path, revision: str | None = None) -> "LayerSkipConfig":
+        """From a checkpoint directory, its config.json itself, or a Hub repo id."""
+        path = Path(path_or_repo_id).expanduser()
+        if path.is_dir():
+            path = path / CONFIG_NAME
+            if not path.is_file():
+                raise FileNotFoundError(f"{path.parent} has no {CONFIG_NAME}: expected a layer-skip checkpoint directory")
+        elif not path.is_file():
+            if str(path_or_repo_id).startswith((".", "/", "~")) or str(path_or_repo_id).count("/") != 1:
+                raise FileNotFoundError(f"layer-skip checkpoint {path_or_repo_id} does not exist (expected a directory, its "
+                                        f"{CONFIG_NAME}, or a Hub repo id 'owner/name')")
+            from huggingface_hub import hf_hub_download
+
+            path = Path(hf_hub_download(str(path_or_repo_id), CONFIG_NAME, revision=revision))
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON: {err}") from err
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} should hold a JSON object, found {type(data).__name__}")
+        return cls.from_dict(data, source=str(path))
+
+
+def load_drafter(
+    path_or_repo_id: str | Path, target: Target, revision: str | None = None,
+    tree: Tree | Sequence[Sequence[int]] | None = None,
+) -> LayerSkipDrafter:
+    """The drafter a layer-skip checkpoint describes, on ``target``; tree=None drafts a chain of its draft_depth."""
+    config = LayerSkipConfig.load(path_or_repo_id, revision)
+    layers = len(hf.decoder_layers(target.model))
+    if layers != config.num_hidden_layers:
+        raise ValueError(
+            f"this skip set was searched on {config.base_model} with {config.num_hidden_layers} layers, but the target "
+            f"has {layers}: pass the model it was searched on, or search a skip set for this one"
+        )
+    if tree is not None and not isinstance(tree, Tree):
+        tree = Tree.from_choices(tree)
+    return LayerSkipDrafter(target, config.skip_layers, depth=config.draft_depth, tree=tree, stop_below=config.stop_below)

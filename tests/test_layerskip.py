@@ -4,6 +4,8 @@ and its config checkpoint."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import random_prompts, reference, tiny_model
@@ -11,7 +13,8 @@ from conftest import random_prompts, reference, tiny_model
 from selfspec import hf
 from selfspec.drafter import DraftState
 from selfspec.generate import generate
-from selfspec.layerskip import LayerSkipDrafter
+from selfspec.layerskip import LayerSkipConfig, LayerSkipDrafter, load_drafter
+from selfspec.layerskip_search import Measurement, search_skip_layers
 from selfspec.sampling import Sampling
 from selfspec.target import Target
 from selfspec.tree import Tree
@@ -173,3 +176,108 @@ def test_bad_depth_and_threshold_are_refused(models):
         LayerSkipDrafter(target, (1,), depth=0)
     with pytest.raises(ValueError, match="stop_below"):
         LayerSkipDrafter(target, (1,), stop_below=1.0)
+
+
+# ------------------------------------------------------------------------------------------- search and checkpoint
+def fake_score(speeds: dict[tuple[int, ...], float], calls: list):
+    """A deterministic stand-in for timing: tokens/s looked up per skip set (1.0 when not listed)."""
+    def score(skip):
+        calls.append(skip)
+        return Measurement(new_tokens=int(speeds.get(skip, 1.0) * 100), seconds=100.0, steps=10)
+    return score
+
+
+def test_greedy_search_adds_the_fastest_layer_each_round_and_stops_without_gain(models):
+    target = Target(models["llama"])
+    speeds = {(2,): 3.0, (0, 2): 2.0, (1, 2): 4.0, (2, 3): 3.5, (0, 1, 2): 3.9, (1, 2, 3): 3.0}
+    calls: list = []
+    result = search_skip_layers(target, random_prompts(1, VOCAB, seed=0), max_new_tokens=2,
+                                score=fake_score(speeds, calls))
+    assert calls == [(0,), (1,), (2,), (3,), (0, 2), (1, 2), (2, 3), (0, 1, 2), (1, 2, 3)]
+    assert result.skip_layers == (1, 2) and result.best.tokens_per_s == 4.0
+    assert [s for s, _ in result.trials] == calls and result.plain.new_tokens == 2
+
+
+def test_search_respects_candidates_max_skip_patience_and_per_round(models):
+    target = Target(models["llama"])
+    prompts = random_prompts(1, VOCAB, seed=0)
+    calls: list = []
+    search_skip_layers(target, prompts, max_new_tokens=2, candidates=[1, 3], score=fake_score({}, calls))
+    assert calls == [(1,), (3,), (1, 3)]  # only the candidates; round 2 gains nothing, and patience is 1
+    calls.clear()
+    speeds = {(0,): 2.0, (0, 1): 1.0, (0, 1, 2): 5.0}
+    result = search_skip_layers(target, prompts, max_new_tokens=2, patience=2, score=fake_score(speeds, calls))
+    assert result.skip_layers == (0, 1, 2) and len(calls) == 4 + 3 + 2
+    calls.clear()
+    search_skip_layers(target, prompts, max_new_tokens=2, per_round=2, max_skip=2, patience=2, seed=1,
+                       score=fake_score({}, calls))
+    assert [len(c) for c in calls] == [1, 1, 2, 2] and len(set(calls)) == 4
+    for bad in (dict(candidates=[4]), dict(max_skip=4), dict(patience=0), dict(per_round=0)):
+        with pytest.raises(ValueError):
+            search_skip_layers(target, prompts, score=fake_score({}, []), **bad)
+
+
+def test_real_search_saves_a_checkpoint_that_decodes_like_generate(models, tmp_path):
+    model = models["llama"]
+    target = Target(model)
+    prompts = random_prompts(2, VOCAB, seed=4)
+    result = search_skip_layers(target, prompts, depth=3, max_new_tokens=8, candidates=[1, 2], max_skip=1)
+    assert result.skip_layers in ((1,), (2,)) and [s for s, _ in result.trials] == [(1,), (2,)]
+    assert result.plain.new_tokens == 16 == result.best.new_tokens and result.plain.steps == 16
+    assert result.best.tokens_per_s == max(m.tokens_per_s for _, m in result.trials)
+    config = result.config("tiny-llama", LAYERS, draft_depth=3, stop_below=0.1)
+    path = config.save(tmp_path / "skip")
+    data = json.loads(path.read_text())
+    assert data["draft_type"] == "layerskip" and data["skip_layers"] == list(result.skip_layers)
+    assert data["measured"]["mean_accepted"] == result.best.mean_accepted
+    assert LayerSkipConfig.load(tmp_path / "skip") == config == LayerSkipConfig.load(path)
+    drafter = load_drafter(tmp_path / "skip", target)
+    assert drafter.skip_layers == result.skip_layers and drafter.tree == Tree.chain(3) and drafter.stop_below == 0.1
+    tree_drafter = load_drafter(str(tmp_path / "skip"), target, tree=[[0], [1], [0, 0]])
+    assert tree_drafter.tree == Tree.from_choices([[0], [1], [0, 0]])
+    for prompt in prompts:
+        assert generate(target, drafter, prompt, 16).tokens == reference(model, prompt, 16)
+
+
+def test_config_is_strict_and_refuses_another_layer_count(models, tmp_path):
+    good = dict(draft_type="layerskip", base_model="m", num_hidden_layers=4, skip_layers=[1, 2], draft_depth=3,
+                stop_below=0.0, measured={})
+    assert LayerSkipConfig.from_dict(good).skip_layers == (1, 2)
+    cases = [
+        ({**good, "extra": 1}, ValueError, "unknown keys"),
+        ({**good, "num_hidden_layers": "4"}, TypeError, "num_hidden_layers must be int"),
+        ({**good, "draft_depth": True}, TypeError, "draft_depth must be int"),
+        ({**good, "skip_layers": [1.5]}, TypeError, "list of integers"),
+        ({k: v for k, v in good.items() if k != "skip_layers"}, ValueError, "lacks keys"),
+        ({**good, "skip_layers": [0, 1, 2, 3]}, ValueError, "all 4"),
+        ({**good, "draft_type": "medusa"}, ValueError, "draft_type"),
+    ]
+    for data, error, message in cases:
+        with pytest.raises(error, match=message):
+            LayerSkipConfig.from_dict(data)
+    LayerSkipConfig.from_dict({**good, "num_hidden_layers": 6}).save(tmp_path / "six")
+    with pytest.raises(ValueError, match="6 layers, but the target has 4"):
+        load_drafter(tmp_path / "six", Target(models["llama"]))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_drafter(tmp_path / "missing", Target(models["llama"]))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_drafter(tmp_path / "empty", Target(models["llama"]))
+
+
+@pytest.mark.smollm2
+def test_smollm2_fp32_greedy_is_token_identical_to_generate():
+    from selfspec.layerskip_search import calibration_inputs
+    from selfspec.models import load_model
+
+    model, tokenizer = load_model()
+    target = Target(model)
+    prompts = calibration_inputs(tokenizer, 3)
+    assert all(p.dim() == 1 and p.shape[0] > 10 for p in prompts)
+    drafter = LayerSkipDrafter(target, tuple(range(4, 26, 2)), depth=4, stop_below=0.2)
+    gained = 0
+    for prompt in prompts:
+        out = generate(target, drafter, prompt, 24)
+        assert out.tokens == reference(model, prompt, 24)
+        gained += len(out.tokens) - len(out.steps)
+    assert gained > 0  # some drafts were accepted
