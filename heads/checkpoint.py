@@ -8,6 +8,8 @@ Saving is atomic: files are written to a temporary directory next to the target;
 place whole, an existing one gets each file replaced atomically (weights first, config.json last) so other files
 there (a git clone of the repo, say) are left alone. Loading is strict: unknown config keys, missing or unexpected
 tensors, shapes that disagree with config.json, a corrupt or truncated file, or a base of another size all raise.
+Publishing (``push_folder`` / ``push_heads``) checks a checkpoint the same way, then uploads config.json,
+model.safetensors and a model card written for the repo in one Hub commit (heads/hub.py).
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from huggingface_hub import ModelCardData, create_branch, create_repo, snapshot_download, upload_folder
+from huggingface_hub import ModelCardData, snapshot_download
 from huggingface_hub.errors import HFValidationError, HfHubHTTPError, LocalEntryNotFoundError
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 from transformers import PreTrainedModel
 
+from heads.hub import Published, check_repo_id, publish
 from heads.medusa import MedusaConfig, MedusaHeads, base_sizes
 from heads.tree_search import expected_accept_length
 from selfspec.models import BUILTIN
@@ -188,29 +191,35 @@ def checkpoint_files(directory: Path) -> list[str]:
     return [name for name in FILES if (directory / name).is_file()]
 
 
+def publish_files(directory: Path, repo_id: str) -> dict[str, Path | bytes]:
+    """What a publish of ``directory`` to ``repo_id`` uploads: config.json and model.safetensors as saved (after a
+    strict check), and README.md generated from config.json for ``repo_id`` (so its usage snippet names the repo)."""
+    checkpoint_files(directory)
+    card = model_card(read_config(directory), repo_id).encode()
+    return {CONFIG: directory / CONFIG, WEIGHTS: directory / WEIGHTS, CARD: card}
+
+
 def push_folder(
     directory: str | Path, repo_id: str, private: bool = False, revision: str | None = None, token: str | None = None,
-    dry_run: bool = False, commit_message: str = "Upload Medusa heads (selfspec)",
-) -> list[str] | Any:
-    """Publish a saved checkpoint directory (only its checkpoint files) in one Hub commit.
+    dry_run: bool = False, commit_message: str = "Upload Medusa heads (selfspec)", endpoint: str | None = None,
+) -> list[str] | Published:
+    """Publish a saved checkpoint directory to the Hub in one commit (heads.hub.publish: all files or none).
 
-    dry_run: return the files that would be uploaded; nothing is sent. Otherwise the CommitInfo of the upload. The
-    token comes from ``token`` or the usual places (HF_TOKEN, ``hf auth login``).
+    dry_run: check the checkpoint and the repo id, return the files that would be uploaded; nothing is sent.
+    Otherwise a ``Published`` record; any failure raises ``heads.hub.PublishError`` saying what the repo holds now.
+    The token comes from ``token`` or the usual places (HF_TOKEN, ``hf auth login``); ``endpoint`` defaults to
+    HF_ENDPOINT / huggingface.co.
     """
-    files = checkpoint_files(Path(directory))
+    check_repo_id(repo_id)
+    files = publish_files(Path(directory).expanduser(), repo_id)
     if dry_run:
-        return files
-    create_repo(repo_id, token=token, private=private, repo_type="model", exist_ok=True)
-    if revision is not None and revision != "main":
-        create_branch(repo_id, branch=revision, token=token, repo_type="model", exist_ok=True)
-    return upload_folder(
-        repo_id=repo_id, folder_path=str(directory), allow_patterns=files, revision=revision, token=token,
-        repo_type="model", commit_message=commit_message,
-    )
+        return list(files)
+    return publish(files, repo_id, private=private, revision=revision, token=token, commit_message=commit_message,
+                   endpoint=endpoint)
 
 
-def push_heads(heads: MedusaHeads, repo_id: str, **kwargs: Any) -> list[str] | Any:
-    """save_pretrained into a temporary directory (model card naming ``repo_id``) and push_folder it."""
+def push_heads(heads: MedusaHeads, repo_id: str, **kwargs: Any) -> list[str] | Published:
+    """save_pretrained into a temporary directory and push_folder it (same keyword arguments)."""
     with tempfile.TemporaryDirectory(prefix="selfspec-push-") as tmp:
         directory = save_heads(heads, Path(tmp) / "heads", repo_id=repo_id)
         return push_folder(directory, repo_id, **kwargs)

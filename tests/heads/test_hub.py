@@ -1,0 +1,214 @@
+"""Publishing over real HTTP: heads go up to a local Hub-compatible server (tests/hub_server.py) through
+huggingface_hub and come back through the Hub cache, bit for bit; every failure is reported as one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from huggingface_hub import constants
+from hub_server import TOKEN, HubServer, use_hub
+from safetensors.torch import load_file
+from tiny_chat_model import build, one_thread  # noqa: F401  (one_thread: generator used by the fixture below)
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+from heads import publish as publish_cli
+from heads.drafter import MedusaDrafter
+from heads.hub import PublishError
+from heads.medusa import MedusaConfig, MedusaHeads
+from selfspec import Target, generate
+from selfspec.registry import build_drafter, parse_draft
+
+REPO = "tester/tiny-heads"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    yield from one_thread()
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    path = build(tmp_path_factory.mktemp("chat") / "model")
+    return LlamaForCausalLM.from_pretrained(path).eval(), PreTrainedTokenizerFast.from_pretrained(path)
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    with HubServer() as server:
+        use_hub(monkeypatch, server, tmp_path / "hf-home")
+        yield server
+
+
+def heads_for(model, seed: int = 0, **kwargs) -> MedusaHeads:
+    """Heads with small random weights everywhere (as if trained): drafts differ from the LM head's."""
+    config = MedusaConfig.for_model(model, base_model="tiny-chat", num_heads=3, num_layers=1,
+                                    tree=[[0], [1], [0, 0], [0, 0, 0]], head_accuracy=[[0.5, 0.2]] * 3, **kwargs)
+    heads = MedusaHeads(config, model.get_output_embeddings())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return heads
+
+
+def same_tensors(a: MedusaHeads, b: MedusaHeads) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) and sa[k].dtype == sb[k].dtype for k in sa)
+
+
+def decode(model, tokenizer, drafter) -> tuple[list[int], str]:
+    messages = [{"role": "user", "content": "write a short story about the sea"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")["input_ids"]
+    out = generate(Target(model), drafter, ids, max_new_tokens=24)
+    return out.tokens, tokenizer.decode(out.tokens)
+
+
+def test_publish_download_load_decode_then_offline(chat, hub, tmp_path):
+    model, tokenizer = chat
+    heads = heads_for(model)
+    local = heads.save_pretrained(tmp_path / "local")
+    published = heads.push_to_hub(REPO)
+    assert published.repo_id == REPO and published.revision == "main" and published.changed
+    assert published.files == ("config.json", "model.safetensors", "README.md")
+    stored = hub.files(REPO)
+    assert published.commit == hub.repos[REPO].branches["main"]
+    assert stored["config.json"] == (local / "config.json").read_bytes()
+    uploaded, saved = safetensors.torch.load(stored["model.safetensors"]), load_file(local / "model.safetensors")
+    assert uploaded.keys() == saved.keys() and all(torch.equal(uploaded[k], saved[k]) for k in saved)
+    assert f'load_drafter("{REPO}", target)' in stored["README.md"].decode()  # the card names the repo
+
+    loaded = MedusaHeads.from_pretrained(REPO, model)
+    assert loaded.config == heads.config and same_tensors(loaded, heads)
+    cached = Path(constants.HF_HUB_CACHE) / "models--tester--tiny-heads"
+    assert cached.is_dir()  # through the (test's own) Hub cache
+
+    expected = decode(model, tokenizer, MedusaDrafter(heads, heads.config.tree))
+    assert decode(model, tokenizer, MedusaDrafter(loaded, loaded.config.tree)) == expected
+    assert expected[1] == tokenizer.decode(expected[0]) and len(expected[0]) == 24
+    via_registry = build_drafter(parse_draft(REPO), Target(model))  # what `--draft tester/tiny-heads` does
+    assert decode(model, tokenizer, via_registry) == expected
+
+    # a second load needs no network: HF_HUB_OFFLINE=1 refuses every request, and the server sees none
+    seen = len(hub.requests)
+    with pytest.MonkeyPatch.context() as offline:
+        offline.setattr(constants, "HF_HUB_OFFLINE", True)
+        again = MedusaHeads.from_pretrained(REPO, model)
+        assert decode(model, tokenizer, build_drafter(parse_draft(REPO), Target(model))) == expected
+    assert same_tensors(again, heads) and len(hub.requests) == seen
+
+    # publishing the same files again makes no new commit
+    commits = len(hub.repos[REPO].commits)
+    same = heads.push_to_hub(REPO)
+    assert not same.changed and same.commit == published.commit and len(hub.repos[REPO].commits) == commits
+
+
+def test_private_repo_on_a_branch(chat, hub, monkeypatch):
+    model, _ = chat
+    heads = heads_for(model, projection="own")
+    published = heads.push_to_hub(REPO, private=True, revision="exp")
+    assert published.revision == "exp" and hub.repos[REPO].private
+    assert set(hub.files(REPO, "exp")) == {".gitattributes", "config.json", "model.safetensors", "README.md"}
+    assert set(hub.files(REPO, "main")) == {".gitattributes"}  # main is untouched
+
+    monkeypatch.delenv("HF_TOKEN")  # anonymous: the private repo does not exist for us
+    with pytest.raises(FileNotFoundError, match=f"'{REPO}' is not a local directory and could not be fetched.*revision exp"):
+        MedusaHeads.from_pretrained(REPO, model, revision="exp")
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    assert same_tensors(MedusaHeads.from_pretrained(REPO, model, revision="exp"), heads)
+
+    heads.push_to_hub("tester/public-heads")
+    with pytest.raises(PublishError, match="tester/public-heads already exists and is public.*nothing was published"):
+        heads.push_to_hub("tester/public-heads", private=True)
+
+
+def test_no_token_is_refused_before_any_request(chat, hub, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN")
+    with pytest.raises(PublishError, match=f"cannot publish to {REPO}: no token found; pass --token / token=, set HF_TOKEN"):
+        heads_for(chat[0]).push_to_hub(REPO)
+    assert hub.requests == []
+
+
+def test_a_wrong_token_is_reported_and_nothing_is_published(chat, hub):
+    with pytest.raises(PublishError, match=r"while creating the repo: the Hub refused the token \(401: Invalid credentials"):
+        heads_for(chat[0]).push_to_hub(REPO, token="hf_not_the_right_one")
+    assert hub.repos == {}
+
+
+def test_wrong_repo_ids(chat, hub):
+    model, _ = chat
+    heads = heads_for(model)
+    for bad in ("not a repo id", "tiny-heads", "a/b/c"):
+        with pytest.raises(ValueError, match=f"{bad!r} is not a Hub repo id: expected 'owner/name'"):
+            heads.push_to_hub(bad)
+    assert hub.requests == []
+    with pytest.raises(PublishError, match=r"no write access to someone-else/heads \(403: .*namespace 'someone-else'"):
+        heads.push_to_hub("someone-else/heads")
+    with pytest.raises(FileNotFoundError, match="'tester/no-such-heads' is not a local directory and could not be fetched"):
+        MedusaHeads.from_pretrained("tester/no-such-heads", model)
+
+
+@pytest.mark.parametrize("fault", ["500", "drop"])
+def test_a_failed_upload_is_reported_as_failed(chat, hub, fault):
+    heads = heads_for(chat[0])
+    hub.fail_next("commit", fault)
+    why = r"the Hub answered 500" if fault == "500" else r"network error \(RemoteProtocolError"
+    with pytest.raises(PublishError, match=rf"publishing 3 files to {REPO} \(branch main\) failed while uploading and "
+                                           rf"committing: {why}.*Nothing was published: branch main is unchanged"):
+        heads.push_to_hub(REPO)
+    assert set(hub.files(REPO)) == {".gitattributes"}
+    assert heads.push_to_hub(REPO).changed  # the retry publishes
+
+
+def test_dry_run_lists_the_files_and_sends_nothing(chat, hub, tmp_path, capsys):
+    heads = heads_for(chat[0])
+    assert heads.push_to_hub(REPO, dry_run=True) == ["config.json", "model.safetensors", "README.md"]
+    directory = heads.save_pretrained(tmp_path / "ck")
+    assert publish_cli.main([str(directory), REPO, "--dry-run", "--private", "--revision", "exp"]) == 0
+    out = capsys.readouterr().out
+    assert f"dry run: would publish to {REPO} (branch exp, private) in one commit:" in out
+    size = (directory / "model.safetensors").stat().st_size
+    assert f"  model.safetensors  ({size:,} bytes)" in out and "README.md" in out
+    assert "token: HF_TOKEN; nothing was sent" in out
+    assert hub.requests == []
+
+
+def test_cli_publishes_and_reports_failures(chat, hub, tmp_path, capsys):
+    model, _ = chat
+    heads = heads_for(model)
+    directory = heads.save_pretrained(tmp_path / "ck")
+    hub.fail_next("commit", "500")
+    assert publish_cli.main([str(directory), REPO]) == 1
+    out, err = capsys.readouterr()
+    assert "published" not in out and err.startswith("publish failed: publishing 3 files") and "Nothing was published" in err
+
+    # the real command, configured only through the environment (HF_ENDPOINT, HF_HOME, HF_TOKEN)
+    run = subprocess.run([sys.executable, "-m", "heads.publish", str(directory), REPO, "--revision", "v1"],
+                         cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    commit = hub.repos[REPO].branches["v1"]
+    assert {name: hub.files(REPO, "v1")[name] for name in ("config.json", "model.safetensors")} == {
+        name: (directory / name).read_bytes() for name in ("config.json", "model.safetensors")}  # the files as saved
+    assert run.stdout.startswith(f"published 3 files: {REPO} branch v1 at commit {commit[:8]}")
+    assert same_tensors(MedusaHeads.from_pretrained(REPO, model, revision="v1"), heads)
+
+    config = directory / "config.json"
+    config.write_text(config.read_text().replace('"num_layers": 1', '"num_layers": 2'))
+    assert publish_cli.main([str(directory), REPO]) == 2
+    err = capsys.readouterr().err
+    assert "cannot publish" in err and "disagrees with config.json" in err and "missing tensors ['heads.0.blocks.1" in err
+
+
+def test_cli_help(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        publish_cli.main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: python -m heads.publish" in out and "--dry-run" in out and "--revision BRANCH" in out
+
