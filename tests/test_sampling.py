@@ -1,0 +1,79 @@
+"""process_logits is transformers' own warper chain (temperature, top-k, top-p), so selfspec and
+``model.generate(do_sample=True)`` sample from the same distribution; next_token draws from it."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from conftest import tiny_model
+from selfspec import Sampling, next_token, process_logits
+
+V = 64
+
+
+def hf_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """transformers' warpers in generate's order; logits [B, V] -> probs [B, V]."""
+    ids = torch.zeros(logits.shape[0], 1, dtype=torch.long)
+    scores = TemperatureLogitsWarper(s.temperature)(ids, logits.clone())
+    if s.top_k > 0:
+        scores = TopKLogitsWarper(s.top_k)(ids, scores)
+    if s.top_p < 1.0:
+        scores = TopPLogitsWarper(s.top_p)(ids, scores)
+    return scores.softmax(-1)
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p",
+    list(itertools.product([0.5, 0.8, 1.0, 1.7], [0, 1, 5, V], [1.0, 0.9, 0.5, 0.05])),
+)
+def test_process_logits_equals_transformers_warpers(temperature, top_k, top_p):
+    g = torch.Generator().manual_seed(int(temperature * 10) + top_k)
+    logits = torch.randn(16, V, generator=g) * 3
+    logits[8:] = logits[8:].round()  # half the rows full of exact ties, where the keep/remove rules differ most
+    s = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    ours, theirs = process_logits(logits, s), hf_probs(logits, s)
+    assert torch.equal(ours > 0, theirs > 0), "a different set of tokens survives top-k / top-p"
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-7)
+
+
+def test_process_logits_equals_what_generate_samples_from():
+    """generate(do_sample=True) reports its processed scores: their softmax is process_logits of its raw logits."""
+    model = tiny_model("llama")
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    s = Sampling(temperature=0.8, top_k=0, top_p=0.9)
+    torch.manual_seed(0)
+    out = model.generate(
+        prompt, attention_mask=torch.ones_like(prompt), do_sample=True, temperature=s.temperature, top_k=s.top_k,
+        top_p=s.top_p, max_new_tokens=6, output_scores=True, output_logits=True, return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    for raw, processed in zip(out.logits, out.scores):
+        torch.testing.assert_close(process_logits(raw, s), processed.softmax(-1), rtol=0, atol=1e-7)
+
+
+def test_process_logits_keeps_the_top_token_and_normalises():
+    logits = torch.tensor([[0.0, 5.0, 1.0, -2.0]])
+    p = process_logits(logits, Sampling(temperature=1.0, top_p=0.01))
+    assert p.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+    p = process_logits(logits, Sampling(temperature=0.8, top_k=2))
+    assert (p[0, [0, 3]] == 0).all() and float(p.sum()) == pytest.approx(1.0)
+    assert p.dtype == torch.float32
+
+
+def test_process_logits_refuses_greedy():
+    with pytest.raises(ValueError, match="process_logits is for sampling; greedy decoding takes the argmax"):
+        process_logits(torch.zeros(4), Sampling())
+
+
+def test_next_token():
+    logits = torch.tensor([0.5, 3.0, 2.9, -1.0])
+    assert next_token(logits, Sampling()) == 1
+    assert next_token(logits, Sampling(temperature=1.0, top_k=1)) == 1
+    s = Sampling(temperature=1.0)
+    a = [next_token(logits, s, torch.Generator().manual_seed(i)) for i in range(30)]
+    b = [next_token(logits, s, torch.Generator().manual_seed(i)) for i in range(30)]
+    assert a == b and {1, 2} <= set(a)  # seeded: reproducible, and really sampling
