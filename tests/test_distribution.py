@@ -1,0 +1,235 @@
+"""Lossless sampling: a tree drafter does not change the distribution of the sampled tokens.
+
+Method. The exact joint probability of the first tokens is enumerated from the target's own processed distributions
+(``process_logits``: temperature 0.8, top-p 0.9), samples are drawn with seeded generators, and a chi-square
+goodness-of-fit test compares counts with expectations (cells with an expected count below 5 are pooled; a sample in a
+cell of probability 0 fails outright).
+
+Bound. Each check rejects when its p-value is below ALPHA = 1e-3: a correct sampler fails a check with probability at
+most 1e-3 over the choice of seed (about 5e-3 for the whole file). The seeds are fixed, so the outcome is
+reproducible. The p-value uses the Wilson-Hilferty approximation of the chi-square tail (scipy is not a dependency);
+``test_chi_square_tail`` pins it against tabulated quantiles.
+
+Power. The same checks on deliberately wrong rules (always accept the first child; forget the residual after a
+rejection) must fail, so passing means something.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections import Counter
+from typing import Callable
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from selfspec import Acceptance, Draft, DraftState, Sampling, Target, Tree, generate, process_logits, sample_accept
+from selfspec.testing import RandomDrafter
+
+ALPHA = 1e-3
+LOOP_MODULE = importlib.import_module("selfspec.generate")  # the module (``selfspec.generate`` is the function)
+SAMPLING = Sampling(temperature=0.8, top_p=0.9)
+TREE = Tree.from_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)])  # 3 candidates, then 2 and 1 below them
+
+
+# ------------------------------------------------------------------------------------------------ the statistics
+def chi_square_sf(x: float, df: int) -> float:
+    """P(X >= x) for X ~ chi-square(df), by Wilson-Hilferty: (X/df)^(1/3) is close to normal."""
+    if x <= 0:
+        return 1.0
+    mean, var = 1.0 - 2.0 / (9 * df), 2.0 / (9 * df)
+    z = ((x / df) ** (1.0 / 3.0) - mean) / math.sqrt(var)
+    return 0.5 * math.erfc(z / math.sqrt(2.0))
+
+
+def goodness_of_fit(counts: Counter, probs: dict, n: int) -> float:
+    """p-value of counts (n samples) against exact cell probabilities; 0.0 if a sample fell where probability is 0."""
+    if any(probs.get(cell, 0.0) <= 0.0 for cell in counts):
+        return 0.0
+    cells = sorted(probs, key=lambda c: probs[c], reverse=True)
+    bins: list[tuple[float, int]] = []  # (expected, observed)
+    pooled_e, pooled_o = 0.0, 0
+    for cell in cells:
+        e = n * probs[cell]
+        if e >= 5.0:
+            bins.append((e, counts.get(cell, 0)))
+        else:
+            pooled_e, pooled_o = pooled_e + e, pooled_o + counts.get(cell, 0)
+    if pooled_e > 0:
+        if pooled_e < 5.0 and bins:  # too small on its own: merge with the smallest bin
+            e, o = bins.pop()
+            pooled_e, pooled_o = pooled_e + e, pooled_o + o
+        bins.append((pooled_e, pooled_o))
+    stat = sum((o - e) ** 2 / e for e, o in bins)
+    return chi_square_sf(stat, max(len(bins) - 1, 1))
+
+
+@pytest.mark.parametrize("df, x, p", [(10, 23.209, 1e-2), (10, 29.588, 1e-3), (30, 59.703, 1e-3), (100, 149.449, 1e-3),
+                                      (30, 29.336, 0.5)])
+def test_chi_square_tail(df, x, p):
+    """Against tabulated chi-square quantiles: within 10% at the tail probabilities used here."""
+    assert chi_square_sf(x, df) == pytest.approx(p, rel=0.1)
+
+
+# ------------------------------------------------------------------------------- deliberately wrong rules (power)
+def first_child_always(tree, tokens, p_target, q_draft=None, generator=None) -> Acceptance:
+    """Wrong: accepts the first child at every level, then samples the bonus from the target."""
+    node, path = 0, [0]
+    while tree.children[node]:
+        node = tree.children[node][0]
+        path.append(node)
+    return Acceptance(path=tuple(path), bonus=int(torch.multinomial(p_target[node].float(), 1, generator=generator)))
+
+
+def no_residual(tree, tokens, p_target, q_draft=None, generator=None) -> Acceptance:
+    """Wrong: the min(1, p/q) test, but after a rejection p is left as it was (no residual) for the next child and
+    the bonus."""
+    node, path = 0, [0]
+    while True:
+        p = p_target[node].double()
+        kept = None
+        for child in tree.children[node]:
+            c = int(tokens[child])
+            q = 1.0 if q_draft is None else float(q_draft[child, c])
+            if float(torch.rand((), generator=generator, dtype=torch.float64)) < min(1.0, float(p[c]) / max(q, 1e-30)):
+                kept = child
+                break
+        if kept is None:
+            return Acceptance(path=tuple(path), bonus=int(torch.multinomial(p.float(), 1, generator=generator)))
+        node = kept
+        path.append(node)
+
+
+# ------------------------------------------------------------------- the pure rule over stub distributions
+V_STUB = 6
+
+
+def _stub_world(seed: int):
+    """Target p0 [V] (first token) and p1 [V, V] (second token after the first); draft q0, q1 of the same shapes."""
+    g = torch.Generator().manual_seed(seed)
+    p0 = process_logits(torch.randn(V_STUB, generator=g) * 0.8, SAMPLING)
+    p1 = process_logits(torch.randn(V_STUB, V_STUB, generator=g) * 0.8, SAMPLING)
+    q0 = torch.softmax(torch.randn(V_STUB, generator=g), -1)  # a real draft distribution, unlike p
+    q1 = torch.softmax(torch.randn(V_STUB, V_STUB, generator=g), -1)
+    return p0, p1, q0, q1
+
+
+def _stub_samples(rule: Callable, drafts: str, n: int, seed: int) -> tuple[Counter, dict]:
+    """n draws of the first two tokens (x1, x2) through ``rule`` on TREE; returns counts and exact probabilities."""
+    p0, p1, q0, q1 = _stub_world(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    uniform = torch.full((V_STUB,), 1.0 / V_STUB)
+    counts: Counter = Counter()
+    n_nodes = len(TREE)
+    for _ in range(n):
+        tokens = torch.zeros(n_nodes, dtype=torch.long)
+        q = torch.zeros(n_nodes, V_STUB)
+        p = torch.zeros(n_nodes, V_STUB)
+        p[0] = p0
+        for i in range(1, n_nodes):
+            parent = TREE.parents[i]
+            dist = q0 if parent == 0 else q1[tokens[parent]]  # [V] the draft's distribution after the parent
+            if drafts == "sampled":  # i.i.d. from q: repeats among siblings are allowed
+                tokens[i] = torch.multinomial(dist, 1, generator=g)
+                q[i] = dist
+            else:  # deterministic: the draft's top candidates, rank r = r-th most likely under q
+                tokens[i] = torch.argsort(dist, descending=True)[TREE.ranks[i]]
+            p[i] = p1[tokens[i]] if TREE.depths[i] == 1 else uniform  # the bonus after depth 2 is not measured
+        acc = rule(TREE, tokens, p, q if drafts == "sampled" else None, generator=g)
+        emitted = [int(tokens[i]) for i in acc.path[1:]] + [acc.bonus]
+        if len(emitted) == 1:  # only the bonus: the next step would sample x2 from the target directly
+            emitted.append(int(torch.multinomial(p1[emitted[0]], 1, generator=g)))
+        counts[tuple(emitted[:2])] += 1
+    probs = {(a, b): float(p0[a] * p1[a, b]) for a in range(V_STUB) for b in range(V_STUB) if p0[a] * p1[a, b] > 0}
+    return counts, probs
+
+
+@pytest.mark.parametrize("drafts", ["sampled", "deterministic"])
+def test_sample_accept_keeps_the_target_distribution(drafts):
+    """Tree rejection sampling over stub distributions: the joint of the first two tokens is the target's."""
+    n = 4000
+    counts, probs = _stub_samples(sample_accept, drafts, n, seed=11)
+    assert goodness_of_fit(counts, probs, n) > ALPHA
+
+
+@pytest.mark.parametrize("rule, drafts", [(first_child_always, "sampled"), (first_child_always, "deterministic"),
+                                          (no_residual, "sampled"), (no_residual, "deterministic")])
+def test_the_check_catches_wrong_rules(rule, drafts):
+    n = 1500
+    counts, probs = _stub_samples(rule, drafts, n, seed=11)
+    assert goodness_of_fit(counts, probs, n) < ALPHA
+
+
+# ---------------------------------------------------------------------------- through the decoding loop
+V_LOOP = 8
+PROMPT = torch.tensor([1, 2, 3, 4])
+
+
+class SampledTreeDrafter:
+    """Draws every node's token i.i.d. from a fixed distribution per depth (a real q, blind to the context)."""
+
+    def __init__(self, tree: Tree, q_by_depth: torch.Tensor, seed: int):
+        self.tree, self.q_by_depth = tree, q_by_depth  # [depth, V]
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def draft(self, state: DraftState) -> Draft:
+        q = torch.zeros(len(self.tree), self.q_by_depth.shape[-1])  # [N, V]
+        tokens = state.tokens[-1:].repeat(len(self.tree))  # [N]
+        for i in range(1, len(self.tree)):
+            q[i] = self.q_by_depth[self.tree.depths[i] - 1]
+            tokens[i] = torch.multinomial(q[i], 1, generator=self.generator)
+        return Draft(tree=self.tree, tokens=tokens, q=q)
+
+    def update(self, draft: Draft, acceptance: Acceptance) -> None:
+        return None
+
+
+@pytest.fixture(scope="module")
+def loop_world():
+    """A vocabulary-8 model and the exact joint of its first three sampled tokens after PROMPT."""
+    model = tiny_model("llama", vocab=V_LOOP, initializer_range=0.3, seed=1)
+    grid = torch.cartesian_prod(torch.arange(V_LOOP), torch.arange(V_LOOP))  # [V*V, 2] every (x1, x2)
+    ids = torch.cat([PROMPT.expand(grid.shape[0], -1), grid], dim=1)  # [V*V, T + 2]
+    with torch.inference_mode():
+        probs = process_logits(model(ids).logits[:, -3:], SAMPLING)  # [V*V, 3, V]
+    p1 = probs[0, 0]  # [V]
+    p2 = probs[::V_LOOP, 1]  # [V, V] row x1
+    p3 = probs[:, 2].reshape(V_LOOP, V_LOOP, V_LOOP)  # [x1, x2, x3]
+    joint = p1[:, None, None] * p2[:, :, None] * p3
+    exact = {tuple(c): float(joint[tuple(c)]) for c in torch.nonzero(joint > 0).tolist()}
+    return Target(model), exact
+
+
+def _loop_counts(target: Target, make_drafter: Callable, n: int, seed: int) -> Counter:
+    counts: Counter = Counter()
+    drafter = make_drafter()
+    for i in range(n):
+        out = generate(target, drafter, PROMPT, 4, sampling=SAMPLING, generator=torch.Generator().manual_seed(seed + i))
+        counts[tuple(out.tokens[:3])] += 1
+    return counts
+
+
+@pytest.mark.parametrize("drafter", ["sampled-q", "random-deterministic"])
+def test_loop_sampling_keeps_the_target_distribution(loop_world, drafter):
+    """selfspec.generate with a depth-2 tree drafter (4 new tokens: the draft after the first is 2 levels deep):
+    the joint of the first three tokens equals plain sampling from the target (process_logits of its logits)."""
+    target, exact = loop_world
+    q_by_depth = torch.softmax(torch.randn(2, V_LOOP, generator=torch.Generator().manual_seed(5)), -1)
+    make = {
+        "sampled-q": lambda: SampledTreeDrafter(TREE, q_by_depth, seed=3),
+        "random-deterministic": lambda: RandomDrafter(TREE, V_LOOP, seed=3),
+    }[drafter]
+    n = 1000
+    counts = _loop_counts(target, make, n, seed=1000)
+    assert goodness_of_fit(counts, exact, n) > ALPHA
+    assert len(counts) >= 15  # really a distribution over many sequences, not a near-constant
+
+
+def test_loop_check_catches_a_wrong_rule(loop_world, monkeypatch):
+    target, exact = loop_world
+    monkeypatch.setattr(LOOP_MODULE, "sample_accept", first_child_always)
+    n = 300
+    counts = _loop_counts(target, lambda: RandomDrafter(TREE, V_LOOP, seed=3), n, seed=1000)
+    assert goodness_of_fit(counts, exact, n) < ALPHA
