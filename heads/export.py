@@ -50,7 +50,9 @@ def projection_weight(heads: MedusaHeads, k: int) -> torch.Tensor:
     proj, lm_head = heads.heads[k].proj, heads.lm_head
     if isinstance(proj, nn.Linear):
         if proj.bias is not None:
-            raise ValueError("vLLM's Medusa lm_heads have no bias, but these heads' projections have one: cannot export")
+            raise ValueError(
+                "vLLM's Medusa lm_heads have no bias, but these heads' projections have one: cannot export"
+            )
         return proj.weight.detach()
     if getattr(lm_head, "bias", None) is not None:
         raise ValueError("vLLM's Medusa lm_heads have no bias, but the base model's LM head has one: cannot export")
@@ -139,7 +141,9 @@ def read_vllm(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
                          f"unexpected {unexpected[:6]} (vLLM would ignore the unexpected ones)")
     for name, shape in shapes.items():
         if tuple(tensors[name].shape) != shape:
-            raise ValueError(f"{directory / WEIGHTS}: {name} has shape {list(tensors[name].shape)}, expected {list(shape)}")
+            raise ValueError(
+                f"{directory / WEIGHTS}: {name} has shape {list(tensors[name].shape)}, expected {list(shape)}"
+            )
     return config, tensors
 
 
@@ -158,9 +162,11 @@ def heads_from_vllm(directory: str | Path, lm_head: nn.Module, base_model: str |
     for i in range(k):
         for j in range(n):
             weight = tensors[f"blocks.{i}.layers.{j}.weight"]
+            zero = torch.zeros_like(weight[0])  # medusa_fc_bias false: vLLM's layers have no bias
             ours[f"heads.{i}.blocks.{j}.linear.weight"] = weight
-            ours[f"heads.{i}.blocks.{j}.linear.bias"] = tensors.get(f"blocks.{i}.layers.{j}.bias", torch.zeros_like(weight[0]))
-        ours[f"heads.{i}.proj.weight"] = tensors[f"lm_heads.{0 if config.get('original_lm_head') else i}.weight"].clone()
+            ours[f"heads.{i}.blocks.{j}.linear.bias"] = tensors.get(f"blocks.{i}.layers.{j}.bias", zero)
+        lm = 0 if config.get("original_lm_head") else i
+        ours[f"heads.{i}.proj.weight"] = tensors[f"lm_heads.{lm}.weight"].clone()
     check_tensors(medusa, ours, str(Path(directory) / WEIGHTS))
     heads = MedusaHeads(medusa, lm_head)
     heads.load_state_dict(ours, strict=True)
@@ -182,7 +188,9 @@ def check_vllm_export(heads: MedusaHeads, directory: Path, samples: int = 16) ->
     tol = TOLERANCE.get(heads.lm_head.weight.dtype, 3e-2)
     if not torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max())):
         worst = float((got - want).abs().max())
-        raise ValueError(f"export check failed: logits of the exported heads differ from the original by up to {worst:.3g}")
+        raise ValueError(
+            f"export check failed: logits of the exported heads differ from the original by up to {worst:.3g}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------- CLI

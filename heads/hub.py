@@ -52,7 +52,8 @@ def check_repo_id(repo_id: str) -> None:
     except HFValidationError as err:
         raise ValueError(f"{repo_id!r} is not a Hub repo id: expected 'owner/name' ({err})") from None
     if repo_id.count("/") != 1:
-        raise ValueError(f"{repo_id!r} is not a Hub repo id: expected 'owner/name' (your user or organisation / a name)")
+        raise ValueError(f"{repo_id!r} is not a Hub repo id: expected 'owner/name' (your user or organisation, "
+                         "then a name)")
 
 
 def find_token(token: str | None = None) -> tuple[str | None, str]:
@@ -77,7 +78,8 @@ def _why(err: Exception, repo_id: str) -> str:
         if status == 401:
             return f"the Hub refused the token (401: {said}); {TOKEN_HELP}"
         if status == 403:
-            return f"no write access to {repo_id} (403: {said}); publish under your user or an organisation you write to"
+            return (f"no write access to {repo_id} (403: {said}); "
+                    "publish under your user or an organisation you write to")
         return f"the Hub answered {status}: {said}"
     return f"network error ({type(err).__name__}: {err})"
 
@@ -107,7 +109,9 @@ def publish(
         step = "reading the branch head"
         info = api.repo_info(repo_id, revision=branch, repo_type="model")
     except NETWORK_ERRORS as err:
-        raise PublishError(f"publishing to {where} failed while {step}: {_why(err, repo_id)}. Nothing was published.") from err
+        raise PublishError(
+            f"publishing to {where} failed while {step}: {_why(err, repo_id)}. Nothing was published."
+        ) from err
     if private and not info.private:
         raise PublishError(
             f"{repo_id} already exists and is public, but a private publish was asked for: nothing was published. "

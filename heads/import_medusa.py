@@ -53,7 +53,8 @@ def locate(path_or_repo_id: str | Path, revision: str | None = None) -> Path:
         return Path(snapshot_download(str(path_or_repo_id), revision=revision, allow_patterns=[CONFIG, *WEIGHT_FILES]))
     except (HFValidationError, HfHubHTTPError, LocalEntryNotFoundError) as err:
         raise FileNotFoundError(
-            f"{path_or_repo_id!r} is not a local directory and could not be fetched from the Hub: {type(err).__name__}: {err}"
+            f"{path_or_repo_id!r} is not a local directory and could not be fetched from the Hub: "
+            f"{type(err).__name__}: {err}"
         ) from err
 
 
@@ -94,7 +95,9 @@ def read_weights(directory: Path) -> tuple[dict[str, torch.Tensor], str]:
         if tensors and all(k.startswith(prefix) for k in tensors):
             tensors = {k[len(prefix):]: t for k, t in tensors.items()}
         return tensors, name
-    raise FileNotFoundError(f"{directory} has neither {' nor '.join(WEIGHT_FILES)}: expected a FasterDecoding Medusa checkpoint")
+    raise FileNotFoundError(
+        f"{directory} has neither {' nor '.join(WEIGHT_FILES)}: expected a FasterDecoding Medusa checkpoint"
+    )
 
 
 def parse_heads(tensors: dict[str, torch.Tensor], where: str) -> tuple[int, int, int, int]:
@@ -115,8 +118,9 @@ def parse_heads(tensors: dict[str, torch.Tensor], where: str) -> tuple[int, int,
         depth = max(by_layer)
         want = {i: {"linear.weight", "linear.bias"} for i in range(depth)} | {depth: {"weight"}}
         if dict(by_layer) != want:
-            raise ValueError(f"{where}: head {head} holds {({i: sorted(w) for i, w in sorted(by_layer.items())})}; "
-                             f"expected residual blocks 0..{depth - 1} (linear.weight + linear.bias) then {depth}.weight")
+            held = {i: sorted(w) for i, w in sorted(by_layer.items())}
+            raise ValueError(f"{where}: head {head} holds {held}; expected residual blocks 0..{depth - 1} "
+                             f"(linear.weight + linear.bias) then {depth}.weight")
         depths.add(depth)
     if len(depths) != 1:
         raise ValueError(f"{where}: heads have different numbers of layers {sorted(depths)}; expected one for all")
@@ -126,7 +130,9 @@ def parse_heads(tensors: dict[str, torch.Tensor], where: str) -> tuple[int, int,
         m = KEY.fullmatch(key)
         shape = {"linear.weight": (hidden, hidden), "linear.bias": (hidden,), "weight": (vocab, hidden)}[m["what"]]
         if tuple(t.shape) != shape:
-            raise ValueError(f"{where}: {key} has shape {list(t.shape)}, expected {list(shape)} (D={hidden}, V={vocab})")
+            raise ValueError(
+                f"{where}: {key} has shape {list(t.shape)}, expected {list(shape)} (D={hidden}, V={vocab})"
+            )
     return num_heads, num_layers, hidden, vocab
 
 
@@ -182,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m heads.import_medusa", description=__doc__.split("\n\n")[0])
     parser.add_argument("source", help="a FasterDecoding Medusa checkpoint: local directory or Hub id")
     parser.add_argument("out_dir", type=Path, help="where to write the selfspec checkpoint")
-    parser.add_argument("--base-model", default=None, help="the base model (default: base_model_name_or_path in config.json)")
+    parser.add_argument("--base-model", default=None,
+                        help="the base model (default: base_model_name_or_path in config.json)")
     parser.add_argument("--revision", default=None, help="Hub revision of the source")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")

@@ -25,9 +25,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("directory", type=Path, help="a checkpoint directory written by save_pretrained / train.py")
     parser.add_argument("repo_id", help="the Hub repo to publish to: 'owner/name' (created if missing)")
-    parser.add_argument("--private", action="store_true", help="create the repo private (refused if it exists and is public)")
-    parser.add_argument("--revision", default=None, metavar="BRANCH", help="branch to commit to (created from main); default main")
-    parser.add_argument("--token", default=None, help="a Hub token with write access (default: HF_TOKEN or the saved login)")
+    parser.add_argument("--private", action="store_true",
+                        help="create the repo private (refused if it exists and is public)")
+    parser.add_argument("--revision", default=None, metavar="BRANCH",
+                        help="branch to commit to (created from main); default main")
+    parser.add_argument("--token", default=None,
+                        help="a Hub token with write access (default: HF_TOKEN or the saved login)")
     parser.add_argument("--message", default="Upload Medusa heads (selfspec)", help="the commit message")
     parser.add_argument("--dry-run", action="store_true", help="check everything local, list the files, send nothing")
     return parser

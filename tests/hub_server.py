@@ -9,12 +9,11 @@ _commit_api.py, file_download.py, _snapshot_download.py).
     POST /api/repos/create                              create a repo (an initial commit with .gitattributes)
     POST /api/validate-yaml                             model card metadata check (create_commit sends README.md)
     POST /api/models/{repo}/branch/{branch}             create a branch at main (or at "startingPoint")
-    GET  /api/models/{repo}/refs                        branches
     GET  /api/agent-harnesses                           huggingface_hub's AI-agent registry (served empty)
     POST /api/models/{repo}/preupload/{rev}             upload mode per file: always "regular" (base64 in the commit)
     POST /api/models/{repo}/commit/{rev}                NDJSON: header line, then "file" / "deletedFile" lines
     GET  /api/models/{repo}[/revision/{rev}]            repo info: sha of the revision, siblings, private
-    GET  /api/models/{repo}/tree/{rev}[/{path}]         file listing (oid = git blob sha1, size)
+    GET  /api/models/{repo}/tree/{rev}[/{path}]         file listing, recursive (oid = git blob sha1, size)
     HEAD|GET /{repo}/resolve/{rev}/{path}               a file, with ETag (blob sha1) and X-Repo-Commit
 
 Files are always "regular" (git blobs sent base64 inside the commit): huggingface_hub uploads LFS files through Xet
@@ -22,7 +21,7 @@ when hf_xet is installed, which needs a CAS service this server does not have. T
 LFS/Xet; that part of the transfer is huggingface_hub's own code and is not exercised here.
 
 Auth, as the Hub does it: writes need ``Authorization: Bearer <token>`` of the test user (401 without, 403 outside
-the user's namespaces); a wrong token is refused (401) on every request; private repos answer 401 "RepoNotFound" to
+the user's namespace); a wrong token is refused (401) on every request; private repos answer 401 "RepoNotFound" to
 anyone else; public repos can be read anonymously.
 
 Faults for tests: ``server.fail_next("commit", "500")`` answers the next commit with a 500 (nothing committed);
@@ -97,8 +96,8 @@ class HttpError(Exception):
 class HubServer:
     """A Hub on 127.0.0.1 and a free port, served from a thread. Use as a context manager or start() / stop()."""
 
-    def __init__(self, token: str = TOKEN, user: str = USER, orgs: tuple[str, ...] = ()):
-        self.token, self.user, self.orgs = token, user, set(orgs)
+    def __init__(self, token: str = TOKEN, user: str = USER):
+        self.token, self.user = token, user
         self.repos: dict[str, Repo] = {}
         self.requests: list[tuple[str, str]] = []
         """(method, path) of every request received, in order (rejected ones included)."""
@@ -148,7 +147,6 @@ ROUTES = [  # (method, compiled path regex, handler method name)
     ("POST", r"/api/validate-yaml", "validate_yaml"),
     ("GET", r"/api/agent-harnesses", "agent_harnesses"),
     ("POST", rf"/api/models/{_REPO}/branch/(?P<branch>[^/]+)", "create_branch"),
-    ("GET", rf"/api/models/{_REPO}/refs", "refs"),
     ("POST", rf"/api/models/{_REPO}/preupload/(?P<rev>[^/]+)", "preupload"),
     ("POST", rf"/api/models/{_REPO}/commit/(?P<rev>[^/]+)", "commit"),
     ("GET", rf"/api/models/{_REPO}(?:/revision/(?P<rev>[^/]+))?", "repo_info"),
@@ -157,7 +155,6 @@ ROUTES = [  # (method, compiled path regex, handler method name)
     ("HEAD", rf"/{_REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)", "resolve"),
 ]
 ROUTES = [(method, re.compile(pattern + r"/?"), name) for method, pattern, name in ROUTES]
-INVALID_TOKEN = object()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -255,8 +252,9 @@ class _Handler(BaseHTTPRequestHandler):
         if user is None:
             raise HttpError(401, "You must be authenticated to write to a repo: pass a token")
         namespace = repo_id.split("/")[0]
-        if namespace != user and namespace not in self.hub.orgs:
-            raise HttpError(403, f"You don't have the rights to write to {repo_id}: the namespace {namespace!r} is not yours")
+        if namespace != user:
+            raise HttpError(403, f"You don't have the rights to write to {repo_id}: "
+                                 f"the namespace {namespace!r} is not yours")
 
     def _readable(self, user, repo_id: str) -> Repo:
         repo = self.hub.repos.get(repo_id)
@@ -310,11 +308,6 @@ class _Handler(BaseHTTPRequestHandler):
         state.branches[branch] = self._revision(state, start).oid
         self._send_json(200, {})
 
-    def h_refs(self, user, repo: str) -> None:
-        state = self._readable(user, repo)
-        branches = [{"name": b, "ref": f"refs/heads/{b}", "targetCommit": oid} for b, oid in state.branches.items()]
-        self._send_json(200, {"branches": branches, "tags": [], "converts": []})
-
     def h_preupload(self, user, repo: str, rev: str) -> None:
         self._writable(user, repo)
         self._fault("preupload")
@@ -367,22 +360,13 @@ class _Handler(BaseHTTPRequestHandler):
         })
 
     def h_tree(self, user, repo: str, rev: str, path: str = "") -> None:
+        """Every file under ``path`` (the recursive listing snapshot_download asks for; repos here have no folders)."""
         commit = self._revision(self._readable(user, repo), rev)
         prefix = path.rstrip("/") + "/" if path else ""
-        recursive = self.query.get("recursive", "False").lower() == "true"
-        entries, folders = [], set()
-        for name in sorted(commit.files):
-            if not name.startswith(prefix):
-                continue
-            rest = name[len(prefix):]
-            if "/" in rest and not recursive:
-                folders.add(prefix + rest.split("/")[0])
-                continue
-            data = commit.files[name]
-            entries.append({"type": "file", "oid": git_blob_sha1(data), "size": len(data), "path": name})
-        if path and not entries and not folders:
+        entries = [{"type": "file", "oid": git_blob_sha1(data), "size": len(data), "path": name}
+                   for name, data in sorted(commit.files.items()) if name.startswith(prefix)]
+        if path and not entries:
             raise HttpError(404, f"{path} does not exist at {rev}", "EntryNotFound")
-        entries += [{"type": "directory", "oid": hashlib.sha1(f.encode()).hexdigest(), "path": f} for f in sorted(folders)]
         self._send_json(200, entries)
 
     def h_resolve(self, user, repo: str, rev: str, path: str) -> None:
@@ -395,17 +379,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, data, headers, head_only=self.command == "HEAD")
 
 
-
 # ------------------------------------------------------------------------------------- pointing clients at it
-HOME_PATHS = {  # huggingface_hub constants computed from HF_HOME at import time -> path under the test's HF_HOME
-    "HF_HOME": "", "HF_HUB_CACHE": "hub", "HUGGINGFACE_HUB_CACHE": "hub", "HF_ASSETS_CACHE": "assets",
-    "HUGGINGFACE_ASSETS_CACHE": "assets", "HF_XET_CACHE": "xet", "HF_TOKEN_PATH": "token",
-    "HF_STORED_TOKENS_PATH": "stored_tokens", "AGENT_HARNESSES_PATH": ".agent_harnesses.json",
-    "CHECK_FOR_UPDATE_DONE_PATH": ".check_for_update_done",
-    "CHECK_FOR_SKILL_UPDATE_DONE_PATH": ".check_for_skill_update_done",
-}
-
-
 def use_hub(monkeypatch, hub: HubServer, home, token: str | None = TOKEN) -> None:
     """Point huggingface_hub, in this process and in subprocesses, at ``hub`` with a fresh HF_HOME ``home``.
 
@@ -426,5 +400,11 @@ def use_hub(monkeypatch, hub: HubServer, home, token: str | None = TOKEN) -> Non
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_HOME", hub.url + "/")
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    for name, sub in HOME_PATHS.items():
-        monkeypatch.setattr(constants, name, str(home / sub) if sub else str(home))
+    default_home = constants.HF_HOME
+    for name in dir(constants):  # every path derived from HF_HOME at import (cache, token, xet, agent registry ...)
+        value = getattr(constants, name)
+        if name.isupper() and isinstance(value, str) and value.startswith(default_home):
+            monkeypatch.setattr(constants, name, str(home) + value[len(default_home):])
+    for name, sub in (("HF_HUB_CACHE", "hub"), ("HF_TOKEN_PATH", "token"), ("HF_XET_CACHE", "xet"),
+                      ("HF_ASSETS_CACHE", "assets")):  # these four may have been set apart from HF_HOME
+        monkeypatch.setattr(constants, name, str(home / sub))

@@ -118,7 +118,8 @@ def test_private_repo_on_a_branch(chat, hub, monkeypatch):
     assert set(hub.files(REPO, "main")) == {".gitattributes"}  # main is untouched
 
     monkeypatch.delenv("HF_TOKEN")  # anonymous: the private repo does not exist for us
-    with pytest.raises(FileNotFoundError, match=f"'{REPO}' is not a local directory and could not be fetched.*revision exp"):
+    not_found = f"'{REPO}' is not a local directory and could not be fetched.*revision exp"
+    with pytest.raises(FileNotFoundError, match=not_found):
         MedusaHeads.from_pretrained(REPO, model, revision="exp")
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     assert same_tensors(MedusaHeads.from_pretrained(REPO, model, revision="exp"), heads)
@@ -130,13 +131,15 @@ def test_private_repo_on_a_branch(chat, hub, monkeypatch):
 
 def test_no_token_is_refused_before_any_request(chat, hub, monkeypatch):
     monkeypatch.delenv("HF_TOKEN")
-    with pytest.raises(PublishError, match=f"cannot publish to {REPO}: no token found; pass --token / token=, set HF_TOKEN"):
+    no_token = f"cannot publish to {REPO}: no token found; pass --token / token=, set HF_TOKEN"
+    with pytest.raises(PublishError, match=no_token):
         heads_for(chat[0]).push_to_hub(REPO)
     assert hub.requests == []
 
 
 def test_a_wrong_token_is_reported_and_nothing_is_published(chat, hub):
-    with pytest.raises(PublishError, match=r"while creating the repo: the Hub refused the token \(401: Invalid credentials"):
+    refused = r"while creating the repo: the Hub refused the token \(401: Invalid credentials"
+    with pytest.raises(PublishError, match=refused):
         heads_for(chat[0]).push_to_hub(REPO, token="hf_not_the_right_one")
     assert hub.repos == {}
 
@@ -150,7 +153,8 @@ def test_wrong_repo_ids(chat, hub):
     assert hub.requests == []
     with pytest.raises(PublishError, match=r"no write access to someone-else/heads \(403: .*namespace 'someone-else'"):
         heads.push_to_hub("someone-else/heads")
-    with pytest.raises(FileNotFoundError, match="'tester/no-such-heads' is not a local directory and could not be fetched"):
+    missing = "'tester/no-such-heads' is not a local directory and could not be fetched"
+    with pytest.raises(FileNotFoundError, match=missing):
         MedusaHeads.from_pretrained("tester/no-such-heads", model)
 
 
@@ -186,7 +190,8 @@ def test_cli_publishes_and_reports_failures(chat, hub, tmp_path, capsys):
     hub.fail_next("commit", "500")
     assert publish_cli.main([str(directory), REPO]) == 1
     out, err = capsys.readouterr()
-    assert "published" not in out and err.startswith("publish failed: publishing 3 files") and "Nothing was published" in err
+    assert "published" not in out
+    assert err.startswith("publish failed: publishing 3 files") and "Nothing was published" in err
 
     # the real command, configured only through the environment (HF_ENDPOINT, HF_HOME, HF_TOKEN)
     run = subprocess.run([sys.executable, "-m", "heads.publish", str(directory), REPO, "--revision", "v1"],
@@ -202,7 +207,8 @@ def test_cli_publishes_and_reports_failures(chat, hub, tmp_path, capsys):
     config.write_text(config.read_text().replace('"num_layers": 1', '"num_layers": 2'))
     assert publish_cli.main([str(directory), REPO]) == 2
     err = capsys.readouterr().err
-    assert "cannot publish" in err and "disagrees with config.json" in err and "missing tensors ['heads.0.blocks.1" in err
+    assert "cannot publish" in err and "disagrees with config.json" in err
+    assert "missing tensors ['heads.0.blocks.1" in err
 
 
 def test_cli_help(capsys):

@@ -58,7 +58,8 @@ def medusa_state(model, seed: int = 0, distinct_layers: bool = False) -> dict[st
             if i == 0 or distinct_layers:
                 weight, bias = torch.randn(d, d, generator=g) * 0.05, torch.randn(d, generator=g) * 0.05
             state[f"{h}.{i}.linear.weight"], state[f"{h}.{i}.linear.bias"] = weight, bias
-        state[f"{h}.{L}.weight"] = model.lm_head.weight.detach() + torch.randn(model.lm_head.weight.shape, generator=g) * 0.01
+        lm_head = model.lm_head.weight.detach()
+        state[f"{h}.{L}.weight"] = lm_head + torch.randn(lm_head.shape, generator=g) * 0.01
     return state
 
 
@@ -78,7 +79,7 @@ def write_medusa(directory: Path, state: dict, kind: str, config: dict | None) -
     if kind == "safetensors":
         save_file({k: t.clone().contiguous() for k, t in state.items()}, str(directory / "medusa_lm_head.safetensors"))
     elif kind == "pt":
-        torch.save(state, directory / "medusa_lm_head.pt")  # shared tensors, as torch.save of [ResBlock] * L stores them
+        torch.save(state, directory / "medusa_lm_head.pt")  # shared tensors, as [ResBlock] * L stores them
     if config is not None:
         (directory / "config.json").write_text(json.dumps(config))
     return directory
@@ -108,7 +109,8 @@ def test_config_that_disagrees_with_the_tensors_trusts_the_tensors_and_says_so(l
     source = write_medusa(tmp_path / "medusa", medusa_state(llama), "safetensors", {**CONFIG, "medusa_num_heads": 2})
     with caplog.at_level(logging.WARNING, logger="heads.import_medusa"):
         out = import_medusa(source, tmp_path / "imported")
-    assert f"config.json says medusa_num_heads=2 but the weights store {K} heads: trusting the weights ({K} heads)" in caplog.text
+    said = f"config.json says medusa_num_heads=2 but the weights store {K} heads: trusting the weights ({K} heads)"
+    assert said in caplog.text
     assert MedusaHeads.from_pretrained(out, llama).config.num_heads == K
 
     caplog.clear()
@@ -128,14 +130,16 @@ def test_bad_medusa_checkpoints_are_refused(llama, tmp_path):
     with pytest.raises(FileNotFoundError, match="has neither medusa_lm_head.safetensors nor medusa_lm_head.pt"):
         import_medusa(write_medusa(tmp_path / "empty", {}, "none", CONFIG), tmp_path / "x")
     with pytest.raises(ValueError, match=r"unexpected keys \['0.0.extra'\]"):
-        import_medusa(write_medusa(tmp_path / "extra", {**state, "0.0.extra": torch.zeros(1)}, "pt", CONFIG), tmp_path / "x")
+        extra = {**state, "0.0.extra": torch.zeros(1)}
+        import_medusa(write_medusa(tmp_path / "extra", extra, "pt", CONFIG), tmp_path / "x")
     uneven = {k: v for k, v in state.items() if not k.startswith("2.")}
     uneven |= {"2.0.linear.weight": state["0.0.linear.weight"], "2.0.linear.bias": state["0.0.linear.bias"],
                "2.1.weight": state[f"0.{L}.weight"]}
     with pytest.raises(ValueError, match=r"heads have different numbers of layers \[1, 2\]"):
         import_medusa(write_medusa(tmp_path / "uneven", uneven, "pt", CONFIG), tmp_path / "x")
     no_bias = {k: v for k, v in state.items() if k != "1.1.linear.bias"}
-    with pytest.raises(ValueError, match="head 1 holds .*expected residual blocks 0..1 \\(linear.weight \\+ linear.bias\\)"):
+    holds = r"head 1 holds .*expected residual blocks 0..1 \(linear.weight \+ linear.bias\)"
+    with pytest.raises(ValueError, match=holds):
         import_medusa(write_medusa(tmp_path / "no-bias", no_bias, "pt", CONFIG), tmp_path / "x")
     with pytest.raises(ValueError, match="names no base_model_name_or_path: pass the base model"):
         import_medusa(write_medusa(tmp_path / "no-base", state, "pt", {"medusa_num_heads": K}), tmp_path / "x")
@@ -202,8 +206,8 @@ def test_vllm_export_has_vllms_names_and_computes_the_same_logits(llama, referen
                       "original_lm_head": False, "torch_dtype": "float32", "base_model_name_or_path": "tiny-llama"}
     assert [k for k in config if "num" in k] == ["num_heads", "num_hidden_layers"]  # vLLM renames any other "num" key
     tensors = load_file(out / "model.safetensors")
-    assert set(tensors) == {f"blocks.{i}.layers.{j}.{w}" for i in range(K) for j in range(L) for w in ("weight", "bias")} \
-        | {f"lm_heads.{i}.weight" for i in range(K)}
+    blocks = {f"blocks.{i}.layers.{j}.{w}" for i in range(K) for j in range(L) for w in ("weight", "bias")}
+    assert set(tensors) == blocks | {f"lm_heads.{i}.weight" for i in range(K)}
     for i, head in enumerate(heads.heads):
         assert torch.equal(tensors[f"blocks.{i}.layers.1.bias"], head.blocks[1].linear.bias)
     if projection == "shared":
@@ -230,7 +234,8 @@ def test_vllm_export_with_one_shared_lm_head(llama, tmp_path):
     heads = trained(llama, "shared")
     out = export_vllm(heads, tmp_path / "vllm", original_lm_head=True)
     config, tensors = read_vllm(out)
-    assert config["original_lm_head"] is True and [k for k in tensors if k.startswith("lm_heads")] == ["lm_heads.0.weight"]
+    assert config["original_lm_head"] is True
+    assert [k for k in tensors if k.startswith("lm_heads")] == ["lm_heads.0.weight"]
     hidden = torch.randn(4, llama.config.hidden_size)
     torch.testing.assert_close(vllm_logits(config, tensors, hidden), heads(hidden).detach(), rtol=0, atol=0)
     with pytest.raises(ValueError, match="original_lm_head shares the base LM head.*'own' projection"):
@@ -247,7 +252,8 @@ def test_exports_vllm_cannot_load_are_refused(llama, tmp_path):
     out = export_vllm(trained(llama, "shared"), tmp_path / "vllm")
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, "medusa_fc_bias": False}))
-    with pytest.raises(ValueError, match=r"medusa_fc_bias=False.*unexpected \['blocks.0.layers.0.bias'.*vLLM would ignore"):
+    ignored = r"medusa_fc_bias=False.*unexpected \['blocks.0.layers.0.bias'.*vLLM would ignore"
+    with pytest.raises(ValueError, match=ignored):
         read_vllm(out)
     (out / "config.json").write_text(json.dumps({**config, "truncated_vocab_size": 10}))
     with pytest.raises(ValueError, match="truncated vocabulary"):
