@@ -3,9 +3,10 @@
 - ``forward``: one call of a decoder-only model with an explicit 4D additive mask, position ids and the cache.
 - ``cache_keep``: the one cache operation a tree needs after acceptance: keep the given new entries, drop the rest.
 - ``decoder_layers``: the model's list of transformer blocks (for self-speculation drafters).
-- self-speculation: ``replaced_layers`` (run the model with some layers skipped or swapped), ``captured_output`` (a
-  layer's output hidden state), ``forward_partial`` (a forward from token ids or from hidden states), and per-layer cache
-  access (``layer_lengths``, ``cache_truncate``, ``layer_entries``, ``append_entries``).
+- self-speculation: ``replaced_layers`` (run the model with some layers swapped for ``Passthrough`` / ``Apply`` /
+  ``Emit``), ``captured_output`` (a layer's output hidden state), ``forward_partial`` (a forward of such a model, with or
+  without the LM head), and per-layer cache access (``layer_lengths``, ``cache_truncate``, ``layer_entries``,
+  ``append_entries``).
 
 Shapes: B batch (always 1 here), H kv heads, S cached length, N new tokens, V vocabulary, D hidden size.
 """
@@ -164,33 +165,37 @@ def captured_output(module: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
         handle.remove()
 
 
-def forward_partial(
-    model: PreTrainedModel,
-    position_ids: torch.Tensor,
-    mask: torch.Tensor,
-    cache: Cache,
-    input_ids: torch.Tensor | None = None,
-    inputs_embeds: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids [N] or inputs_embeds [N, D], position_ids [N], mask [1, 1, N, K] -> logits [N, V], hidden [N, D].
+class Emit(torch.nn.Module):
+    """Stands in for a decoder layer by returning given hidden states [1, N, D], whatever its input (computed before)."""
 
-    ``hidden`` is the final hidden state after the model's final norm, as in ``forward``. K is the key length each
-    attending layer sees (its cached entries + N): with some layers replaced, cache layers may hold different lengths,
-    so the mask and the positions say everything and the cache's own length is never used. ``inputs_embeds`` enters
-    the first decoder layer unchanged (Llama-family models; GPT-2 adds position embeddings to it).
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__()
+        self.hidden = hidden
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if hidden_states.shape != self.hidden.shape:
+            raise ValueError(f"Emit holds hidden states of shape {tuple(self.hidden.shape)}, the forward has {tuple(hidden_states.shape)}")
+        return self.hidden
+
+
+def forward_partial(
+    model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: Cache,
+    lm_head: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """input_ids [N], position_ids [N], mask [1, 1, N, K] -> logits [N, V] (None without lm_head), hidden [N, D].
+
+    For a model with some layers replaced (``replaced_layers``). ``hidden`` is the final hidden state after the model's
+    final norm, as in ``forward``. K is the key length each attending layer sees (its cached entries + N): cache layers
+    may hold different lengths, so the mask and the positions say everything and the cache's own length is never used.
+    lm_head=False runs the decoder alone (no LM head).
     """
+    kwargs = dict(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=mask, cache=cache, use_cache=True)
+    if not lm_head:
+        return None, model.get_decoder()(**kwargs, return_dict=True).last_hidden_state[0]
     final: list[torch.Tensor] = []
     handle = model.get_decoder().register_forward_hook(lambda _m, _a, out: final.append(out.last_hidden_state))
     try:
-        out = model(
-            input_ids=None if input_ids is None else input_ids[None],
-            inputs_embeds=None if inputs_embeds is None else inputs_embeds[None],
-            position_ids=position_ids[None],
-            attention_mask=mask,
-            cache=cache,
-            use_cache=True,
-            return_dict=True,
-        )
+        out = model(**kwargs, return_dict=True)
     finally:
         handle.remove()
     return out.logits[0], final[-1][0]
