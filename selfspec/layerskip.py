@@ -71,7 +71,7 @@ class PartialModelDrafter:
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
         """tokens [E], positions [E], mask [1, 1, E, S + F + E] -> draft logits [E, V] (the cache grows by E)."""
         with hf.replaced_layers(self.model, self.replace):
-            logits, _ = hf.forward_partial(self.model, positions, mask, cache, input_ids=tokens)
+            logits, _ = hf.forward_partial(self.model, tokens, positions, mask, cache)
         return logits
 
     def grow(self, state: DraftState) -> tuple[Draft, list[int]]:
