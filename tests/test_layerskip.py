@@ -161,6 +161,29 @@ def test_greedy_with_eos_stops_where_generate_stops(models):
     assert got == reference(model, prompt, 30, eos_token_id=eos) == free[: free.index(eos) + 1]
 
 
+def test_sampling_with_top_k_1_takes_the_lossless_path_and_equals_greedy(models):
+    model = models["qwen2"]
+    target = Target(model)
+    drafter = LayerSkipDrafter(target, (1,), depth=4)
+    for prompt in random_prompts(3, VOCAB, seed=21):
+        out = generate(target, drafter, prompt, 20, sampling=Sampling(temperature=0.7, top_k=1),
+                       generator=torch.Generator().manual_seed(0))
+        assert out.tokens == reference(model, prompt, 20) and out.mean_accepted > 1.0
+
+
+def test_replaced_layers_are_restored_after_an_error_and_checked(models):
+    model = models["llama"]
+    layers = list(hf.decoder_layers(model))
+    with pytest.raises(RuntimeError, match="boom"):
+        with hf.replaced_layers(model, {1: hf.Passthrough(), 3: hf.Passthrough()}):
+            assert isinstance(hf.decoder_layers(model)[3], hf.Passthrough)
+            raise RuntimeError("boom")
+    assert list(hf.decoder_layers(model)) == layers
+    with pytest.raises(ValueError, match="out of range: this model has 4 decoder layers"):
+        with hf.replaced_layers(model, {4: hf.Passthrough()}):
+            pass
+
+
 @pytest.mark.parametrize(
     "skip, message",
     [((), "empty"), ((0, 1, 2, 3), "all 4"), ((4,), "out of range"), ((-1,), "out of range"), ((1, 1), "twice")],
