@@ -99,24 +99,25 @@ def publish(
     where = f"{repo_id} (branch {branch})"
     step = "creating the repo"
     try:
-        # 2. the repo
+        # 2. the repo, private if asked (and never a private upload into a public repo)
         api.create_repo(repo_id, private=private, repo_type="model", exist_ok=True)
-        # 3. the branch
+        step = "reading the repo"
+        info = api.repo_info(repo_id, repo_type="model")
+        if private and not info.private:
+            raise PublishError(
+                f"{repo_id} already exists and is public, but a private publish was asked for: nothing was published. "
+                "Make the repo private on the Hub first, or publish without --private."
+            )
+        # 3. the branch, and 4. its head, which the commit builds on
         if branch != "main":
             step = f"creating branch {branch}"
             api.create_branch(repo_id, branch=branch, repo_type="model", exist_ok=True)
-        # 4. the branch head the commit builds on
-        step = "reading the branch head"
-        info = api.repo_info(repo_id, revision=branch, repo_type="model")
+            step = "reading the branch head"
+            info = api.repo_info(repo_id, revision=branch, repo_type="model")
     except NETWORK_ERRORS as err:
         raise PublishError(
             f"publishing to {where} failed while {step}: {_why(err, repo_id)}. Nothing was published."
         ) from err
-    if private and not info.private:
-        raise PublishError(
-            f"{repo_id} already exists and is public, but a private publish was asked for: nothing was published. "
-            "Make the repo private on the Hub first, or publish without --private."
-        )
     parent = info.sha
     operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=data if isinstance(data, bytes) else str(data))
                   for name, data in files.items()]
