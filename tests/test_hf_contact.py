@@ -1,0 +1,146 @@
+"""Pins selfspec/hf.py (every contact with transformers internals) against transformers itself.
+
+- a tree verification (4D additive mask, explicit positions, cache) gives, at every node, the logits and final hidden
+  state of a plain causal forward over the prefix and that node's root-to-node path;
+- cache_keep leaves the cache a plain forward over prefix + kept path would build;
+- the small helpers (additive_mask, decoder_layers, sliding_window) read the models as expected.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import BertConfig, BertModel, DynamicCache
+
+from conftest import ARCHS, VOCAB, tiny_model
+from selfspec import Target, Tree, hf
+
+TREE = Tree.from_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)])
+S = 11  # cached prefix length
+
+
+def _setup(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, VOCAB, (S,), generator=g)
+    tokens = torch.randint(0, VOCAB, (len(TREE),), generator=g)
+    return prefix, tokens
+
+
+def _plain(model, ids: torch.Tensor):
+    """A plain causal forward without a cache: logits [T, V], final hidden [T, D], and the cache it builds."""
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        out = model(input_ids=ids[None], cache=cache, use_cache=True, output_hidden_states=True)
+    return out.logits[0], out.hidden_states[-1][0], cache
+
+
+def _models():
+    for arch in ARCHS:
+        yield arch, "sdpa"
+    yield "llama", "eager"
+    yield "gpt2", "eager"
+
+
+@pytest.fixture(scope="module", params=list(_models()), ids=lambda p: f"{p[0]}-{p[1]}")
+def model(request):
+    arch, attn = request.param
+    m = tiny_model(arch)
+    m.set_attn_implementation(attn)
+    assert m.config._attn_implementation == attn
+    return m
+
+
+def test_prefill_is_a_plain_forward(model):
+    prefix, _ = _setup(model)
+    target = Target(model)
+    cache = target.new_cache()
+    pre = target.prefill(prefix, cache)
+    logits, hidden, plain_cache = _plain(model, prefix)
+    assert pre.logits.shape == (1, VOCAB) and pre.hidden.shape == (1, 32)
+    torch.testing.assert_close(pre.logits[0], logits[-1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pre.hidden[0], hidden[-1], rtol=1e-5, atol=1e-5)
+    assert hf.cache_length(cache) == S
+    for a, b in zip(cache.layers, plain_cache.layers):
+        torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
+
+
+def test_tree_verify_equals_plain_forward_along_every_path(model):
+    prefix, tokens = _setup(model)
+    target = Target(model)
+    cache = target.new_cache()
+    target.prefill(prefix, cache)
+    out = target.verify(TREE, tokens, cache)
+    assert out.logits.shape == (len(TREE), VOCAB) and out.hidden.shape == (len(TREE), 32)
+    assert hf.cache_length(cache) == S + len(TREE)
+    for row in TREE.leaf_paths.tolist():
+        path = [i for i in row if i >= 0]
+        logits, hidden, _ = _plain(model, torch.cat([prefix, tokens[path]]))
+        torch.testing.assert_close(out.logits[path], logits[S:], rtol=1e-5, atol=1e-5, msg=f"path {path}")
+        torch.testing.assert_close(out.hidden[path], hidden[S:], rtol=1e-5, atol=1e-5, msg=f"path {path}")
+
+
+@pytest.mark.parametrize(
+    "keep",
+    [[0], [0, 1], [0, 1, 4, 7], [0, 1, 5, 8], [0, 2, 6], [0, 3], list(range(len(TREE)))],
+    ids=["root", "contiguous", "deep-branch", "deep-rank-1", "rank-1-branch", "rank-2", "everything"],
+)
+def test_cache_keep_equals_recomputation(model, keep):
+    """Keep a path's entries (a gather when they are not contiguous, then a crop): the cache is as if only that path
+    had ever been fed. "everything" keeps all nodes in order (nothing to drop)."""
+    prefix, tokens = _setup(model)
+    target = Target(model)
+    cache = target.new_cache()
+    target.prefill(prefix, cache)
+    target.verify(TREE, tokens, cache)
+    target.commit(cache, S, tuple(keep))  # hf.cache_keep, under inference mode like the cache it edits
+    *_, want = _plain(model, torch.cat([prefix, tokens[keep]]))
+    assert hf.cache_length(cache) == S + len(keep)
+    for i, (a, b) in enumerate(zip(cache.layers, want.layers)):
+        if keep == list(range(len(TREE))):  # a tree cache, not a path: compare only the prefix and the root
+            a_k, b_k = a.keys[:, :, : S + 1], b.keys[:, :, : S + 1]
+            a_v, b_v = a.values[:, :, : S + 1], b.values[:, :, : S + 1]
+        else:
+            a_k, b_k, a_v, b_v = a.keys, b.keys, a.values, b.values
+        torch.testing.assert_close(a_k, b_k, rtol=1e-5, atol=1e-5, msg=f"layer {i} keys")
+        torch.testing.assert_close(a_v, b_v, rtol=1e-5, atol=1e-5, msg=f"layer {i} values")
+
+
+def test_forward_logits_to_keep():
+    model = tiny_model("qwen2")
+    ids = torch.arange(9) % VOCAB
+    logits, hidden = hf.forward(model, ids, torch.arange(9), None, hf.new_cache(model), logits_to_keep=2)
+    full_logits, full_hidden, _ = _plain(model, ids)
+    assert logits.shape == (2, VOCAB) and hidden.shape == (2, 32)
+    torch.testing.assert_close(logits, full_logits[-2:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden, full_hidden[-2:], rtol=1e-5, atol=1e-5)
+
+
+def test_additive_mask():
+    allowed = torch.tensor([[True, False, True], [True, True, False]])
+    mask = hf.additive_mask(allowed, torch.bfloat16)
+    assert mask.shape == (1, 1, 2, 3) and mask.dtype == torch.bfloat16
+    low = torch.finfo(torch.bfloat16).min
+    assert mask[0, 0].tolist() == [[0.0, low, 0.0], [0.0, 0.0, low]]
+
+
+def test_decoder_layers():
+    assert len(hf.decoder_layers(tiny_model("llama"))) == 2
+    gpt2 = tiny_model("gpt2")
+    assert hf.decoder_layers(gpt2) is gpt2.transformer.h
+    bert = BertModel(BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                intermediate_size=32))
+    with pytest.raises(TypeError, match=r"cannot find the decoder layers of BertModel: expected `.layers` or `.h`"):
+        hf.decoder_layers(bert)
+
+
+def test_sliding_window():
+    assert hf.sliding_window(tiny_model("gemma3")) == 256
+    assert hf.sliding_window(tiny_model("mistral")) == 1024
+    assert hf.sliding_window(tiny_model("llama")) is None
+    assert hf.sliding_window(tiny_model("gpt2")) is None
+    assert hf.sliding_window(tiny_model("mistral", sliding_window=None)) is None
+    qwen = tiny_model("qwen2")
+    assert qwen.config.use_sliding_window is False and hf.sliding_window(qwen) is None
+    # every layer full attention: no window even if the config names one
+    gemma = tiny_model("gemma3", layer_types=["full_attention", "full_attention"])
+    assert hf.sliding_window(gemma) is None
