@@ -4,6 +4,8 @@
 
 - ``none``                          plain decoding through the speculative loop (``NoDrafter``)
 - ``ngram`` / ``ngram:depth=8,max_nodes=24``   prompt lookup over a trie (``NGramDrafter``), no training
+- ``early-exit:layer=E`` (optionally ``,depth=4,stop_below=0.3``)   the first E layers + the final norm and LM head
+  (``EarlyExitDrafter``), no training
 - a local directory or a Hub id whose ``config.json`` says ``"draft_type": X``: loaded by the function registered
   under entry-point group ``selfspec.drafters``, name X, called as ``load(path_or_repo_id, target, revision=, tree=)``.
   selfspec never imports the package that trains drafts; that package registers its loaders in its pyproject.
@@ -27,8 +29,10 @@ from selfspec.tree import Tree
 
 ENTRY_POINT_GROUP = "selfspec.drafters"
 NGRAM_KEYS = ("max_ngram", "min_ngram", "depth", "max_nodes", "max_matches")
+EARLY_EXIT_KEYS = {"layer": int, "depth": int, "stop_below": float}
 ACCEPTED = (
     "'none', 'ngram' (optionally 'ngram:depth=8,max_nodes=24' with keys " + ", ".join(NGRAM_KEYS) + "), "
+    "'early-exit:layer=E' (optional keys depth, stop_below), "
     "or a local directory / Hub id of a draft checkpoint whose config.json has \"draft_type\""
 )
 
@@ -102,12 +106,30 @@ def parse_ngram(options: str) -> dict[str, int]:
     return out
 
 
+def parse_early_exit(options: str) -> dict[str, Any]:
+    """'layer=15,depth=4,stop_below=0.3' -> {'layer': 15, 'depth': 4, 'stop_below': 0.3}; layer is required."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in options.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in EARLY_EXIT_KEYS:
+            raise ValueError(f"bad early-exit option {item!r}: expected key=value with key one of {', '.join(EARLY_EXIT_KEYS)}")
+        try:
+            out[key] = EARLY_EXIT_KEYS[key](value)
+        except ValueError:
+            raise ValueError(f"early-exit option {key} must be a{'n integer' if EARLY_EXIT_KEYS[key] is int else ' number'}, found {value!r}") from None
+    if "layer" not in out:
+        raise ValueError("early-exit needs the exit layer: --draft early-exit:layer=E with 1 <= E < the number of layers")
+    return out
+
+
 def parse_draft(spec: str, revision: str | None = None) -> DraftSpec:
     """Parse and validate a ``--draft`` string, reading a checkpoint's config.json but no weights."""
     if spec == "none":
         return DraftSpec(kind="none")
     if spec == "ngram" or spec.startswith("ngram:"):
         return DraftSpec(kind="ngram", config=parse_ngram(spec[len("ngram:"):]))
+    if spec == "early-exit" or spec.startswith("early-exit:"):
+        return DraftSpec(kind="early-exit", config=parse_early_exit(spec[len("early-exit:"):]))
     if _looks_local(spec):
         path = Path(spec).expanduser()
         if not path.is_dir():
@@ -193,6 +215,11 @@ def build_drafter(spec: DraftSpec, target: Target, tree: Tree | None = None) -> 
             hint = "ngram grows its own trie: size it with 'ngram:depth=8,max_nodes=24'" if spec.kind == "ngram" else ""
             raise ValueError(f"--tree does not apply to --draft {spec.kind}; {hint or 'it drafts nothing'}")
         return NoDrafter() if spec.kind == "none" else NGramDrafter(**spec.config)
+    if spec.kind == "early-exit":
+        from selfspec.early_exit import EarlyExitDrafter
+
+        opts = dict(spec.config)
+        return EarlyExitDrafter(target, opts.pop("layer"), tree=tree, **opts)
     entry = drafter_loaders()[spec.kind]
     try:
         loader: Callable[..., Drafter] = entry.load()

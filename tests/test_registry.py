@@ -65,7 +65,7 @@ def test_checkpoint_errors(tmp_path):
     with pytest.raises(ValueError, match='no "draft_type"'):
         registry.parse_draft(str(no_type))
     (no_type / "config.json").write_text(json.dumps({"draft_type": "warp"}))
-    with pytest.raises(ValueError, match="a 'warp' draft, but no loader is registered.*registered: medusa"):
+    with pytest.raises(ValueError, match="a 'warp' draft, but no loader is registered.*registered: layerskip, medusa"):
         registry.parse_draft(str(no_type))
 
 
@@ -145,3 +145,27 @@ def test_loader_that_returns_no_drafter_is_refused(model_dir, tmp_path, monkeypa
     ckpt = checkpoint(tmp_path, draft_type="bad")
     with pytest.raises(TypeError, match="fake.module:load returned object, expected a selfspec Drafter"):
         api.load(str(model_dir), draft=str(ckpt))
+
+
+def test_early_exit_spec_builds_a_lossless_drafter(model_dir):
+    spec = registry.parse_draft("early-exit:layer=1,depth=3,stop_below=0.1")
+    assert spec.kind == "early-exit" and spec.config == {"layer": 1, "depth": 3, "stop_below": 0.1}
+    m = api.load(str(model_dir), draft="early-exit:layer=1,depth=3")
+    ids = m.tokenizer("the quick brown fox", return_tensors="pt")["input_ids"]
+    plain = m.model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert m.generate(ids, max_new_tokens=24).tokens == plain
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("early-exit", "needs the exit layer"),
+    ("early-exit:layer=x", "must be an integer, found 'x'"),
+    ("early-exit:layer=1,foo=2", "key one of layer, depth, stop_below"),
+])
+def test_early_exit_spec_errors(bad, message):
+    with pytest.raises(ValueError, match=message):
+        registry.parse_draft(bad)
+
+
+def test_early_exit_layer_out_of_range_names_the_range(model_dir):
+    with pytest.raises(ValueError, match=r"exit layer must be in 1\.\.1"):
+        api.load(str(model_dir), draft="early-exit:layer=2")
