@@ -23,6 +23,11 @@ class Sampling:
     """keep the smallest set of tokens whose probability reaches top_p (1.0 = off)."""
 
     def __post_init__(self) -> None:
+        for name, types in (("temperature", (int, float)), ("top_k", (int,)), ("top_p", (int, float))):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, types):
+                expected = "an int" if types == (int,) else "a number"
+                raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
         if not (self.temperature >= 0.0 and self.temperature == self.temperature):
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:

@@ -39,6 +39,11 @@ class Target:
             )
         if model.get_output_embeddings() is None:
             raise TypeError(f"expected a causal LM with an LM head, found {type(model).__name__} without one")
+        if not model.can_generate():  # e.g. BertForMaskedLM: an LM head, but bidirectional attention
+            raise TypeError(
+                f"expected a causal LM that transformers can generate with (a ...ForCausalLM), found "
+                f"{type(model).__name__} (model_type={model.config.model_type!r}), which cannot generate"
+            )
         self.model = model.eval()
         cfg = model.config.get_text_config()
         self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
