@@ -98,11 +98,13 @@ def _first_occurrence(ref: list[int], positions) -> int | None:
     return next((j for j in positions if ref[j] not in ref[:j]), None)
 
 
+@pytest.mark.parametrize("shape", ["chain", "medusa"])
 @pytest.mark.parametrize("where", ["inside", "bonus", "first"])
-def test_eos(case, where):
+def test_eos(case, where, shape):
     """EOS inside an accepted run (the run is cut right after it), as a bonus token, and as the first token.
 
-    The oracle chain of 4 accepts 4 drafts + 1 bonus per step: output positions 1-4 are drafts, 5 the bonus, and so on.
+    The oracle on a chain of 4 (or on the depth-4 branch of the Medusa tree) accepts 4 drafts + 1 bonus per step:
+    output positions 1-4 are drafts, 5 the bonus, and so on.
     eos_token_id is set to a token the greedy continuation produces at such a position (for the first time).
     """
     arch, target, prompts, refs = case
@@ -116,7 +118,7 @@ def test_eos(case, where):
         expected = reference(target.model, p, NEW, eos_token_id=eos)
         assert expected == ref[: j + 1], "the reference itself must stop right after EOS"
         for eos_arg in (eos, [VOCAB + 5, eos]):  # one id, or a list of ids
-            rec = Recording(OracleDrafter(CHAIN, VOCAB, ref))
+            rec = Recording(OracleDrafter(CHAIN if shape == "chain" else MEDUSA, VOCAB, ref))
             out = generate(target, rec, p, NEW, eos_token_id=eos_arg)
             assert out.tokens == expected, f"{arch}: eos={eos} at {j}: got {out.tokens}, generate gave {expected}"
         if where == "inside":  # the target accepted drafts beyond EOS, and the loop cut the run right after it

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from conftest import tiny_model
-from selfspec import Sampling, next_token, process_logits
+from conftest import VOCAB, random_prompts, tiny_model
+from selfspec import NoDrafter, Sampling, Target, generate, next_token, process_logits
 
-V = 64
+V = VOCAB
 
 
 def hf_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
@@ -77,3 +77,19 @@ def test_next_token():
     a = [next_token(logits, s, torch.Generator().manual_seed(i)) for i in range(30)]
     b = [next_token(logits, s, torch.Generator().manual_seed(i)) for i in range(30)]
     assert a == b and {1, 2} <= set(a)  # seeded: reproducible, and really sampling
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_plain_sampling_through_the_loop_is_generate_do_sample(arch):
+    """NoDrafter with temperature 0.8 / top-p 0.9 draws token-for-token what generate(do_sample=True) draws from the
+    same global seed: the same distribution and one multinomial draw per token. (This pins today's transformers RNG
+    use as well; the distribution itself is pinned above and by test_distribution.py.)"""
+    model = tiny_model(arch)
+    target = Target(model)
+    s = Sampling(temperature=0.8, top_p=0.9)
+    for i, prompt in enumerate(random_prompts(5, VOCAB, seed=5)):
+        torch.manual_seed(i)
+        ref = model.generate(prompt[None], attention_mask=torch.ones_like(prompt)[None], do_sample=True,
+                             temperature=s.temperature, top_p=s.top_p, top_k=0, max_new_tokens=20, pad_token_id=0)
+        torch.manual_seed(i)
+        assert generate(target, NoDrafter(), prompt, 20, sampling=s).tokens == ref[0, prompt.shape[0]:].tolist()
