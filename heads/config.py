@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ import yaml
 from heads.data import DataConfig
 
 T = TypeVar("T")
+_SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 @dataclass
@@ -192,9 +194,14 @@ class TrainConfig:
 
 # ------------------------------------------------------------------------------------------------ strict loading
 def _type_name(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is type(None):
         return "null"
-    if isinstance(tp, type):
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is Literal:
+        return "one of " + "/".join(repr(a) for a in args)
+    if isinstance(tp, type) and not args:
         return tp.__name__
     return str(tp).replace("typing.", "")
 
@@ -215,7 +222,7 @@ def _check(value: Any, tp: Any, where: str) -> Any:
                 return _check(value, option, where)
             except ValueError as err:
                 errors.append(err)
-        raise ValueError(f"{where}: expected {' or '.join(_type_name(a) for a in args)}, found {type(value).__name__} {value!r:.80}")
+        raise ValueError(f"{where}: expected {_type_name(tp)}, found {type(value).__name__} {value!r:.80}")
     if origin is Literal:
         if value not in args:
             raise ValueError(f"{where}: expected one of {list(args)}, found {value!r:.80}")
@@ -238,6 +245,8 @@ def _check(value: Any, tp: Any, where: str) -> Any:
     elif tp is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif tp is float:
+        if isinstance(value, str) and _SCIENTIFIC.fullmatch(value.strip()):
+            value = float(value)  # PyYAML (YAML 1.1) reads 1e-4 and 3E5 as text
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
     elif tp is str:
@@ -256,11 +265,22 @@ def from_dict(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
     prefix = f"{where}." if where else ""
     for key in data:
         if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=3, cutoff=0.6)
-            hint = f"; did you mean {' or '.join(repr(prefix + c) for c in close)}?" if close else ""
-            raise ValueError(f"unknown key {prefix}{key!r}{hint} (expected one of {known} in {cls.__name__})")
+            close = [prefix + c for c in difflib.get_close_matches(str(key), known, n=3, cutoff=0.6)]
+            close += [p for p in _leaf_paths(cls, prefix) if p.rsplit(".", 1)[-1] == key]  # a key in the wrong section
+            hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            raise ValueError(f"unknown key {prefix + str(key)!r}{hint} (expected one of {known} in {cls.__name__})")
     values = {key: _check(value, hints[key], prefix + key) for key, value in data.items()}
     return cls(**values)
+
+
+def _leaf_paths(cls: type, prefix: str = "") -> list[str]:
+    """Dotted names of every field below dataclass cls."""
+    paths = []
+    for name, tp in typing.get_type_hints(cls).items():
+        paths.append(prefix + name)
+        if dataclasses.is_dataclass(tp):
+            paths.extend(_leaf_paths(tp, f"{prefix}{name}."))
+    return paths
 
 
 def to_dict(cfg: Any) -> dict:

@@ -30,6 +30,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Callable, ContextManager
 
 import numpy as np
 import torch
@@ -189,8 +190,10 @@ class TargetStates:
     """A batch -> the frozen target's final hidden states [B, T, D] (float32), from the cache when it has them, and
     for the KL loss the target's logits [B, T, V] computed from those same hidden states."""
 
-    def __init__(self, model, accelerator, loss_kind: str, caches: dict[str, HiddenCache], cache_dtype: str):
-        self.model, self.accelerator, self.loss_kind = model, accelerator, loss_kind
+    def __init__(self, model, device: torch.device, autocast: Callable[[], ContextManager], loss_kind: str,
+                 caches: dict[str, HiddenCache], cache_dtype: str):
+        """autocast: a context-manager factory the target forward runs under (``accelerator.autocast``)."""
+        self.model, self.device, self.autocast, self.loss_kind = model, device, autocast, loss_kind
         self.caches, self.cache_dtype = caches, cache_dtype
         self.seconds, self.seconds_total, self.cache_hits = 0.0, 0.0, 0
 
@@ -201,10 +204,10 @@ class TargetStates:
         index, lengths = batch["index"].tolist(), batch["lengths"].tolist()
         T = batch["input_ids"].shape[1]
         if cache is not None and cache.has(index):
-            hidden = cache.read(index, lengths, T).to(self.accelerator.device).float()  # [B, T, D]
+            hidden = cache.read(index, lengths, T).to(self.device).float()  # [B, T, D]
             self.cache_hits += 1
         else:
-            with self.accelerator.autocast():
+            with self.autocast():
                 hidden = final_hidden(self.model, batch["input_ids"], batch["attention_mask"]).float()  # [B, T, D]
             if cache is not None:
                 hidden = round_trip(hidden, self.cache_dtype)

@@ -10,19 +10,27 @@ position t, or -100 where it is not a target: prompt, padding), head k at positi
     head 2      (t) ───────────────────▶ x
     head k      (t) ──────────────────────────▶ labels[t+1+k]
 
-So head k is scored at positions t = 0 .. T-2-k: its logits[k-1, :, :T-1-k] against labels[:, 1+k:].
+``head_targets`` applies this shift (targets[k-1, :, t] = labels[:, t+1+k]) and ``gather_scored`` the matching one
+for the target's logits (position t+k); nothing else in the package shifts.
 
 Self-distillation (``kind="kl"``) replaces the data's token by the target's own distribution for it: the target's
 logits at position t+k are its distribution for token t+1+k, so head k at t is trained on
 KL(p_target(. | tokens <= t+k) || q_head_k(. | tokens <= t)), on the same positions as the cross-entropy.
 
-Total loss: sum_k w_k * loss_k with w_k = decay**(k-1). Each loss_k is a mean over the head's valid positions (0 when
-it has none). Shapes: K heads, B batch, T time, V vocabulary, N valid positions of one head, R ranks.
+Total loss: sum_k w_k * loss_k with w_k = decay**(k-1). Each loss_k is a mean over the head's scored positions (0 when
+it has none). Two entry points compute the same numbers:
+
+- ``medusa_loss(logits [K, B, T, V], labels [B, T])``: the whole sequence, as MedusaHeads returns it;
+- ``scored_loss(logits [K, N, V], targets [K, N])``: N positions already gathered (the trainer runs the heads only on
+  positions some head is scored on; on chat data that skips the prompts, and it never builds [K, B, T, V]).
+
+Shapes: K heads, B batch, T time, V vocabulary, N gathered positions, R ranks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -37,12 +45,12 @@ class MedusaLoss:
     per_head: torch.Tensor
     """[K] each head's loss (detached)."""
     hits: torch.Tensor
-    """[K, R] long: positions where head k's rank-r candidate is the label (candidates ranked by logit)."""
+    """[K, R] long: positions where head k's rank-r candidate is the target token (candidates ranked by logit)."""
     count: torch.Tensor
     """[K] long: positions head k was scored on."""
 
     def accuracy(self, top: int) -> torch.Tensor:
-        """[K] fraction of positions where the label is among head k's ``top`` best candidates (0 with no positions)."""
+        """[K] fraction of positions where the target is among head k's ``top`` best candidates (0 with no positions)."""
         return self.hits[:, :top].sum(1).double() / self.count.clamp(min=1).double()
 
     @property
@@ -59,6 +67,79 @@ def head_weights(num_heads: int, decay: float) -> torch.Tensor:
     return torch.tensor([decay**k for k in range(num_heads)], dtype=torch.float32)
 
 
+def head_targets(labels: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """labels [B, T] -> targets [K, B, T]: targets[k-1, :, t] = labels[:, t+1+k], -100 where t+1+k >= T."""
+    B, T = labels.shape
+    targets = labels.new_full((num_heads, B, T), IGNORE_INDEX)
+    for k in range(1, num_heads + 1):
+        if T > 1 + k:
+            targets[k - 1, :, : T - 1 - k] = labels[:, 1 + k :]
+    return targets
+
+
+def gather_scored(
+    labels: torch.Tensor, num_heads: int, target_logits: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor] | None]:
+    """The positions some head is scored on, and what each head is scored against there.
+
+    labels [B, T] -> (scored [B, T] bool, targets [K, N] from ``head_targets``, and when target_logits [B, T, V] are
+    given, K tensors [N, V]: the target's logits at t+k, its distribution for the token head k predicts at t).
+    """
+    T = labels.shape[1]
+    targets = head_targets(labels, num_heads)  # [K, B, T]
+    scored = (targets != IGNORE_INDEX).any(0)  # [B, T]
+    b, t = scored.nonzero(as_tuple=True)  # [N], [N]
+    shifted = None
+    if target_logits is not None:  # rows where t+k >= T are clamped; head k does not score them (target -100)
+        shifted = [target_logits[b, (t + k).clamp(max=T - 1)] for k in range(1, num_heads + 1)]
+    return scored, targets[:, scored], shifted
+
+
+def scored_loss(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    decay: float = 0.8,
+    kind: str = "ce",
+    target_logits: Sequence[torch.Tensor] | torch.Tensor | None = None,
+    ranks: int = 5,
+) -> MedusaLoss:
+    """logits [K, N, V]; targets [K, N] (token ids from ``head_targets``, -100 = not scored).
+
+    kind "kl": target_logits[k-1] [N, V] are the target's logits for the token head k predicts at each position (the
+    target at t+k). Accuracy is always measured against ``targets``, over the top ``ranks`` candidates of each head.
+    """
+    K, N, V = logits.shape
+    if targets.shape != (K, N):
+        raise ValueError(f"expected targets [K, N] = {[K, N]} to match logits [K, N, V], found {list(targets.shape)}")
+    if kind not in ("ce", "kl"):
+        raise ValueError(f"loss kind: expected 'ce' or 'kl', found {kind!r}")
+    if kind == "kl" and (target_logits is None or len(target_logits) != K or any(p.shape != (N, V) for p in target_logits)):
+        found = None if target_logits is None else [list(p.shape) for p in target_logits]
+        raise ValueError(f"kind='kl' needs the target's logits, one [N, V] = {[N, V]} per head ({K}), found {found}")
+    weights = head_weights(K, decay).to(logits.device)
+    losses, hits, counts = [], [], []
+    for k, head in enumerate(logits.unbind(0)):  # unbind: its backward writes each head's gradient once
+        valid = targets[k] != IGNORE_INDEX  # [N]
+        q_logits = head[valid].float()  # [n, V]
+        y = targets[k][valid]  # [n]
+        n = y.numel()
+        if kind == "ce":
+            loss_k = F.cross_entropy(q_logits, y, reduction="sum") / max(n, 1)
+        else:
+            log_p = F.log_softmax(target_logits[k][valid].float(), dim=-1)  # [n, V]
+            log_q = F.log_softmax(q_logits, dim=-1)
+            loss_k = (log_p.exp() * (log_p - log_q)).sum() / max(n, 1)
+        losses.append(loss_k)
+        with torch.no_grad():
+            top = q_logits.topk(min(ranks, V), dim=-1).indices  # [n, R]
+            hit = (top == y[:, None]).sum(0)  # [R]
+            hits.append(F.pad(hit, (0, ranks - hit.numel())).cpu())
+            counts.append(n)
+    per_head = torch.stack(losses)  # [K]
+    return MedusaLoss(total=(weights * per_head).sum(), per_head=per_head.detach(), hits=torch.stack(hits),
+                      count=torch.tensor(counts, dtype=torch.long))
+
+
 def medusa_loss(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -70,44 +151,13 @@ def medusa_loss(
     """logits [K, B, T, V] of MedusaHeads; labels [B, T] aligned with the input (-100 = ignore).
 
     kind "ce": cross-entropy against labels[t+1+k]; kind "kl": KL to softmax(target_logits[:, t+k]) where
-    target_logits [B, T, V] are the target's own logits at every position. Accuracy is always measured against the
-    labels, over the top ``ranks`` candidates of each head.
+    target_logits [B, T, V] are the target's own logits at every position.
     """
     K, B, T, V = logits.shape
     if labels.shape != (B, T):
         raise ValueError(f"expected labels [B, T] = {[B, T]} to match logits [K, B, T, V], found {list(labels.shape)}")
-    if kind not in ("ce", "kl"):
-        raise ValueError(f"loss kind: expected 'ce' or 'kl', found {kind!r}")
     if kind == "kl" and (target_logits is None or target_logits.shape != (B, T, V)):
         found = None if target_logits is None else list(target_logits.shape)
         raise ValueError(f"kind='kl' needs the target's logits [B, T, V] = {[B, T, V]}, found {found}")
-    weights = head_weights(K, decay).to(logits.device)
-    losses, hits, counts = [], [], []
-    for k in range(1, K + 1):
-        n_pos = max(T - 1 - k, 0)
-        head = logits[k - 1, :, :n_pos]  # [B, T-1-k, V]   positions t = 0 .. T-2-k
-        label = labels[:, 1 + k : 1 + k + n_pos]  # [B, T-1-k]   labels[t+1+k]
-        valid = label != IGNORE_INDEX  # [B, T-1-k]
-        q_logits = head[valid].float()  # [N, V]
-        y = label[valid]  # [N]
-        n = y.numel()
-        if kind == "ce":
-            loss_k = F.cross_entropy(q_logits, y, reduction="sum") / max(n, 1)
-        else:
-            p_logits = target_logits[:, k : k + n_pos][valid].float()  # [N, V]   target at t+k -> token t+1+k
-            log_p = F.log_softmax(p_logits, dim=-1)
-            log_q = F.log_softmax(q_logits, dim=-1)
-            loss_k = (log_p.exp() * (log_p - log_q)).sum() / max(n, 1)
-        losses.append(loss_k)
-        with torch.no_grad():
-            top = q_logits.topk(min(ranks, V), dim=-1).indices  # [N, R]
-            hit = (top == y[:, None]).sum(0)  # [R]
-            hits.append(F.pad(hit, (0, ranks - hit.numel())))
-            counts.append(n)
-    per_head = torch.stack(losses)  # [K]
-    return MedusaLoss(
-        total=(weights * per_head).sum(),
-        per_head=per_head.detach(),
-        hits=torch.stack(hits).cpu(),
-        count=torch.tensor(counts, dtype=torch.long),
-    )
+    scored, targets, shifted = gather_scored(labels, K, target_logits if kind == "kl" else None)
+    return scored_loss(logits[:, scored], targets, decay, kind, shifted, ranks)  # logits [K, N, V]

@@ -7,13 +7,13 @@
   3. data: train / held-out rows with their dataset index (the key of the hidden-state cache)
   4. AdamW over the heads only, warm-up + schedule (transformers' ``get_scheduler``); ``accelerator.prepare``
   5. resume: ``load_state`` (heads, optimizer, scheduler, RNG, progress) and skip the batches already seen
-  6. the loop: target hidden states (computed or cached) -> heads -> Medusa loss -> backward, accumulate, step;
+  6. the loop: target hidden states (computed or cached) -> heads (at scored positions only) -> Medusa loss ->
+     backward, accumulate, step;
      a NaN / inf loss stops with the step and the last good checkpoint; SIGINT / SIGTERM save and stop cleanly;
      log, evaluate held-out accuracy and save atomic checkpoints every N steps
   7. the end: measure acc[k][r] on held-out data, build the tree from it, save the heads (main process only)
 
-Checkpoints live in ``<output_dir>/checkpoints/step_NNNNNNN``: ``accelerator.save_state`` writes a hidden temporary
-directory which is renamed into place, so a killed run leaves either a complete checkpoint or none.
+Checkpoints, resuming and signals: heads/train_state.py. Cached target hidden states: heads/hidden_cache.py.
 
 Shapes: K heads, B batch, T time, D hidden size, V vocabulary, R measured ranks.
 """
@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shutil
 import signal
 import time
 from dataclasses import dataclass, replace
@@ -38,13 +37,13 @@ from transformers import get_scheduler
 from heads.base_model import load_base
 from heads.config import TrainConfig, to_dict
 from heads.data import build_datasets
-from heads.losses import medusa_loss
+from heads.losses import gather_scored, scored_loss
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.hidden_cache import TargetStates, make_caches
+from heads.train_state import Progress, StopFlag, resolve_resume, save_checkpoint
 from heads.tree_search import best_choices
 
 log = logging.getLogger(__name__)
-CHECKPOINT_PREFIX = "step_"
 
 
 class TrainingDiverged(RuntimeError):
@@ -65,19 +64,6 @@ class TrainResult:
     """acc[k][r] measured on the held-out split at the end (None when interrupted or without held-out data)."""
     signal: int | None = None
     """the signal that interrupted the run."""
-
-
-class Progress:
-    """Where training stands; saved in every checkpoint through ``accelerator.register_for_checkpointing``."""
-
-    def __init__(self) -> None:
-        self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
 
 
 # --------------------------------------------------------------------------------------------------------- data
@@ -119,73 +105,7 @@ def loader(rows, batch_size: int, shuffle: bool, pad_id: int) -> torch.utils.dat
     return torch.utils.data.DataLoader(IndexedRows(rows), batch_size=batch_size, shuffle=shuffle, collate_fn=Collate(pad_id))
 
 
-# --------------------------------------------------------------------------------------------------- checkpoints
-def checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under root, oldest first (temporary directories of interrupted saves are ignored)."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)]
-    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
-
-
-def resolve_resume(resume_from: str | None, root: Path) -> Path | None:
-    if resume_from is None:
-        return None
-    if resume_from == "latest":
-        found = checkpoints(root)
-        if not found:
-            log.info("resume_from=latest: no checkpoint in %s yet, starting from scratch", root)
-        return found[-1] if found else None
-    path = Path(resume_from).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint.resume_from={resume_from!r}: expected 'latest' or a checkpoint directory, "
-                                f"found no directory there (checkpoints in {root}: {[p.name for p in checkpoints(root)]})")
-    return path
-
-
-def save_checkpoint(accelerator: Accelerator, root: Path, step: int, keep: int) -> Path:
-    """accelerator.save_state into a temporary directory, renamed into place; keeps the newest ``keep``."""
-    final = root / f"{CHECKPOINT_PREFIX}{step:07d}"
-    tmp = root / f".tmp-{final.name}"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        if final.exists():  # re-saving a step after resuming from an older checkpoint
-            shutil.rmtree(final)
-        tmp.rename(final)
-        for old in checkpoints(root)[:-keep]:
-            shutil.rmtree(old)
-    accelerator.wait_for_everyone()
-    return final
-
-
 # --------------------------------------------------------------------------------------------------- the loop
-class StopFlag:
-    """SIGINT / SIGTERM set a flag; the loop saves a checkpoint at the next optimizer step and returns."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._previous: dict[int, object] = {}
-
-    def __enter__(self) -> "StopFlag":
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.signum is not None:  # a second signal: stop now, without saving
-            raise KeyboardInterrupt
-        self.signum = signum
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
 def build_accelerator(cfg: TrainConfig) -> Accelerator:
     import os
 
@@ -257,7 +177,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
     caches = make_caches(cfg, accelerator, model, {"train": train_rows, "eval": eval_rows})
-    states = TargetStates(model, accelerator, cfg.loss.kind, caches, cfg.hidden_cache.dtype)
+    states = TargetStates(model, accelerator.device, accelerator.autocast, cfg.loss.kind, caches, cfg.hidden_cache.dtype)
     log.info("process %d/%d on %s: %d train rows, %d batches per epoch, %d optimizer steps in all%s",
              accelerator.process_index, accelerator.num_processes, accelerator.device, len(train_rows), len(train_dl),
              total_steps, " (DeepSpeed: heads only in the engine)" if accelerator.distributed_type == DistributedType.DEEPSPEED else "")
@@ -284,9 +204,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             batches = accelerator.skip_first_batches(train_dl, progress.batch_in_epoch) if progress.batch_in_epoch else train_dl
             for batch in batches:
                 with accelerator.accumulate(heads):
-                    hidden, target_logits = states(batch, "train")
-                    logits = heads(hidden)  # [K, B, T, V]
-                    out = medusa_loss(logits, batch["labels"], cfg.loss.decay, cfg.loss.kind, target_logits)
+                    out = heads_loss(cfg, heads, states, batch, "train", ranks=5)
                     flags = accelerator.reduce(torch.tensor([float(not torch.isfinite(out.total)), float(stop.signum is not None)],
                                                             device=accelerator.device), "sum")
                     if flags[0] > 0:
@@ -381,6 +299,25 @@ class Window:
         return record
 
 
+def heads_loss(cfg: TrainConfig, heads, states, batch: dict, split: str, ranks: int, per_row: bool = False):
+    """The Medusa loss of a batch, running the heads only on the positions some head is scored on.
+
+    per_row: a list with one MedusaLoss per row of the batch (for exact held-out counts across processes).
+    """
+    hidden, target_logits = states(batch, split)  # [B, T, D], [B, T, V] or None
+    scored, targets, shifted = gather_scored(batch["labels"], cfg.heads.num_heads, target_logits)  # [B, T], [K, N]
+    logits = heads(hidden[scored])  # [K, N, V]
+    if not per_row:
+        return scored_loss(logits, targets, cfg.loss.decay, cfg.loss.kind, shifted, ranks)
+    row_of = scored.nonzero()[:, 0]  # [N]
+    outs = []
+    for b in range(scored.shape[0]):
+        m = row_of == b
+        outs.append(scored_loss(logits[:, m], targets[:, m], cfg.loss.decay, cfg.loss.kind,
+                                None if shifted is None else [p[m] for p in shifted], ranks))
+    return outs
+
+
 @torch.no_grad()
 def run_eval(cfg: TrainConfig, accelerator: Accelerator, heads, eval_dl, states, ranks: int) -> dict:
     """Held-out loss and acc[k][r] (r < ranks), exact across processes (duplicated padding rows are dropped)."""
@@ -390,12 +327,8 @@ def run_eval(cfg: TrainConfig, accelerator: Accelerator, heads, eval_dl, states,
     for i, batch in enumerate(eval_dl):
         if cfg.eval.max_batches is not None and i >= cfg.eval.max_batches:
             break
-        hidden, target_logits = states(batch, "eval")
-        logits = heads(hidden)  # [K, B, T, V]
         rows = []
-        for b in range(logits.shape[1]):
-            tl = None if target_logits is None else target_logits[b : b + 1]
-            out = medusa_loss(logits[:, b : b + 1], batch["labels"][b : b + 1], cfg.loss.decay, cfg.loss.kind, tl, ranks)
+        for out in heads_loss(cfg, heads, states, batch, "eval", ranks, per_row=True):
             rows.append(torch.cat([out.hits.double(), out.count.double()[:, None],
                                    (out.per_head.double().cpu() * out.count)[:, None]], dim=1))  # [K, R + 2]
         per_row = accelerator.gather_for_metrics(torch.stack(rows).to(accelerator.device))  # [B_all, K, R + 2]

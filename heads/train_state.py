@@ -1,0 +1,98 @@
+"""A training run's state on disk and its interruptions: progress, atomic checkpoints, ``resume_from``, signals.
+
+Checkpoints live in ``<output_dir>/checkpoints/step_NNNNNNN``: ``accelerator.save_state`` (heads, optimizer, scheduler,
+RNG states, samplers, and the registered ``Progress``) writes a hidden temporary directory, which is renamed into
+place whole, so a killed run leaves either a complete checkpoint or none; older ones beyond ``keep`` are deleted.
+SIGINT / SIGTERM only set a flag (``StopFlag``); the loop saves a checkpoint at the next optimizer step and returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+from pathlib import Path
+
+from accelerate import Accelerator
+
+log = logging.getLogger(__name__)
+CHECKPOINT_PREFIX = "step_"
+
+
+class Progress:
+    """Where training stands; saved in every checkpoint through ``accelerator.register_for_checkpointing``."""
+
+    def __init__(self) -> None:
+        self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
+
+
+def checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under root, oldest first (temporary directories of interrupted saves are ignored)."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)]
+    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+
+
+def resolve_resume(resume_from: str | None, root: Path) -> Path | None:
+    if resume_from is None:
+        return None
+    if resume_from == "latest":
+        found = checkpoints(root)
+        if not found:
+            log.info("resume_from=latest: no checkpoint in %s yet, starting from scratch", root)
+        return found[-1] if found else None
+    path = Path(resume_from).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint.resume_from={resume_from!r}: expected 'latest' or a checkpoint directory, "
+                                f"found no directory there (checkpoints in {root}: {[p.name for p in checkpoints(root)]})")
+    return path
+
+
+def save_checkpoint(accelerator: Accelerator, root: Path, step: int, keep: int) -> Path:
+    """accelerator.save_state into a temporary directory, renamed into place; keeps the newest ``keep``."""
+    final = root / f"{CHECKPOINT_PREFIX}{step:07d}"
+    tmp = root / f".tmp-{final.name}"
+    if accelerator.is_main_process:
+        for stale in root.glob(".tmp-*"):  # left by a run killed while saving
+            shutil.rmtree(stale)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        if final.exists():  # re-saving a step after resuming from an older checkpoint
+            shutil.rmtree(final)
+        tmp.rename(final)
+        for old in checkpoints(root)[:-keep]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return final
+
+
+class StopFlag:
+    """SIGINT / SIGTERM set a flag; the loop saves a checkpoint at the next optimizer step and returns."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "StopFlag":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:  # a second signal: stop now, without saving
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

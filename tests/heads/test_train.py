@@ -1,0 +1,145 @@
+"""train.py end to end on the tiny recipe, in subprocesses as a user runs it: a loadable checkpoint, an exact resume
+after SIGKILL, SIGTERM saving a checkpoint, a NaN loss message, two real CPU processes, DeepSpeed ZeRO-2."""
+
+from __future__ import annotations
+
+import json
+import re
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from heads.base_model import load_base
+from heads.config import ModelConfig
+from heads.medusa import MedusaHeads
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["--config", "configs/medusa_tiny.yaml"]
+# a schedule that does not depend on max_steps, so a run with more steps follows the same path step by step
+LONG = ["optim.scheduler=constant_with_warmup", "optim.epochs=100", "checkpoint.every=4", "logging.every=1",
+        "eval.every=0", "logging.log_with=[]"]
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def train_cmd(out: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "train.py", *TINY, f"output_dir={out}", *overrides]
+
+
+def run(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def step_losses(out: Path) -> dict[int, float]:
+    """step -> training loss, from <output_dir>/metrics.jsonl (a resumed run's lines override earlier ones)."""
+    losses = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            losses[record["step"]] = record["loss"]
+    return losses
+
+
+def start_and_wait_for(cmd: list[str], path: Path, timeout: float = 90) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (rc {proc.returncode}) before {path} appeared:\n{proc.stdout.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"{path} did not appear within {timeout} s")
+        time.sleep(0.02)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """An uninterrupted 12-step run (checkpoints at 4, 8, 12; two epochs of 10 steps... crossed at step 10)."""
+    out = tmp_path_factory.mktemp("reference")
+    result = run(train_cmd(out, *LONG, "optim.max_steps=12", "logging.log_with=[tensorboard]", "eval.every=6"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def test_run_writes_loadable_heads_checkpoints_and_logs(reference):
+    heads_dir = reference / "heads"
+    model, _ = load_base(ModelConfig(name="tiny-random-llama"))
+    heads = MedusaHeads.from_pretrained(heads_dir, model)
+    config = json.loads((heads_dir / "config.json").read_text())
+    assert config["num_heads"] == 3 and config["base_model"] == "tiny-random-llama"
+    assert len(config["head_accuracy"]) == 3 and len(config["head_accuracy"][0]) == 10  # acc[k][r], eval.ranks = 10
+    assert config["tree"] and len(config["tree"]) <= 8  # built from the measured accuracy, tree.budget = 8
+    assert config["recipe"]["optim"]["max_steps"] == 12
+    assert any(p.abs().sum() > 0 for p in heads.parameters())  # trained: the zero-initialised blocks moved
+    assert sorted(p.name for p in (reference / "checkpoints").iterdir()) == ["step_0000008", "step_0000012"]  # keep=2
+    assert sorted(step_losses(reference)) == list(range(1, 13))
+    assert list((reference / "medusa").rglob("events.out.tfevents*")), "no TensorBoard event file"
+    evals = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines() if "eval_top1" in line]
+    assert [e["step"] for e in evals] == [6, 12, 12]  # every 6 steps, and the final measurement
+
+
+def test_run_killed_after_a_checkpoint_resumes_with_the_same_losses(reference, tmp_path):
+    out = tmp_path / "killed"
+    proc = start_and_wait_for(train_cmd(out, *LONG, "optim.max_steps=1000"), out / "checkpoints" / "step_0000004")
+    proc.send_signal(signal.SIGKILL)  # no chance to clean up
+    proc.wait()
+    resumed_from = [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")][-1]
+    result = run(train_cmd(out, *LONG, "optim.max_steps=12", "checkpoint.resume_from=latest"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from {out / 'checkpoints' / resumed_from}" in result.stderr
+    expected, got = step_losses(reference), step_losses(out)
+    n = int(resumed_from.split("_")[1])
+    assert n < 12
+    for step in range(n + 1, 13):  # the steps after the checkpoint, across the epoch boundary at step 10
+        assert got[step] == pytest.approx(expected[step], abs=1e-6), f"step {step}"
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    out = tmp_path / "term"
+    proc = start_and_wait_for(train_cmd(out, *LONG, "optim.max_steps=1000", "checkpoint.every=0"), out / "metrics.jsonl")
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    saved = sorted((out / "checkpoints").iterdir())
+    assert len(saved) == 1 and saved[0].name.startswith("step_")
+    assert f"stopped by signal {int(signal.SIGTERM)} at step {int(saved[0].name[5:])}" in output
+    assert "Traceback" not in output
+
+
+def test_nan_loss_stops_naming_the_step_and_the_last_good_checkpoint(tmp_path):
+    out = tmp_path / "nan"
+    result = run(train_cmd(out, "optim.lr=1e30", "heads.num_layers=2", "optim.warmup_steps=0", "optim.max_grad_norm=null",
+                           "checkpoint.every=1", "logging.log_with=[]", "eval.every=0"))
+    assert result.returncode == 1
+    message = result.stderr.strip().splitlines()[-1]
+    assert re.match(r"error: the loss became (nan|inf|-inf) at step 2 ", message), message
+    assert f"last good checkpoint: {out / 'checkpoints' / 'step_0000001'}" in message
+
+
+def test_two_cpu_processes_both_train(tmp_path):
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu_2proc.yaml",
+           "train.py", *TINY, f"output_dir={out}", "optim.max_steps=3", "checkpoint.every=0", "eval.every=0",
+           "logging.log_with=[]"]
+    result = run(cmd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "process 0/2 on cpu" in result.stderr and "process 1/2 on cpu" in result.stderr
+    assert (out / "heads" / "model.safetensors").exists()
+
+
+def test_deepspeed_zero2_one_process(tmp_path):
+    out = tmp_path / "ds2"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/deepspeed_zero2.yaml",
+           "train.py", *TINY, f"output_dir={out}", "optim.max_steps=3", "checkpoint.every=3", "eval.every=0",
+           "logging.log_with=[]"]
+    result = run(cmd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "(DeepSpeed: heads only in the engine)" in result.stderr
+    assert (out / "checkpoints" / "step_0000003").is_dir()
+    model, _ = load_base(ModelConfig(name="tiny-random-llama"))
+    MedusaHeads.from_pretrained(out / "heads", model)
