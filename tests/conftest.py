@@ -1,8 +1,10 @@
 """Shared fixtures: tiny randomly initialised decoder-only models built from configs (no downloads), and helpers.
 
-Every tiny model has hidden size 32, 2 layers and a vocabulary of 64. Weights are drawn with ``initializer_range=0.1``
-(5x transformers' default): the logits are spread out enough for clear greedy winners, and greedy continuations fall into
-repeats, so the n-gram drafter gets real accepted runs (about half the tokens) instead of testing only rejections.
+Every tiny model has hidden size 32, 2 layers and a vocabulary of 96 (VOCAB). ``tiny_model`` draws weights with
+``initializer_range=0.5`` (25x transformers' default): logits are spread out, with clear greedy winners. The
+``tiny_models`` fixture used by the equivalence and cache tests draws them with ``REPEATING = 0.1`` instead: greedy
+continuations then fall into repeats, so the n-gram drafter gets real accepted runs (about 40% of the tokens) instead of
+being tested on rejections only.
 
 Torch runs on one thread: these models are too small to gain from more, and on a shared 2-core machine a second
 OpenMP thread makes every forward several times slower.
@@ -31,12 +33,13 @@ from selfspec.drafter import Draft, Drafter, DraftState
 
 torch.set_num_threads(1)
 
-VOCAB = 64
+VOCAB = 96
+REPEATING = 0.1
 ARCHS = ("llama", "qwen2", "mistral", "gemma3", "gpt2")
 
 _COMMON = dict(
     vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1,
+    num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.5,
     bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
 )
 
@@ -58,7 +61,7 @@ def tiny_model(arch: str, vocab: int = VOCAB, seed: int | None = None, max_posit
         cls = Gemma3ForCausalLM
     elif arch == "gpt2":
         config = GPT2Config(
-            vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=max_positions, initializer_range=0.1,
+            vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=max_positions, initializer_range=0.5,
             bos_token_id=None, eos_token_id=None, pad_token_id=None,
         )
         cls = GPT2LMHeadModel
@@ -116,5 +119,5 @@ class Recording:
 
 @pytest.fixture(scope="session")
 def tiny_models() -> dict[str, PreTrainedModel]:
-    """One tiny model per architecture, built once per session."""
-    return {arch: tiny_model(arch) for arch in ARCHS}
+    """One tiny model per architecture (with repeating greedy continuations), built once per session."""
+    return {arch: tiny_model(arch, initializer_range=REPEATING) for arch in ARCHS}
