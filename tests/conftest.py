@@ -44,7 +44,9 @@ _COMMON = dict(
 )
 
 
-def tiny_model(arch: str, vocab: int = VOCAB, seed: int | None = None, max_positions: int = 256, **overrides) -> PreTrainedModel:
+def tiny_model(
+    arch: str, vocab: int = VOCAB, seed: int | None = None, max_positions: int = 256, **overrides
+) -> PreTrainedModel:
     """A tiny random decoder-only causal LM of the given architecture, in fp32, eval mode, deterministic per seed."""
     common = dict(_COMMON, vocab_size=vocab, max_position_embeddings=max_positions)
     if arch == "llama":
@@ -77,7 +79,9 @@ def tiny_model(arch: str, vocab: int = VOCAB, seed: int | None = None, max_posit
     return model
 
 
-def reference(model: PreTrainedModel, prompt: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
+def reference(
+    model: PreTrainedModel, prompt: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None
+) -> list[int]:
     """The new tokens of plain greedy ``model.generate`` for prompt [T] (what selfspec must reproduce exactly)."""
     with torch.inference_mode():
         out = model.generate(
@@ -88,7 +92,7 @@ def reference(model: PreTrainedModel, prompt: torch.Tensor, max_new_tokens: int,
 
 
 def random_prompts(n: int, vocab: int, seed: int, min_len: int = 3, max_len: int = 14) -> list[torch.Tensor]:
-    """n prompts of random tokens with lengths in [min_len, max_len]; some repeat a span, so n-gram lookup finds hits."""
+    """n prompts of random tokens, lengths in [min_len, max_len]; every third repeats its opening span at the end."""
     g = torch.Generator().manual_seed(seed)
     prompts = []
     for i in range(n):

@@ -1,4 +1,4 @@
-"""Acceptance rules on stub logits and stub distributions: exact outcomes (distributions are in test_distribution.py)."""
+"""Acceptance rules on stub logits and stub distributions: exact outcomes (distributions: test_distribution.py)."""
 
 from __future__ import annotations
 

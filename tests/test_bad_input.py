@@ -25,7 +25,8 @@ def test_empty_prompt(target):
 
 @pytest.mark.parametrize("length", [CONTEXT, CONTEXT + 9])
 def test_prompt_at_or_over_the_context(target, length):
-    with pytest.raises(ValueError, match=rf"the prompt has {length} tokens; this model's context holds {CONTEXT}: shorten"):
+    message = rf"the prompt has {length} tokens; this model's context holds {CONTEXT}: shorten the prompt"
+    with pytest.raises(ValueError, match=message):
         generate(target, NoDrafter(), torch.zeros(length, dtype=torch.long), 1)
 
 
@@ -130,6 +131,7 @@ def test_tree_token_count_mismatch(target):
 
 def test_typical_acceptance_runs_when_asked(target):
     """The opt-in lossy rule works through the loop (it is not compared with generate: it is not lossless)."""
-    out = generate(target, RandomDrafter(Tree.chain(2), VOCAB), torch.tensor([1, 2]), 6,
-                   sampling=Sampling(temperature=1.0), accept_rule="typical", generator=torch.Generator().manual_seed(0))
+    sampling, g = Sampling(temperature=1.0), torch.Generator().manual_seed(0)
+    out = generate(target, RandomDrafter(Tree.chain(2), VOCAB), torch.tensor([1, 2]), 6, sampling=sampling,
+                   accept_rule="typical", generator=g)
     assert len(out.tokens) == 6

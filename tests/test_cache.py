@@ -30,8 +30,9 @@ def assert_same_cache(got, want, where: str) -> None:
     assert got.get_seq_length() == want.get_seq_length(), f"{where}: cache length differs"
     for i, (a, b) in enumerate(zip(got.layers, want.layers)):
         assert a.keys.shape == b.keys.shape, f"{where}: layer {i} keys {tuple(a.keys.shape)} vs {tuple(b.keys.shape)}"
-        torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}: layer {i} keys: {m}")
-        torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}: layer {i} values: {m}")
+        for name in ("keys", "values"):
+            torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{where}: layer {i} {name}: {m}")
 
 
 def _drafters(ref):

@@ -155,7 +155,7 @@ def test_request_that_fills_the_context():
 
 
 def test_steps_add_up(case):
-    """Step records: the prefill then one per verify; tokens add up to the output; accept_lengths as Spec-Bench counts."""
+    """Step records: the prefill, then one per verify; tokens add up to the output; Spec-Bench accept_lengths."""
     arch, target, prompts, refs = case
     out = generate(target, OracleDrafter(CHAIN, VOCAB, refs[0]), prompts[0], NEW)
     assert out.steps[0].tree_size == 0 and len(out.steps[0].tokens) == 1
