@@ -127,6 +127,10 @@ def stream(
         state = DraftState(tokens=tokens, prompt_length=prompt.shape[0], hidden=hidden, cache=cache, sampling=sampling)
         draft = drafter.draft(state)
         draft = draft.truncated(min(max_new_tokens - produced - 1, target.max_length - start - 1))
+        # sliding-window layers keep only window - 1 entries: the whole tree must fit beside the cache (check_request
+        # guarantees that the root alone always does)
+        while target.sliding_window is not None and start + len(draft.tree) > target.sliding_window - 1:
+            draft = draft.truncated(draft.tree.depth - 1)
 
         # 3. verify every node in one forward of the target
         t_verify = time.perf_counter()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import ARCHS, VOCAB, Recording, random_prompts, reference, tiny_model
+from conftest import ARCHS, REPEATING, VOCAB, Recording, random_prompts, reference, tiny_model
 from selfspec import NGramDrafter, NoDrafter, Target, Tree, generate
 from selfspec.testing import OracleDrafter, RandomDrafter
 
@@ -164,3 +164,20 @@ def test_steps_add_up(case):
     assert all(s.tree_size == 5 for s in out.steps[1:4])
     assert all(s.verify_s > 0 and s.other_s >= 0 for s in out.steps)
     assert out.mean_accepted == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+def test_trees_near_the_sliding_window_are_cut_to_fit(arch):
+    """prompt + max_new_tokens just under the sliding window (allowed): a wide tree would push the sliding layers'
+    cache past the window - 1 entries they keep, in the middle of a verification. The loop cuts such trees to fit."""
+    overrides = {"sliding_window": 64} if arch == "mistral" else {}
+    model = tiny_model(arch, max_positions=64 if arch == "gemma3" else 128, initializer_range=REPEATING, **overrides)
+    target = Target(model)
+    assert target.sliding_window == 64
+    prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(4))
+    ref = reference(model, prompt, 23)
+    for drafter in (OracleDrafter(Tree.full([4, 2, 2]), VOCAB, ref), RandomDrafter(Tree.full([8, 2]), VOCAB)):
+        rec = Recording(drafter)
+        assert generate(target, rec, prompt, 23).tokens == ref
+        fits = [len(s.tokens) - 1 + len(d.tree) for s, (d, _) in zip(rec.states, rec.records)]
+        assert max(fits) <= 63 and any(len(d.tree) < len(drafter.tree) for d, _ in rec.records[:-1])
