@@ -158,6 +158,9 @@ def train(cfg: TrainConfig) -> TrainResult:
     with accelerator.main_process_first():
         train_rows, eval_rows = build_datasets(cfg.data, tokenizer)
     train_dl = loader(train_rows, cfg.optim.batch_size, True, tokenizer.pad_token_id)
+    if cfg.eval.max_batches is not None:  # a fixed held-out subset, always read to its end (see run_eval)
+        keep = cfg.eval.max_batches * cfg.eval.batch_size * accelerator.num_processes
+        eval_rows = eval_rows.select(range(min(len(eval_rows), keep)))
     eval_dl = loader(eval_rows, cfg.eval.batch_size, False, tokenizer.pad_token_id) if len(eval_rows) else None
 
     # 4. optimizer, schedule, prepare (the target stays outside: only the heads are trained / wrapped)
@@ -324,9 +327,7 @@ def run_eval(cfg: TrainConfig, accelerator: Accelerator, heads, eval_dl, states,
     heads.eval()
     K = cfg.heads.num_heads
     totals = torch.zeros(K, ranks + 2, dtype=torch.float64)  # per head: hits at each rank, positions, loss sum
-    for i, batch in enumerate(eval_dl):
-        if cfg.eval.max_batches is not None and i >= cfg.eval.max_batches:
-            break
+    for batch in eval_dl:  # never broken off: accelerate tracks the active dataloader until its end
         rows = []
         for out in heads_loss(cfg, heads, states, batch, "eval", ranks, per_row=True):
             rows.append(torch.cat([out.hits.double(), out.count.double()[:, None],

@@ -83,10 +83,10 @@ def test_cached_rows_skip_the_target_and_give_identical_hidden_states(tmp_path):
     assert torch.allclose(first[0], direct[0], atol=1e-2)  # only fp16 rounding between the cache and the target
 
 
-def test_training_reads_the_cache_in_its_second_epoch(tmp_path):
+def test_training_reads_the_cache_in_its_second_epoch_with_the_kl_loss(tmp_path):
     out = tmp_path / "cached"
     cmd = [sys.executable, "train.py", "--config", "configs/medusa_tiny.yaml", f"output_dir={out}",
-           "hidden_cache.enabled=true", "optim.max_steps=null", "optim.epochs=2", "data.max_conversations=48",
+           "hidden_cache.enabled=true", "loss.kind=kl", "optim.max_steps=null", "optim.epochs=2", "data.max_conversations=48",
            "checkpoint.every=0", "eval.every=0", "logging.log_with=[]"]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
                             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
@@ -98,3 +98,5 @@ def test_training_reads_the_cache_in_its_second_epoch(tmp_path):
     train_rows = max(json.loads(p.read_text())["rows"] for p in out.glob("hidden_cache/*/meta.json"))
     assert epochs[1]["cache_hits"] == int(np.ceil(train_rows / 4))  # optim.batch_size = 4
     assert "hidden cache (train)" in result.stderr
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert all(np.isfinite(losses)) and min(losses) >= 0.0  # a KL divergence

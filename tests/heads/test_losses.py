@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from heads.losses import IGNORE_INDEX, head_weights, medusa_loss
+from heads.losses import IGNORE_INDEX, gather_scored, head_weights, medusa_loss, scored_loss
 
 K, B, T, V = 3, 2, 12, 50
 
@@ -108,3 +108,23 @@ def test_sequence_too_short_for_a_head_gives_zero_not_nan():
 def test_shape_mismatch_says_expected_and_found():
     with pytest.raises(ValueError, match=r"expected labels \[B, T\] = \[2, 12\].*found \[2, 11\]"):
         medusa_loss(torch.zeros(K, B, T, V), torch.zeros(B, T - 1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("kind", ["ce", "kl"])
+def test_loss_on_gathered_positions_equals_the_whole_sequence_loss(kind):
+    """The trainer runs the heads only where some head is scored; that must not change a single number."""
+    torch.manual_seed(2)
+    logits, target = torch.randn(K, B, T, V), torch.randn(B, T, V)
+    labels = torch.randint(0, V, (B, T))
+    labels[0, :6] = IGNORE_INDEX  # a prompt
+    labels[1, 9:] = IGNORE_INDEX  # padding
+    whole = medusa_loss(logits, labels, kind=kind, target_logits=target, ranks=7)
+    scored, targets, shifted = gather_scored(labels, K, target if kind == "kl" else None)
+    assert scored.sum() < B * T  # positions no head is scored on were dropped
+    gathered = scored_loss(logits[:, scored], targets, kind=kind, target_logits=shifted, ranks=7)
+    assert torch.equal(whole.per_head, gathered.per_head) and torch.equal(whole.hits, gathered.hits)
+    assert torch.equal(whole.count, gathered.count)
+    # head k at t is scored on labels[t+1+k]; labels[0, :6] are ignored, so row 0's first scored position is t = 2,
+    # where only head 3 (k = 3) has a target: labels[0, 6]
+    assert scored[0].nonzero()[0].item() == 2
+    assert targets[:, 0].tolist() == [IGNORE_INDEX, IGNORE_INDEX, labels[0, 6].item()]

@@ -143,3 +143,14 @@ def test_deepspeed_zero2_one_process(tmp_path):
     assert (out / "checkpoints" / "step_0000003").is_dir()
     model, _ = load_base(ModelConfig(name="tiny-random-llama"))
     MedusaHeads.from_pretrained(out / "heads", model)
+
+
+def test_random_target_from_a_config_dict_is_frozen():
+    model, tokenizer = load_base(ModelConfig(config={"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64,
+                                                     "num_hidden_layers": 1, "num_attention_heads": 4,
+                                                     "num_key_value_heads": 2}))
+    assert type(model).__name__ == "Qwen2ForCausalLM" and model.config.vocab_size == len(tokenizer) == 259
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<|im_start|>user\nhi<|im_end|>\n"
+    with pytest.raises(ValueError, match="expected a transformers config dict with a 'model_type' key"):
+        load_base(ModelConfig(config={"hidden_size": 32}))
