@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import signal
 import time
 from dataclasses import dataclass, replace
@@ -107,8 +108,6 @@ def loader(rows, batch_size: int, shuffle: bool, pad_id: int) -> torch.utils.dat
 
 # --------------------------------------------------------------------------------------------------- the loop
 def build_accelerator(cfg: TrainConfig) -> Accelerator:
-    import os
-
     uses_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     cpu = cfg.cpu if cfg.cpu is not None else (not torch.cuda.is_available() and not uses_deepspeed)
     if uses_deepspeed and not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) == 1:
@@ -199,6 +198,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     bar = tqdm(total=total_steps, initial=progress.step, desc="training heads", dynamic_ncols=True,
                disable=not (accelerator.is_main_process and cfg.logging.progress_bar))
     window = Window(cfg.heads.num_heads)
+    periodic_eval = cfg.eval.every > 0 and eval_dl is not None  # the end always measures (step 7)
     stopped = None
     with StopFlag() as stop:
         while progress.step < total_steps and stopped is None:
@@ -233,7 +233,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                     record = window.flush(accelerator, progress.step, scheduler.get_last_lr()[0])
                     bar.set_postfix(loss=f"{record['loss']:.4f}", top1=f"{record['top1'][0]:.3f}")
                     emit(accelerator, metrics_file, record)
-                if cfg.eval.every and progress.step % cfg.eval.every == 0 and eval_dl is not None:
+                if periodic_eval and progress.step % cfg.eval.every == 0 and progress.step < total_steps:
                     emit(accelerator, metrics_file, {"step": progress.step, **evaluate(5)})
                 if flags[1] > 0 or (cfg.checkpoint.every and progress.step % cfg.checkpoint.every == 0):
                     last_ckpt = save_checkpoint(accelerator, ckpt_root, progress.step, cfg.checkpoint.keep)
