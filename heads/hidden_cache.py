@@ -18,7 +18,9 @@ reads exactly the numbers it would have computed: caching never changes a loss. 
 concurrently (they write disjoint rows); the main process creates the files before the others open them.
 
 ``TargetStates`` is what the trainer calls for a batch: it reads the cache when every row of the batch is filled, and
-otherwise runs the target (decoder stack only) and fills the cache.
+otherwise runs the target (decoder stack only) and fills the cache. The KL loss needs the target's logits too; they are
+not stored: they are exactly the LM head applied to the final hidden state, one matmul per token (what a single head
+costs), so they are recomputed from the cached states instead of filling the disk with [T, V] or top-k tables.
 
 Shapes: N rows, B batch, T time, D hidden size.
 """
