@@ -13,10 +13,12 @@ from heads.trainer import TrainingDiverged, train
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="recipe keys (set in the YAML file or as key=value / a.b=value):\n" + "\n".join(describe()))
+    epilog = "recipe keys (set in the YAML file or as key=value / a.b=value):\n" + "\n".join(describe())
+    parser = argparse.ArgumentParser(description=__doc__, epilog=epilog,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="a YAML recipe (configs/*.yaml); without it every key takes its default")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. optim.lr=3e-4 data.max_conversations=100")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="recipe overrides, e.g. optim.lr=3e-4 data.max_conversations=100")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

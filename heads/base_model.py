@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast,
+)
 
 from heads.config import ModelConfig
 from selfspec.models import load_model, parse_dtype
@@ -51,12 +53,14 @@ def random_model(config: dict, tokenizer: PreTrainedTokenizerBase, seed: int, dt
     config = dict(config)
     model_type = config.pop("model_type", None)
     if model_type is None:
-        raise ValueError(f"model.config: expected a transformers config dict with a 'model_type' key, found keys {sorted(config)}")
+        raise ValueError(f"model.config: expected a transformers config dict with a 'model_type' key, "
+                         f"found keys {sorted(config)}")
     config.setdefault("vocab_size", len(tokenizer))
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
         config.setdefault(name, getattr(tokenizer, name))
     if config["vocab_size"] < len(tokenizer):
-        raise ValueError(f"model.config.vocab_size is {config['vocab_size']}, smaller than the tokenizer's {len(tokenizer)} tokens")
+        raise ValueError(f"model.config.vocab_size: expected at least the tokenizer's {len(tokenizer)} tokens, "
+                         f"found {config['vocab_size']}")
     hf_config = AutoConfig.for_model(model_type, **config)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
@@ -66,7 +70,8 @@ def load_base(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
     """The recipe's target (frozen, eval mode, on CPU) and its tokenizer."""
     if cfg.config is not None or cfg.name == TINY_NAME:
         tokenizer = byte_tokenizer()
-        model = random_model(cfg.config if cfg.config is not None else TINY_LLAMA, tokenizer, cfg.seed, parse_dtype(cfg.dtype))
+        config = cfg.config if cfg.config is not None else TINY_LLAMA
+        model = random_model(config, tokenizer, cfg.seed, parse_dtype(cfg.dtype))
     else:
         model, tokenizer = load_model(cfg.name, dtype=cfg.dtype, revision=cfg.revision,
                                       attn_implementation=cfg.attn_implementation)
@@ -77,7 +82,7 @@ def load_base(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
 
 
 def final_hidden(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """input_ids, attention_mask [B, T] -> [B, T, D]: the final hidden state (after the final norm), without the LM head."""
+    """input_ids, attention_mask [B, T] -> [B, T, D]: the final hidden state (after the final norm), no LM head."""
     out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, return_dict=True)
     return out.last_hidden_state
 

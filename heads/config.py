@@ -106,7 +106,7 @@ class CheckpointConfig:
     keep: int = 2
     """keep the last this many checkpoints."""
     resume_from: str | None = None
-    """"latest" (the newest checkpoint in output_dir, or a fresh start when there is none), a checkpoint path, or null."""
+    """"latest" (the newest checkpoint in output_dir; a fresh start when there is none), a checkpoint path, or null."""
 
 
 @dataclass
@@ -172,14 +172,16 @@ class TrainConfig:
         positive = {
             "heads.num_heads": self.heads.num_heads, "optim.batch_size": self.optim.batch_size,
             "optim.grad_accum": self.optim.grad_accum, "optim.epochs": self.optim.epochs,
-            "eval.batch_size": self.eval.batch_size, "eval.ranks": self.eval.ranks, "checkpoint.keep": self.checkpoint.keep,
+            "eval.batch_size": self.eval.batch_size, "eval.ranks": self.eval.ranks,
+            "checkpoint.keep": self.checkpoint.keep,
             "logging.every": self.logging.every, "tree.budget": self.tree.budget,
         }
         for name, value in positive.items():
             if value < 1:
                 raise ValueError(f"{name}: expected a value >= 1, found {value}")
-        for name, value in {"eval.every": self.eval.every, "checkpoint.every": self.checkpoint.every,
-                            "optim.warmup_steps": self.optim.warmup_steps, "heads.num_layers": self.heads.num_layers}.items():
+        non_negative = {"eval.every": self.eval.every, "checkpoint.every": self.checkpoint.every,
+                        "optim.warmup_steps": self.optim.warmup_steps, "heads.num_layers": self.heads.num_layers}
+        for name, value in non_negative.items():
             if value < 0:
                 raise ValueError(f"{name}: expected a value >= 0, found {value}")
         if self.optim.max_steps is not None and self.optim.max_steps < 1:
@@ -213,7 +215,8 @@ def _check(value: Any, tp: Any, where: str) -> Any:
         return value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
-            raise ValueError(f"{where}: expected a mapping of {tp.__name__} fields, found {type(value).__name__} {value!r:.80}")
+            found = f"{type(value).__name__} {value!r:.80}"
+            raise ValueError(f"{where}: expected a mapping of {tp.__name__} fields, found {found}")
         return from_dict(tp, value, where)
     if origin in (typing.Union, types.UnionType):
         errors = []

@@ -71,7 +71,7 @@ class HiddenCache:
 
     @classmethod
     def create(cls, root: str | Path, fingerprint: dict, lengths: list[int], hidden_size: int, dtype: str) -> Path:
-        """Make the files for a cache (main process only; a no-op when a matching cache exists); returns its directory."""
+        """Make a cache's files (main process only; a no-op when a matching cache exists); returns its directory."""
         if dtype not in STORAGE:
             raise ValueError(f"hidden cache dtype: expected one of {sorted(STORAGE)}, found {dtype!r}")
         directory = cls.directory_for(root, fingerprint)
@@ -86,8 +86,8 @@ class HiddenCache:
             f.truncate(int(offsets[-1]) * hidden_size * np.dtype(np_dtype).itemsize)
         with open(directory / "filled.bin", "wb") as f:
             f.truncate(len(lengths))
-        meta = {"fingerprint": fingerprint, "rows": len(lengths), "tokens": int(offsets[-1]), "hidden_size": hidden_size,
-                "dtype": dtype}
+        meta = {"fingerprint": fingerprint, "rows": len(lengths), "tokens": int(offsets[-1]),
+                "hidden_size": hidden_size, "dtype": dtype}
         (directory / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")  # last: marks the cache complete
         return directory
 

@@ -50,7 +50,7 @@ class MedusaLoss:
     """[K] long: positions head k was scored on."""
 
     def accuracy(self, top: int) -> torch.Tensor:
-        """[K] fraction of positions where the target is among head k's ``top`` best candidates (0 with no positions)."""
+        """[K] share of positions where the target is among head k's ``top`` best candidates (0 with no positions)."""
         return self.hits[:, :top].sum(1).double() / self.count.clamp(min=1).double()
 
     @property
@@ -113,7 +113,8 @@ def scored_loss(
         raise ValueError(f"expected targets [K, N] = {[K, N]} to match logits [K, N, V], found {list(targets.shape)}")
     if kind not in ("ce", "kl"):
         raise ValueError(f"loss kind: expected 'ce' or 'kl', found {kind!r}")
-    if kind == "kl" and (target_logits is None or len(target_logits) != K or any(p.shape != (N, V) for p in target_logits)):
+    bad_kl = target_logits is None or len(target_logits) != K or any(p.shape != (N, V) for p in target_logits)
+    if kind == "kl" and bad_kl:
         found = None if target_logits is None else [list(p.shape) for p in target_logits]
         raise ValueError(f"kind='kl' needs the target's logits, one [N, V] = {[N, V]} per head ({K}), found {found}")
     weights = head_weights(K, decay).to(logits.device)

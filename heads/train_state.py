@@ -50,8 +50,9 @@ def resolve_resume(resume_from: str | None, root: Path) -> Path | None:
         return found[-1] if found else None
     path = Path(resume_from).expanduser()
     if not path.is_dir():
+        found = [p.name for p in checkpoints(root)]
         raise FileNotFoundError(f"checkpoint.resume_from={resume_from!r}: expected 'latest' or a checkpoint directory, "
-                                f"found no directory there (checkpoints in {root}: {[p.name for p in checkpoints(root)]})")
+                                f"found no directory there (checkpoints in {root}: {found})")
     return path
 
 

@@ -103,7 +103,8 @@ class Collate:
 
 
 def loader(rows, batch_size: int, shuffle: bool, pad_id: int) -> torch.utils.data.DataLoader:
-    return torch.utils.data.DataLoader(IndexedRows(rows), batch_size=batch_size, shuffle=shuffle, collate_fn=Collate(pad_id))
+    return torch.utils.data.DataLoader(IndexedRows(rows), batch_size=batch_size, shuffle=shuffle,
+                                       collate_fn=Collate(pad_id))
 
 
 # --------------------------------------------------------------------------------------------------- the loop
@@ -171,7 +172,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     if cfg.optim.max_steps is not None:
         total_steps = min(total_steps, cfg.optim.max_steps)
     # a prepared scheduler steps once per process per optimizer step (accelerate's convention)
-    scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=cfg.optim.warmup_steps * accelerator.num_processes,
+    scheduler = get_scheduler(cfg.optim.scheduler, optimizer,
+                              num_warmup_steps=cfg.optim.warmup_steps * accelerator.num_processes,
                               num_training_steps=total_steps * accelerator.num_processes)
     prepared = accelerator.prepare(heads, optimizer, train_dl, scheduler, *([eval_dl] if eval_dl else []))
     heads, optimizer, train_dl, scheduler = prepared[:4]
@@ -179,16 +181,19 @@ def train(cfg: TrainConfig) -> TrainResult:
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
     caches = make_caches(cfg, accelerator, model, {"train": train_rows, "eval": eval_rows})
-    states = TargetStates(model, accelerator.device, accelerator.autocast, cfg.loss.kind, caches, cfg.hidden_cache.dtype)
+    states = TargetStates(model, accelerator.device, accelerator.autocast, cfg.loss.kind, caches,
+                          cfg.hidden_cache.dtype)
+    uses_deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     log.info("process %d/%d on %s: %d train rows, %d batches per epoch, %d optimizer steps in all%s",
              accelerator.process_index, accelerator.num_processes, accelerator.device, len(train_rows), len(train_dl),
-             total_steps, " (DeepSpeed: heads only in the engine)" if accelerator.distributed_type == DistributedType.DEEPSPEED else "")
+             total_steps, " (DeepSpeed: heads only in the engine)" if uses_deepspeed else "")
 
     # 5. resume
     last_ckpt = resolve_resume(cfg.checkpoint.resume_from, ckpt_root)
     if last_ckpt is not None:
         accelerator.load_state(str(last_ckpt))
-        log.info("resumed from %s at step %d (epoch %d, batch %d)", last_ckpt, progress.step, progress.epoch, progress.batch_in_epoch)
+        log.info("resumed from %s at step %d (epoch %d, batch %d)", last_ckpt, progress.step, progress.epoch,
+                 progress.batch_in_epoch)
 
     # 6. the loop
     def evaluate(ranks: int) -> dict:
@@ -204,17 +209,21 @@ def train(cfg: TrainConfig) -> TrainResult:
         while progress.step < total_steps and stopped is None:
             epoch_start = time.perf_counter()
             train_dl.set_epoch(progress.epoch)
-            batches = accelerator.skip_first_batches(train_dl, progress.batch_in_epoch) if progress.batch_in_epoch else train_dl
+            batches = train_dl
+            if progress.batch_in_epoch:  # resumed mid-epoch: skip the batches the checkpoint has already seen
+                batches = accelerator.skip_first_batches(train_dl, progress.batch_in_epoch)
             for batch in batches:
                 with accelerator.accumulate(heads):
                     out = heads_loss(cfg, heads, states, batch, "train", ranks=5)
-                    flags = accelerator.reduce(torch.tensor([float(not torch.isfinite(out.total)), float(stop.signum is not None)],
-                                                            device=accelerator.device), "sum")
+                    # every process learns of a NaN or a signal on any of them, before backward's all-reduce
+                    flags = torch.tensor([float(not torch.isfinite(out.total)), float(stop.signum is not None)])
+                    flags = accelerator.reduce(flags.to(accelerator.device), "sum")
                     if flags[0] > 0:
                         raise TrainingDiverged(
                             f"the loss became {out.total.item()} at step {progress.step + 1} (epoch {progress.epoch}, "
-                            f"batch {progress.batch_in_epoch}); last good checkpoint: {last_ckpt or 'none'}. Resume from it "
-                            f"with checkpoint.resume_from={last_ckpt or 'latest'} and a lower optim.lr, or look for bad rows.")
+                            f"batch {progress.batch_in_epoch}); last good checkpoint: {last_ckpt or 'none'}. "
+                            f"Resume from it with checkpoint.resume_from={last_ckpt or 'latest'} and a lower "
+                            f"optim.lr, or look for bad rows.")
                     accelerator.backward(out.total)
                     if accelerator.sync_gradients and cfg.optim.max_grad_norm is not None:
                         accelerator.clip_grad_norm_(heads.parameters(), cfg.optim.max_grad_norm)
@@ -227,7 +236,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                     continue
                 progress.step += 1
                 bar.update(1)
-                if progress.batch_in_epoch == len(train_dl):  # the epoch is complete: a checkpoint here resumes at the next
+                if progress.batch_in_epoch == len(train_dl):  # epoch complete: a checkpoint here resumes at the next
                     progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
                 if progress.step % cfg.logging.every == 0 or progress.step == total_steps:
                     record = window.flush(accelerator, progress.step, scheduler.get_last_lr()[0])
@@ -244,8 +253,9 @@ def train(cfg: TrainConfig) -> TrainResult:
                     break
             else:
                 progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
-            emit(accelerator, metrics_file, {"step": progress.step, "epoch_seconds": time.perf_counter() - epoch_start,
-                                             "target_seconds_total": states.seconds_total, "cache_hits": states.cache_hits})
+            emit(accelerator, metrics_file, {
+                "step": progress.step, "epoch_seconds": time.perf_counter() - epoch_start,
+                "target_seconds_total": states.seconds_total, "cache_hits": states.cache_hits})
     bar.close()
     if stopped is not None:
         accelerator.end_training()
@@ -339,7 +349,8 @@ def run_eval(cfg: TrainConfig, accelerator: Accelerator, heads, eval_dl, states,
     count = totals[:, ranks].clamp(min=1)
     acc = totals[:, :ranks] / count[:, None]  # [K, R]
     return {"eval_loss": (totals[:, ranks + 1] / count).tolist(), "eval_top1": acc[:, 0].tolist(),
-            "eval_top5": acc[:, :5].sum(1).tolist(), "eval_positions": totals[:, ranks].tolist(), "accuracy": acc.tolist()}
+            "eval_top5": acc[:, :5].sum(1).tolist(), "eval_positions": totals[:, ranks].tolist(),
+            "accuracy": acc.tolist()}
 
 
 def emit(accelerator: Accelerator, metrics_file: Path, record: dict) -> None:
@@ -360,7 +371,9 @@ def emit(accelerator: Accelerator, metrics_file: Path, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def save_final(accelerator: Accelerator, heads, mcfg: MedusaConfig, model, accuracy, budget: int, directory: Path) -> Path:
+def save_final(
+    accelerator: Accelerator, heads, mcfg: MedusaConfig, model, accuracy, budget: int, directory: Path
+) -> Path:
     """Heads with the measured accuracy and the tree built from it -> save_pretrained, on the main process only."""
     state = accelerator.get_state_dict(heads)  # every process takes part (DeepSpeed gathers partitioned weights)
     if accelerator.is_main_process:

@@ -31,7 +31,8 @@ def test_shipped_recipes_load_and_start_with_their_command(name):
 
 def test_yaml_and_overrides_reach_nested_fields(tmp_path):
     path = write(tmp_path, "optim:\n  lr: 1e-4\n  batch_size: 2\nmodel:\n  name: tiny-random-llama\n")
-    cfg = load_config(path, ["optim.batch_size=8", "data.max_length=64", "model.config={model_type: llama, hidden_size: 32}",
+    cfg = load_config(path, ["optim.batch_size=8", "data.max_length=64",
+                             "model.config={model_type: llama, hidden_size: 32}",
                              "output_dir=007", "checkpoint.resume_from=latest", "mixed_precision=null"])
     assert cfg.optim.lr == 1e-4  # YAML 1.1 reads 1e-4 as text; a float field takes it as the number
     assert cfg.optim.batch_size == 8 and cfg.data.max_length == 64

@@ -86,7 +86,8 @@ def test_cached_rows_skip_the_target_and_give_identical_hidden_states(tmp_path):
 def test_training_reads_the_cache_in_its_second_epoch_with_the_kl_loss(tmp_path):
     out = tmp_path / "cached"
     cmd = [sys.executable, "train.py", "--config", "configs/medusa_tiny.yaml", f"output_dir={out}",
-           "hidden_cache.enabled=true", "loss.kind=kl", "optim.max_steps=null", "optim.epochs=2", "data.max_conversations=48",
+           "hidden_cache.enabled=true", "loss.kind=kl", "optim.max_steps=null", "optim.epochs=2",
+           "data.max_conversations=48",
            "checkpoint.every=0", "eval.every=0", "logging.log_with=[]"]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
                             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})

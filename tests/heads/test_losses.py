@@ -1,4 +1,5 @@
-"""The Medusa loss: the index shift (head k at t is trained on labels[t+1+k]), ignore positions, weights, KL, accuracy."""
+"""The Medusa loss: the index shift (head k at t is trained on labels[t+1+k]), ignored positions, weights, KL,
+accuracy, and the gathered form the trainer uses."""
 
 from __future__ import annotations
 
