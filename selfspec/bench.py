@@ -50,6 +50,8 @@ class BenchConfig:
     max_new_tokens: int = 192
     limit: int | None = None
     """answer only the first N questions."""
+    per_category: int | None = None
+    """answer only the first N questions of each category (a balanced subset)."""
     repeats: int = 1
     """time each turn this many times; the median is reported."""
     warmup_tokens: int = 32
@@ -63,6 +65,8 @@ class BenchConfig:
                              f"{self.max_new_tokens}, {self.repeats}, {self.warmup_tokens}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be >= 1, found {self.limit}")
+        if self.per_category is not None and self.per_category < 1:
+            raise ValueError(f"per_category must be >= 1, found {self.per_category}")
         if not self.methods or not self.dtypes:
             raise ValueError("expected at least one method and one dtype")
 
@@ -161,7 +165,7 @@ def _machine() -> dict[str, Any]:
 
 def run_bench(cfg: BenchConfig) -> specbench.Summary:
     # 1. validate everything a run needs before any model is loaded
-    questions = specbench.load_questions(cfg.questions, cfg.limit)
+    questions = specbench.load_questions(cfg.questions, cfg.limit, cfg.per_category)
     dtypes = list(dict.fromkeys(parse_dtype(d) for d in cfg.dtypes))
     methods = parse_methods(cfg.methods, target_info(cfg.model).num_layers)
     check_drafts(cfg.model, [m.draft for m in methods if m.draft is not None], allow_other_base=cfg.allow_other_base)

@@ -82,6 +82,8 @@ def build_bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="fp32,bf16", help="comma-separated dtypes, one target load each")
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--limit", type=int, default=None, help="answer only the first N questions")
+    p.add_argument("--per-category", type=int, default=None,
+                   help="answer only the first N questions of each category (a balanced subset)")
     p.add_argument("--repeats", type=int, default=1, help="time every turn R times and report the median")
     p.add_argument("--warmup-tokens", type=int, default=32, help="tokens per method in the untimed warm-up (0 = none)")
     p.add_argument("--allow-other-base", action="store_true", help="see infer.py --help")
@@ -178,7 +180,7 @@ def run_bench_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
     out = out or sys.stdout
     a = build_bench_parser().parse_args(argv)
     cfg = BenchConfig(questions=a.questions, out_dir=a.out_dir, methods=_split(a.methods), dtypes=_split(a.dtype),
-                      model=a.model, max_new_tokens=a.max_new_tokens, limit=a.limit, repeats=a.repeats,
+                      model=a.model, max_new_tokens=a.max_new_tokens, limit=a.limit, per_category=a.per_category, repeats=a.repeats,
                       warmup_tokens=a.warmup_tokens, device=a.device, allow_other_base=a.allow_other_base,
                       progress=not a.no_progress)
     summary = run_bench(cfg)

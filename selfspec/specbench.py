@@ -50,8 +50,12 @@ class Answer:
         return {"question_id": self.question_id, "category": self.category, "model_id": model_id, "choices": [choice]}
 
 
-def load_questions(path: str | Path, limit: int | None = None) -> list[Question]:
-    """Read and validate a Spec-Bench question file; any malformed line fails with its line number."""
+def load_questions(path: str | Path, limit: int | None = None, per_category: int | None = None) -> list[Question]:
+    """Read and validate a Spec-Bench question file; any malformed line fails with its line number.
+
+    per_category keeps the first N questions of each category (a balanced subset, in file order); limit then keeps
+    the first N questions of what is left.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"question file {path} does not exist: pass --questions PATH to a Spec-Bench question "
@@ -84,6 +88,14 @@ def load_questions(path: str | Path, limit: int | None = None) -> list[Question]
         out.append(Question(question_id=qid, category=category, turns=tuple(turns)))
     if not out:
         raise ValueError(f"{path} holds no questions")
+    if per_category is not None:
+        taken: dict[str, int] = {}
+        balanced = []
+        for q in out:
+            taken[q.category] = taken.get(q.category, 0) + 1
+            if taken[q.category] <= per_category:
+                balanced.append(q)
+        out = balanced
     return out[:limit] if limit is not None else out
 
 

@@ -160,6 +160,9 @@ def test_the_shared_mt_bench_file_is_valid():
     assert {q.category for q in questions} == {"writing", "roleplay", "reasoning", "math", "coding", "extraction",
                                                 "stem", "humanities"}
     assert len(specbench.load_questions(bench.DEFAULT_QUESTIONS, limit=12)) == 12
+    balanced = specbench.load_questions(bench.DEFAULT_QUESTIONS, per_category=2)
+    assert len(balanced) == 16 and all(sum(q.category == c for q in balanced) == 2 for c in {q.category for q in balanced})
+    assert [q.question_id for q in balanced if q.category == "math"] == [q.question_id for q in questions if q.category == "math"][:2]
 
 
 @pytest.mark.parametrize("content, message", [
