@@ -41,6 +41,7 @@ from heads.data import build_datasets
 from heads.losses import gather_scored, scored_loss
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.hidden_cache import TargetStates, make_caches
+from heads.train_log import Window, emit
 from heads.train_state import Progress, StopFlag, resolve_resume, save_checkpoint
 from heads.tree_search import best_choices
 
@@ -276,42 +277,6 @@ def train(cfg: TrainConfig) -> TrainResult:
     return TrainResult("done", progress.step, last_ckpt, heads_dir, accuracy)
 
 
-class Window:
-    """Training metrics summed over the micro-batches since the last log line."""
-
-    def __init__(self, num_heads: int):
-        self.num_heads = num_heads
-        self.reset()
-
-    def reset(self) -> None:
-        self.loss, self.batches, self.start = 0.0, 0, time.perf_counter()
-        self.head_loss = torch.zeros(self.num_heads, dtype=torch.float64)
-        self.hits = torch.zeros(self.num_heads, 5, dtype=torch.float64)
-        self.count = torch.zeros(self.num_heads, dtype=torch.float64)
-        self.target_s = 0.0
-
-    def add(self, out, target_seconds: float) -> None:
-        self.loss += out.total.item()
-        self.batches += 1
-        self.head_loss += out.per_head.double().cpu()
-        self.hits += out.hits[:, :5].double()
-        self.count += out.count.double()
-        self.target_s += target_seconds
-
-    def flush(self, accelerator: Accelerator, step: int, lr: float) -> dict:
-        packed = torch.cat([torch.tensor([self.loss, self.batches]), self.head_loss, self.hits.flatten(), self.count])
-        packed = accelerator.reduce(packed.to(accelerator.device), "sum").cpu()  # over processes
-        K = self.num_heads
-        loss, batches, head_loss = packed[0].item(), packed[1].item(), packed[2 : 2 + K]
-        hits, count = packed[2 + K : 2 + 6 * K].view(K, 5), packed[2 + 6 * K :].clamp(min=1)
-        seconds = time.perf_counter() - self.start
-        record = {"step": step, "loss": loss / batches, "head_loss": (head_loss / batches).tolist(),
-                  "top1": (hits[:, 0] / count).tolist(), "top5": (hits.sum(1) / count).tolist(), "lr": lr,
-                  "seconds": seconds, "target_seconds": self.target_s}
-        self.reset()
-        return record
-
-
 def heads_loss(cfg: TrainConfig, heads, states, batch: dict, split: str, ranks: int, per_row: bool = False):
     """The Medusa loss of a batch, running the heads only on the positions some head is scored on.
 
@@ -351,24 +316,6 @@ def run_eval(cfg: TrainConfig, accelerator: Accelerator, heads, eval_dl, states,
     return {"eval_loss": (totals[:, ranks + 1] / count).tolist(), "eval_top1": acc[:, 0].tolist(),
             "eval_top5": acc[:, :5].sum(1).tolist(), "eval_positions": totals[:, ranks].tolist(),
             "accuracy": acc.tolist()}
-
-
-def emit(accelerator: Accelerator, metrics_file: Path, record: dict) -> None:
-    """One metrics record: to the trackers (scalars, per head) and as a JSON line in <output_dir>/metrics.jsonl."""
-    if not accelerator.is_main_process:
-        return
-    scalars = {}
-    for key, value in record.items():
-        if key in ("step", "accuracy", "final"):
-            continue
-        if isinstance(value, list):
-            scalars.update({f"{key}/head{k + 1}": v for k, v in enumerate(value)})
-        else:
-            scalars[key] = value
-    accelerator.log(scalars, step=record["step"])
-    metrics_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(metrics_file, "a") as f:
-        f.write(json.dumps(record) + "\n")
 
 
 def save_final(
