@@ -16,7 +16,7 @@ from typing import Callable, Sequence, TextIO
 
 from transformers.utils import logging as hf_logging
 
-from selfspec import api
+from selfspec import api, registry, specbench
 from selfspec.bench import DEFAULT_QUESTIONS, BenchConfig, run_bench
 from selfspec.models import DEFAULT_MODEL
 from selfspec.specbench import to_markdown
@@ -93,12 +93,17 @@ def build_bench_parser() -> argparse.ArgumentParser:
 
 def build_costs_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="infer.py costs", description="Median time of one tree verification against "
-                                "tree size, over a cache of --context tokens: what a bigger tree costs here.")
+                                "tree size, over a cache of --context tokens: what a bigger tree costs here; then the "
+                                "decoding loop's own overhead per step (time outside the target's forward).")
     _model_args(p)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", help="comma-separated dtypes, measured one after the other")
     p.add_argument("--sizes", default="1,2,4,8,16,32,64", help="tree sizes (nodes), comma-separated")
     p.add_argument("--context", type=int, default=256, help="cached tokens under the tree")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--loop-prompts", type=int, default=4,
+                   help="MT-bench first turns decoded with --loop-draft to measure the loop's overhead (0 = skip)")
+    p.add_argument("--loop-draft", default="ngram", help="the draft used for the overhead measurement")
+    p.add_argument("--loop-tokens", type=int, default=64, help="new tokens per overhead prompt")
     return p
 
 
@@ -191,14 +196,28 @@ def run_bench_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
 
 def run_costs_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
     out = out or sys.stdout
-    from selfspec.costs import format_costs, verify_costs
+    from selfspec.costs import format_costs, loop_overhead, verify_costs
     from selfspec.models import load_model
     from selfspec.target import Target
 
     a = build_costs_parser().parse_args(argv)
     sizes = tuple(int(s) for s in _split(a.sizes))
-    model, _ = load_model(a.model, dtype=a.dtype, revision=a.revision, device=a.device)
-    out.write(format_costs(verify_costs(Target(model), sizes=sizes, context=a.context, repeats=a.repeats)) + "\n")
+    draft = registry.parse_draft(a.loop_draft)
+    questions = specbench.load_questions(DEFAULT_QUESTIONS, per_category=1)[: a.loop_prompts] if a.loop_prompts else []
+    for dtype in _split(a.dtype):
+        model, tokenizer = load_model(a.model, dtype=dtype, revision=a.revision, device=a.device)
+        target = Target(model)
+        out.write(f"\n{a.model} {dtype}, cache of {a.context} tokens, median of {a.repeats}:\n")
+        out.write(format_costs(verify_costs(target, sizes=sizes, context=a.context, repeats=a.repeats)) + "\n")
+        if questions:
+            drafter = registry.build_drafter(draft, target)
+            spec_model = api.SpecModel(target, tokenizer, drafter, a.model)
+            prompts = [spec_model.encode(q.turns[0]) for q in questions]
+            loop_overhead(target, drafter, prompts[:1], max_new_tokens=8)  # warm-up
+            o = loop_overhead(target, drafter, prompts, max_new_tokens=a.loop_tokens)
+            out.write(f"loop with --draft {a.loop_draft} over {len(prompts)} prompts ({o.steps} steps): "
+                      f"{o.verify_ms_per_step:.1f} ms in the target's forward + {o.other_ms_per_step:.1f} ms outside "
+                      f"it per step = {100 * o.overhead_share:.1f}% overhead\n")
     return 0
 
 

@@ -86,9 +86,13 @@ def test_medusa_checkpoint_through_the_entry_point(model_dir, tmp_path):
 
 
 def test_costs_subcommand(model_dir, capsys):
-    assert cli.main(["costs", "--model", str(model_dir), "--sizes", "1,4", "--context", "8", "--repeats", "2"]) == 0
-    rows = [line.split("|")[1].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
-    assert rows[-2:] == ["1", "4"]
+    assert cli.main(["costs", "--model", str(model_dir), "--sizes", "1,4", "--context", "8", "--repeats", "2",
+                     "--dtype", "fp32,bf16", "--loop-prompts", "2", "--loop-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ")]
+    assert rows == ["tree nodes", "1", "4"] * 2
+    overhead = [line for line in out.splitlines() if line.startswith("loop with --draft ngram over 2 prompts")]
+    assert len(overhead) == 2 and all("% overhead" in line for line in overhead)
 
 
 class InterruptAfter(io.StringIO):
