@@ -136,3 +136,38 @@ def measure_accuracy(heads: torch.nn.Module, batches: Iterable[tuple[torch.Tenso
             "with labels (ids other than -100)"
         )
     return hits.double() / torch.tensor(counts, dtype=torch.float64)[:, None]
+
+
+# ------------------------------------------------------------------------------------------ trees for this machine
+def step_cost(costs: dict[int, float], nodes: int) -> float:
+    """Cost of verifying a tree of ``nodes`` nodes (root included), linearly interpolated from measured sizes."""
+    sizes = sorted(costs)
+    if nodes <= sizes[0]:
+        return costs[sizes[0]]
+    for lo, hi in zip(sizes, sizes[1:]):
+        if nodes <= hi:
+            return costs[lo] + (costs[hi] - costs[lo]) * (nodes - lo) / (hi - lo)
+    raise ValueError(f"no verify cost measured for {nodes} nodes (measured up to {sizes[-1]}); measure larger trees")
+
+
+def fastest_choices(acc: Sequence[Sequence[float]] | torch.Tensor, costs: dict[int, float],
+                    max_nodes: int) -> tuple[list[list[int]], float]:
+    """The tree that maximises expected tokens per second, not accepted length, on the machine ``costs`` describe.
+
+    costs: verify time (any unit) of a tree of n nodes, root included (``selfspec.costs.verify_costs``). The best
+    n-draft tree is the greedy one of ``best_choices`` (nested in n), so the search is over n alone:
+    argmax_n expected_accept_length(best_choices(acc, n)) / cost(n + 1). Returns (choices, expected tokens per unit).
+    """
+    if not costs:
+        raise ValueError("expected measured verify costs {nodes: time}, found none")
+    all_choices = best_choices(acc, max_nodes)
+    rows = _as_rows(acc)
+    # the greedy order: nodes by decreasing path probability, so every prefix is a valid tree
+    order = sorted(all_choices, key=lambda c: (-path_probability(rows, c), len(c), c))
+    best, best_rate, expected = [], 1.0 / step_cost(costs, 1), 1.0
+    for n, node in enumerate(order, start=1):
+        expected += path_probability(rows, node)
+        rate = expected / step_cost(costs, n + 1)
+        if rate > best_rate:
+            best, best_rate = order[:n], rate
+    return sorted(best, key=lambda c: (len(c), c)), best_rate

@@ -89,3 +89,27 @@ def test_measure_refuses_batches_too_short_for_a_head():
     heads = MedusaHeads(MedusaConfig.for_model(model, num_heads=3), model.lm_head)
     with pytest.raises(ValueError, match="no target positions to measure head 3"):
         measure_accuracy(heads, [(torch.randn(1, 4, 32), torch.zeros(1, 4, dtype=torch.long))])
+
+
+def test_step_cost_interpolates_and_refuses_unmeasured_sizes():
+    from heads.tree_search import step_cost
+
+    costs = {1: 10.0, 2: 12.0, 4: 20.0}
+    assert step_cost(costs, 1) == 10.0 and step_cost(costs, 3) == 16.0 and step_cost(costs, 4) == 20.0
+    with pytest.raises(ValueError, match="no verify cost measured for 5 nodes"):
+        step_cost(costs, 5)
+
+
+def test_fastest_tree_follows_the_cost_of_verification():
+    from heads.tree_search import best_choices, fastest_choices
+
+    acc = [[0.5, 0.2], [0.4, 0.1]]  # nodes by probability: [0] .5, [1] .2, [0,0] .2, [0,1] .05, [1,0] .08, [1,1] .02
+    flat = {1: 1.0, 8: 1.0}  # verification is free: take every node that adds anything
+    choices, rate = fastest_choices(acc, flat, max_nodes=6)
+    assert choices == best_choices(acc, 6) and rate == pytest.approx(1 + 0.5 + 0.2 + 0.2 + 0.05 + 0.08 + 0.02)
+    steep = {1: 1.0, 2: 1.6, 8: 8.0}  # one draft node costs 60%: no tree beats plain decoding (1.5 / 1.6 < 1)
+    assert fastest_choices(acc, steep, max_nodes=6) == ([], 1.0)
+    mid = {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.9, 8: 3.0}  # cheap up to 2 drafts, then expensive: 1.7 / 1.2 is the best
+    choices, rate = fastest_choices(acc, mid, max_nodes=6)
+    assert choices == [[0], [1]] or choices == [[0], [0, 0]]
+    assert rate == pytest.approx(1.7 / 1.2)
