@@ -1,6 +1,7 @@
 """What a step costs on the machine at hand: verify-forward time against tree size, and the loop's own overhead.
 
-``verify_costs`` times one tree verification of N nodes on top of a cache of a given length (the target's forward
+``verify_costs`` times one verification of an N-node tree (a branching one, so the custom 4D mask is in the
+measurement) on top of a cache of a given length (the target's forward
 only: the cost a bigger tree adds). ``loop_overhead`` runs the real decoding loop and splits each step into the
 target's forward and everything else (drafting, acceptance, cache commit). Medians over repeats; nothing is cached
 between sizes, the cache is cut back to the prefix after each verification.
@@ -40,7 +41,9 @@ def verify_costs(
     target.prefill(prompt, cache)
     medians: dict[int, float] = {}
     for n in sizes:
-        tree = Tree.chain(n - 1)
+        # a branching tree (root + n - 1 children) takes the custom-mask path every branching draft takes; 1 and 2
+        # nodes can only be chains, verified like plain decoding
+        tree = Tree.chain(n - 1) if n <= 2 else Tree.from_parents([-1] + [0] * (n - 1))
         tokens = torch.randint(0, target.vocab_size, (n,), generator=g).to(target.device)
         times = []
         for i in range(warmup + repeats):

@@ -2,7 +2,8 @@
 
 Works for any transformers decoder-only model through its public forward: an additive 4D attention mask (each tree node
 attends to the whole cache and to its own ancestors), explicit position ids (cache length + node depth) and the HF
-cache. No modeling files are copied.
+cache. A chain (or the root alone) is plain causal attention, so it goes without a custom mask, exactly as plain
+decoding does. No modeling files are copied.
 
 Shapes: S cached length, N tree nodes, V vocabulary, D hidden size.
 """
@@ -77,10 +78,12 @@ class Target:
         if tokens.shape != (n,):
             raise ValueError(f"expected {n} tree tokens (one per node), found shape {tuple(tokens.shape)}")
         device = tokens.device
-        allowed = torch.cat(
-            [torch.ones(n, start, dtype=torch.bool, device=device), tree.ancestor_mask.to(device)], dim=1
-        )  # [N, S + N]
-        mask = hf.additive_mask(allowed, self._mask_dtype)  # [1, 1, N, S + N]
+        mask = None  # a chain is plain causal attention: let the model build its own mask, as in plain decoding
+        if not tree.is_chain:
+            allowed = torch.cat(
+                [torch.ones(n, start, dtype=torch.bool, device=device), tree.ancestor_mask.to(device)], dim=1
+            )  # [N, S + N]
+            mask = hf.additive_mask(allowed, self._mask_dtype)  # [1, 1, N, S + N]
         positions = start + tree.depth_tensor.to(device)  # [N]
         logits, hidden = hf.forward(self.model, tokens, positions, mask, cache)
         return Verified(logits=logits, hidden=hidden)

@@ -106,6 +106,11 @@ class Tree:
         return max(self.depths)
 
     @property
+    def is_chain(self) -> bool:
+        """True when every node has at most one child (plain causal attention verifies it)."""
+        return self.parents == tuple(range(-1, len(self.parents) - 1))
+
+    @property
     def max_rank(self) -> int:
         """Largest candidate rank used anywhere (a drafter must offer top-(max_rank + 1))."""
         return max(self.ranks)

@@ -143,3 +143,9 @@ def test_truncated_draft_keeps_ranks_and_remaps_parents():
 def test_draft_needs_one_token_per_node():
     with pytest.raises(ValueError, match=r"a draft needs one token per tree node \(3\), found \(2,\)"):
         Draft(tree=Tree.chain(2), tokens=torch.tensor([1, 2]))
+
+
+def test_is_chain():
+    assert Tree.chain(0).is_chain and Tree.chain(5).is_chain
+    assert not Tree.from_choices([(0,), (1,)]).is_chain
+    assert not Tree.from_parents([-1, 0, 0, 1]).is_chain
