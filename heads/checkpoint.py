@@ -36,6 +36,7 @@ from heads.hub import Published, check_repo_id, publish
 from heads.medusa import MedusaConfig, MedusaHeads, base_sizes
 from heads.tree_search import expected_accept_length
 from selfspec.models import BUILTIN
+from selfspec.registry import read_json_object
 
 CONFIG, WEIGHTS, CARD = "config.json", "model.safetensors", "README.md"
 FILES = (CONFIG, WEIGHTS, CARD)
@@ -111,12 +112,7 @@ def read_config(directory: Path) -> MedusaConfig:
     file = directory / CONFIG
     if not file.is_file():
         raise FileNotFoundError(f"{directory} has no {CONFIG}: expected a selfspec heads checkpoint ({', '.join(FILES)})")
-    try:
-        data = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{file} is not valid JSON ({err}): the checkpoint is corrupt, save or download it again") from err
-    if not isinstance(data, dict):
-        raise ValueError(f"{file}: expected a JSON object, found {type(data).__name__}")
+    data = read_json_object(file, "the heads' config")
     if data.get("draft_type") != "medusa":
         raise ValueError(
             f"{file} says draft_type {data.get('draft_type')!r}; expected 'medusa' "

@@ -19,7 +19,6 @@ tensors are trusted, and a warning says so.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import pickle
 import re
@@ -36,6 +35,7 @@ from torch import nn
 
 from heads.checkpoint import check_tensors, save_heads
 from heads.medusa import MedusaConfig, MedusaHeads
+from selfspec.registry import read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +64,7 @@ def read_config(directory: Path) -> dict:
     if not file.is_file():
         log.warning("%s has no %s: counting heads and layers from the weights", directory, CONFIG)
         return {}
-    try:
-        data = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{file} is not valid JSON: {err}") from err
-    if not isinstance(data, dict):
-        raise ValueError(f"{file}: expected a JSON object, found {type(data).__name__}")
-    return data
+    return read_json_object(file, "the Medusa checkpoint's config")
 
 
 def read_weights(directory: Path) -> tuple[dict[str, torch.Tensor], str]:

@@ -225,13 +225,9 @@ class LayerSkipConfig:
             from huggingface_hub import hf_hub_download
 
             path = Path(hf_hub_download(str(path_or_repo_id), CONFIG_NAME, revision=revision))
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path} is not valid JSON: {err}") from err
-        if not isinstance(data, dict):
-            raise ValueError(f"{path} should hold a JSON object, found {type(data).__name__}")
-        return cls.from_dict(data, source=str(path))
+        from selfspec.registry import read_json_object
+
+        return cls.from_dict(read_json_object(path, "the layer-skip config"), source=str(path))
 
 
 def load_drafter(

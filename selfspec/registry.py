@@ -78,14 +78,15 @@ def _read_hub_config(repo_id: str, revision: str | None) -> dict[str, Any]:
             f"--draft {repo_id!r} is not a local directory, and its config.json could not be fetched from the Hub "
             f"({type(err).__name__}: {err}). Expected {ACCEPTED}."
         ) from err
-    return _read_json(Path(path), f"the config.json of Hub repo {repo_id}")
+    return read_json_object(Path(path), f"the config.json of Hub repo {repo_id}")
 
 
-def _read_json(path: Path, what: str) -> dict[str, Any]:
+def read_json_object(path: Path, what: str) -> dict[str, Any]:
+    """A checkpoint's JSON config as a dict; corrupt JSON or another JSON type fails naming ``what`` and the file."""
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise ValueError(f"{what} ({path}) is not valid JSON: {err}") from err
+        raise ValueError(f"{what} ({path}) is not valid JSON: {err}; the file is corrupt, save or download it again") from err
     if not isinstance(data, dict):
         raise ValueError(f"{what} ({path}) should hold a JSON object, found {type(data).__name__}")
     return data
@@ -136,7 +137,7 @@ def parse_draft(spec: str, revision: str | None = None) -> DraftSpec:
             raise FileNotFoundError(f"draft checkpoint directory {path} does not exist. --draft expects {ACCEPTED}.")
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} has no config.json: expected a draft checkpoint directory (config.json + weights)")
-        config = _read_json(path / "config.json", "the draft checkpoint's config")
+        config = read_json_object(path / "config.json", "the draft checkpoint's config")
         location = str(path)
     elif "/" in spec:
         config = _read_hub_config(spec, revision)

@@ -169,3 +169,14 @@ def test_early_exit_spec_errors(bad, message):
 def test_early_exit_layer_out_of_range_names_the_range(model_dir):
     with pytest.raises(ValueError, match=r"exit layer must be in 1\.\.1"):
         api.load(str(model_dir), draft="early-exit:layer=2")
+
+
+def test_corrupt_checkpoint_config_says_what_and_what_to_do(tmp_path):
+    d = tmp_path / "heads-ckpt"
+    d.mkdir()
+    (d / "config.json").write_text('{"draft_type": "medusa", ')  # cut off mid-write
+    with pytest.raises(ValueError, match=r"the draft checkpoint's config \(.*config.json\) is not valid JSON: .*corrupt"):
+        registry.parse_draft(str(d))
+    (d / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="should hold a JSON object, found list"):
+        registry.parse_draft(str(d))
