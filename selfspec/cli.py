@@ -43,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.add_argument("--draft", default="ngram",
                    help="the draft: 'ngram' (prompt lookup, default; options as 'ngram:depth=8,max_nodes=24'), 'none' "
-                        "(plain decoding through the same loop), or a draft checkpoint (directory or Hub id: Medusa "
-                        "heads, an exit head, a layer-skip config ...)")
+                        "(plain decoding through the same loop), 'early-exit:layer=E' (the first E layers draft; options "
+                        "depth, stop_below), or a draft checkpoint (directory or Hub id: Medusa heads, a layer-skip "
+                        "config)")
     p.add_argument("--draft-revision", default=None, help="Hub revision of a --draft checkpoint")
     p.add_argument("--tree", default=None,
                    help="candidate tree for checkpoint drafts (default: the checkpoint's own): 'chain:K', "
