@@ -90,8 +90,11 @@ def save_heads(heads: MedusaHeads, directory: str | Path, repo_id: str | None = 
 
 
 # --------------------------------------------------------------------------------------------------------- load
-def resolve(path_or_repo_id: str | Path, revision: str | None = None) -> Path:
-    """A local checkpoint directory, or a Hub repo fetched through the Hub cache (a second load needs no network)."""
+def resolve(path_or_repo_id: str | Path, revision: str | None = None, files: tuple[str, ...] = FILES) -> Path:
+    """A local checkpoint directory, or a Hub repo fetched through the Hub cache (a second load needs no network).
+
+    files: the file names fetched from a Hub repo (a selfspec heads checkpoint's by default).
+    """
     path = Path(path_or_repo_id).expanduser()
     if path.is_dir():
         if revision is not None:
@@ -100,7 +103,7 @@ def resolve(path_or_repo_id: str | Path, revision: str | None = None) -> Path:
     if path.exists():
         raise NotADirectoryError(f"expected a checkpoint directory or a Hub repo id, found the file {path}")
     try:
-        return Path(snapshot_download(str(path_or_repo_id), revision=revision, allow_patterns=list(FILES)))
+        return Path(snapshot_download(str(path_or_repo_id), revision=revision, allow_patterns=list(files)))
     except (HFValidationError, HfHubHTTPError, LocalEntryNotFoundError) as err:
         raise FileNotFoundError(
             f"{path_or_repo_id!r} is not a local directory and could not be fetched from the Hugging Face Hub "

@@ -27,13 +27,11 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from huggingface_hub import snapshot_download
-from huggingface_hub.errors import HFValidationError, HfHubHTTPError, LocalEntryNotFoundError
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from heads.checkpoint import check_tensors, save_heads
+from heads.checkpoint import check_tensors, resolve, save_heads
 from heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.registry import read_json_object
 
@@ -42,20 +40,6 @@ log = logging.getLogger(__name__)
 CONFIG = "config.json"
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 KEY = re.compile(r"(?P<head>\d+)\.(?P<layer>\d+)\.(?P<what>linear\.weight|linear\.bias|weight)")
-
-
-def locate(path_or_repo_id: str | Path, revision: str | None = None) -> Path:
-    """The directory holding the checkpoint: a local one, or a Hub repo fetched through the Hub cache."""
-    path = Path(path_or_repo_id).expanduser()
-    if path.is_dir():
-        return path
-    try:
-        return Path(snapshot_download(str(path_or_repo_id), revision=revision, allow_patterns=[CONFIG, *WEIGHT_FILES]))
-    except (HFValidationError, HfHubHTTPError, LocalEntryNotFoundError) as err:
-        raise FileNotFoundError(
-            f"{path_or_repo_id!r} is not a local directory and could not be fetched from the Hub: "
-            f"{type(err).__name__}: {err}"
-        ) from err
 
 
 def read_config(directory: Path) -> dict:
@@ -171,7 +155,7 @@ def import_medusa(
     path_or_repo_id: str | Path, out_dir: str | Path, base_model: str | None = None, revision: str | None = None,
 ) -> Path:
     """Convert a FasterDecoding Medusa checkpoint (local directory or Hub id) into a selfspec checkpoint directory."""
-    directory = locate(path_or_repo_id, revision)
+    directory = resolve(path_or_repo_id, revision, files=(CONFIG, *WEIGHT_FILES))
     medusa_config = read_config(directory)
     tensors, weights = read_weights(directory)
     heads = convert(tensors, medusa_config, base_model, str(path_or_repo_id), str(directory / weights))

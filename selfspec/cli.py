@@ -117,6 +117,19 @@ def _start(model: api.SpecModel, prompt: api.Prompt, args: argparse.Namespace) -
                         top_k=args.top_k, seed=args.seed, chat=not args.no_chat)
 
 
+def _reply(model: api.SpecModel, prompt: api.Prompt, args: argparse.Namespace, out: TextIO, err: TextIO,
+           label: str) -> api.TextStream | None:
+    """Stream one reply, then its statistics; None when Ctrl-C stopped it (what was generated is reported)."""
+    stream = _start(model, prompt, args)
+    try:
+        _show(stream, out)
+    except KeyboardInterrupt:
+        err.write(f"\n{label} interrupted: {stream.stats}\n")
+        return None
+    err.write(f"{label} {stream.stats}\n")
+    return stream
+
+
 def _show(stream: api.TextStream, out: TextIO) -> None:
     """Write the pieces as they come (a KeyboardInterrupt leaves ``stream`` holding what was generated)."""
     for piece in stream:
@@ -147,13 +160,9 @@ def run_decode(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
                      revision=args.revision, draft_revision=args.draft_revision, allow_other_base=args.allow_other_base)
     label = f"[selfspec {args.draft}]"
     if args.prompt is not None:
-        stream = _start(model, args.prompt, args)
-        try:
-            _show(stream, out)
-        except KeyboardInterrupt:
-            err.write(f"\n{label} interrupted: {stream.stats}\n")
+        stream = _reply(model, args.prompt, args, out, err, label)
+        if stream is None:
             return INTERRUPTED
-        err.write(f"{label} {stream.stats}\n")
         if args.compare:
             _compare(model, args, stream, err)
         return 0
@@ -172,13 +181,9 @@ def run_decode(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
             return 0
         messages.append({"role": "user", "content": text})
         out.write("assistant> ")
-        stream = _start(model, messages, args)
-        try:
-            _show(stream, out)
-        except KeyboardInterrupt:
-            err.write(f"\n{label} interrupted: {stream.stats}\n")
+        stream = _reply(model, messages, args, out, err, label)
+        if stream is None:
             return INTERRUPTED
-        err.write(f"{label} {stream.stats}\n")
         messages.append({"role": "assistant", "content": stream.text})
 
 
