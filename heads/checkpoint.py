@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import tempfile
+import tomllib
 import uuid
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,15 @@ HUB_DATASETS = {"sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
 
 
 def selfspec_version() -> str:
-    return importlib.metadata.version("selfspec")
+    """The installed selfspec's version; from a source checkout that was not installed (code on PYTHONPATH), the
+    version in its pyproject.toml marked "+source"."""
+    try:
+        return importlib.metadata.version("selfspec")
+    except importlib.metadata.PackageNotFoundError:
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        if not pyproject.is_file():
+            return "unknown"
+        return tomllib.loads(pyproject.read_text())["project"]["version"] + "+source"
 
 
 def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import tomllib
 from pathlib import Path
 
 import huggingface_hub
@@ -217,3 +219,16 @@ def test_checkpoint_directory_gets_the_default_permissions(llama, tmp_path):
 def test_recipe_must_be_json(llama):
     with pytest.raises(ValueError, match="recipe must be JSON-serialisable"):
         MedusaConfig.for_model(llama, recipe={"output_dir": Path("/x")})
+
+
+def test_version_from_a_source_checkout_that_was_not_installed(llama, tmp_path, monkeypatch):
+    # code run from a checkout on PYTHONPATH has no package metadata: saving must still work (it once crashed at the
+    # very end of a training run), recording pyproject.toml's version marked as a source build
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    expected = tomllib.loads((Path(ckpt.__file__).parent.parent / "pyproject.toml").read_text())["project"]["version"]
+    assert ckpt.selfspec_version() == expected + "+source"
+    trained(llama).save_pretrained(tmp_path / "ck")
+    assert json.loads((tmp_path / "ck" / "config.json").read_text())["selfspec_version"] == expected + "+source"
