@@ -87,6 +87,18 @@ def final_hidden(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask
     return out.last_hidden_state
 
 
+def layer_and_final_hidden(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids, attention_mask [B, T] -> (layer ``layer``'s input [B, T, D], the final hidden state [B, T, D]),
+    from one forward: what an exit head reads, and what the target's own logits come from."""
+    from selfspec import hf
+
+    with hf.captured_output(hf.decoder_layers(model)[layer - 1]) as outputs:
+        final = final_hidden(model, input_ids, attention_mask)
+    return outputs[-1], final
+
+
 def lm_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     """hidden [B, T, D] -> the target's logits [B, T, V], as its own forward computes them from that hidden state."""
     lm_head = model.get_output_embeddings()

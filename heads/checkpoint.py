@@ -76,17 +76,24 @@ def expected_shapes(config: MedusaConfig) -> dict[str, tuple[int, ...]]:
 # --------------------------------------------------------------------------------------------------------- save
 def save_heads(heads: MedusaHeads, directory: str | Path, repo_id: str | None = None) -> Path:
     """Write config.json, model.safetensors and README.md to ``directory`` atomically; returns the directory."""
+    return write_checkpoint(directory, heads.state_dict(), heads.config.to_dict(),
+                            model_card(heads.config, repo_id or str(Path(directory).expanduser())))
+
+
+def write_checkpoint(directory: str | Path, state: dict[str, torch.Tensor], config: dict, card: str) -> Path:
+    """Any draft checkpoint: config.json (+ selfspec_version), model.safetensors (with the tensors' sha256) and
+    README.md, written to a temporary directory and renamed into place, so a checkpoint is whole or absent."""
     target = Path(directory).expanduser()
     if target.exists() and not target.is_dir():
-        raise NotADirectoryError(f"expected a directory to save the heads into, found a file at {target}")
+        raise NotADirectoryError(f"expected a directory to save the checkpoint into, found a file at {target}")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()  # the default mode (not mkdtemp's 0700): the renamed checkpoint is as readable as any new directory
     try:
-        tensors = {name: t.detach().cpu().contiguous() for name, t in heads.state_dict().items()}
+        tensors = {name: t.detach().cpu().contiguous() for name, t in state.items()}
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", "sha256": tensors_sha256(tensors)})
-        (tmp / CONFIG).write_text(json.dumps({**heads.config.to_dict(), "selfspec_version": selfspec_version()}, indent=2) + "\n")
-        (tmp / CARD).write_text(model_card(heads.config, repo_id or str(target)))
+        (tmp / CONFIG).write_text(json.dumps({**config, "selfspec_version": selfspec_version()}, indent=2) + "\n")
+        (tmp / CARD).write_text(card)
         if not target.exists():
             os.rename(tmp, target)  # the whole checkpoint appears at once
             return target

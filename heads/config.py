@@ -132,6 +132,18 @@ class HiddenCacheConfig:
 
 
 @dataclass
+class ExitConfig:
+    layer: int | None = None
+    """E: the exit head reads layer E's input and drafting runs layers 0..E-1 (required with method exit_head)."""
+    num_layers: int = 1
+    """residual blocks in the exit head."""
+    draft_depth: int = 4
+    """tokens the exit head drafts per step, stored in its checkpoint."""
+    stop_below: float = 0.0
+    """stop drafting once the draft's top probability falls below this, stored in its checkpoint (0: never)."""
+
+
+@dataclass
 class TreeConfig:
     budget: int = 64
     """draft nodes of the tree built at the end from the measured head accuracy."""
@@ -149,8 +161,12 @@ class TrainConfig:
     """force CPU (null: CPU when no GPU is present, unless DeepSpeed is in use)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """the frozen target."""
+    method: Literal["medusa", "exit_head"] = "medusa"
+    """what is trained on the frozen target: Medusa heads (section heads) or an early-exit head (section exit)."""
     heads: HeadsConfig = field(default_factory=HeadsConfig)
-    """the Medusa heads being trained."""
+    """the Medusa heads being trained (method medusa)."""
+    exit: ExitConfig = field(default_factory=ExitConfig)
+    """the exit head being trained (method exit_head; heads/exit_head.py)."""
     data: DataConfig = field(default_factory=DataConfig)
     """training data (heads/data.py)."""
     loss: LossConfig = field(default_factory=LossConfig)
@@ -190,6 +206,17 @@ class TrainConfig:
             raise ValueError(f"optim.betas: expected two numbers, found {self.optim.betas}")
         if not 0.0 < self.loss.decay <= 1.0:
             raise ValueError(f"loss.decay: expected a value in (0, 1], found {self.loss.decay}")
+        if self.method == "exit_head":
+            if self.exit.layer is None or self.exit.layer < 1:
+                raise ValueError(f"exit.layer: method exit_head needs the exit layer E >= 1 (drafting runs layers "
+                                 f"0..E-1), found {self.exit.layer}")
+            if self.hidden_cache.enabled and self.loss.kind == "kl":
+                raise ValueError("hidden_cache.enabled with method exit_head and loss.kind kl: the KL loss needs the "
+                                 "target's final hidden states as well as layer E's, and the cache stores one; "
+                                 "set hidden_cache.enabled=false or loss.kind=ce")
+        if self.exit.num_layers < 0 or self.exit.draft_depth < 1 or not 0.0 <= self.exit.stop_below < 1.0:
+            raise ValueError(f"exit: expected num_layers >= 0, draft_depth >= 1 and stop_below in [0, 1), found "
+                             f"{self.exit}")
         if self.eval.ranks < 5:
             raise ValueError(f"eval.ranks: expected >= 5 (top-5 accuracy is reported), found {self.eval.ranks}")
 

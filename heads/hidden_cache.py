@@ -37,7 +37,7 @@ from typing import Callable, ContextManager
 import numpy as np
 import torch
 
-from heads.base_model import final_hidden, lm_logits
+from heads.base_model import final_hidden, layer_and_final_hidden, lm_logits
 
 log = logging.getLogger(__name__)
 STORAGE = {"float16": (np.float16, torch.float16), "bfloat16": (np.uint16, torch.bfloat16)}
@@ -172,6 +172,8 @@ def make_caches(cfg, accelerator, model, splits: dict) -> dict[str, HiddenCache]
     root = Path(cfg.hidden_cache.dir or Path(cfg.output_dir) / "hidden_cache")
     target = {"name": cfg.model.name, "revision": cfg.model.revision, **model_fingerprint(model),
               "autocast": accelerator.mixed_precision, "attn_implementation": cfg.model.attn_implementation}
+    if cfg.method == "exit_head":  # layer E's input, not the final hidden state
+        target["layer_input"] = cfg.exit.layer
     fingerprints = {}
     for split, rows in splits.items():
         if len(rows) == 0:
@@ -189,14 +191,17 @@ def make_caches(cfg, accelerator, model, splits: dict) -> dict[str, HiddenCache]
 
 
 class TargetStates:
-    """A batch -> the frozen target's final hidden states [B, T, D] (float32), from the cache when it has them, and
-    for the KL loss the target's logits [B, T, V] computed from those same hidden states."""
+    """A batch -> the frozen target's hidden states [B, T, D] (float32) that the drafts read, from the cache when it
+    has them, and for the KL loss the target's logits [B, T, V] computed from its final hidden states.
+
+    layer None: the final hidden states (Medusa heads); E: layer E's input (an exit head), not cached with the KL loss
+    (the config refuses that combination: the logits need the final states too)."""
 
     def __init__(self, model, device: torch.device, autocast: Callable[[], ContextManager], loss_kind: str,
-                 caches: dict[str, HiddenCache], cache_dtype: str):
+                 caches: dict[str, HiddenCache], cache_dtype: str, layer: int | None = None):
         """autocast: a context-manager factory the target forward runs under (``accelerator.autocast``)."""
         self.model, self.device, self.autocast, self.loss_kind = model, device, autocast, loss_kind
-        self.caches, self.cache_dtype = caches, cache_dtype
+        self.caches, self.cache_dtype, self.layer = caches, cache_dtype, layer
         self.seconds, self.seconds_total, self.cache_hits = 0.0, 0.0, 0
 
     @torch.no_grad()
@@ -205,16 +210,23 @@ class TargetStates:
         cache = self.caches.get(split)
         index, lengths = batch["index"].tolist(), batch["lengths"].tolist()
         T = batch["input_ids"].shape[1]
+        final = None
         if cache is not None and cache.has(index):
             hidden = cache.read(index, lengths, T).to(self.device).float()  # [B, T, D]
             self.cache_hits += 1
         else:
             with self.autocast():
-                hidden = final_hidden(self.model, batch["input_ids"], batch["attention_mask"]).float()  # [B, T, D]
+                if self.layer is None:
+                    hidden = final_hidden(self.model, batch["input_ids"], batch["attention_mask"]).float()
+                else:
+                    hidden, final = layer_and_final_hidden(self.model, batch["input_ids"], batch["attention_mask"],
+                                                           self.layer)
+                    hidden, final = hidden.float(), final.float()  # [B, T, D] each
             if cache is not None:
                 hidden = round_trip(hidden, self.cache_dtype)
                 cache.write(index, lengths, hidden)
-        target_logits = lm_logits(self.model, hidden) if self.loss_kind == "kl" else None  # [B, T, V]
+        final = hidden if self.layer is None else final
+        target_logits = lm_logits(self.model, final) if self.loss_kind == "kl" else None  # [B, T, V]
         elapsed = time.perf_counter() - start
         self.seconds += elapsed
         self.seconds_total += elapsed

@@ -67,31 +67,37 @@ def head_weights(num_heads: int, decay: float) -> torch.Tensor:
     return torch.tensor([decay**k for k in range(num_heads)], dtype=torch.float32)
 
 
-def head_targets(labels: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """labels [B, T] -> targets [K, B, T]: targets[k-1, :, t] = labels[:, t+1+k], -100 where t+1+k >= T."""
+def head_targets(labels: torch.Tensor, num_heads: int, first: int = 1) -> torch.Tensor:
+    """labels [B, T] -> targets [K, B, T]: targets[k-1, :, t] = labels[:, t+1+k], -100 where t+1+k >= T.
+
+    first: the look-ahead of the first head (1 for Medusa heads; 0 for an exit head, which predicts t+1 like the LM
+    head): targets[j, :, t] = labels[:, t+1+first+j].
+    """
     B, T = labels.shape
     targets = labels.new_full((num_heads, B, T), IGNORE_INDEX)
-    for k in range(1, num_heads + 1):
-        if T > 1 + k:
-            targets[k - 1, :, : T - 1 - k] = labels[:, 1 + k :]
+    for j in range(num_heads):
+        shift = 1 + first + j
+        if T > shift:
+            targets[j, :, : T - shift] = labels[:, shift:]
     return targets
 
 
 def gather_scored(
-    labels: torch.Tensor, num_heads: int, target_logits: torch.Tensor | None = None
+    labels: torch.Tensor, num_heads: int, target_logits: torch.Tensor | None = None, first: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor] | None]:
     """The positions some head is scored on, and what each head is scored against there.
 
     labels [B, T] -> (scored [B, T] bool, targets [K, N] from ``head_targets``, and when target_logits [B, T, V] are
     given, K tensors [N, V]: the target's logits at t+k, its distribution for the token head k predicts at t).
+    first: the first head's look-ahead, as in ``head_targets`` (0 for an exit head: the target's logits at t).
     """
     T = labels.shape[1]
-    targets = head_targets(labels, num_heads)  # [K, B, T]
+    targets = head_targets(labels, num_heads, first)  # [K, B, T]
     scored = (targets != IGNORE_INDEX).any(0)  # [B, T]
     b, t = scored.nonzero(as_tuple=True)  # [N], [N]
     shifted = None
     if target_logits is not None:  # rows where t+k >= T are clamped; head k does not score them (target -100)
-        shifted = [target_logits[b, (t + k).clamp(max=T - 1)] for k in range(1, num_heads + 1)]
+        shifted = [target_logits[b, (t + k).clamp(max=T - 1)] for k in range(first, first + num_heads)]
     return scored, targets[:, scored], shifted
 
 

@@ -38,7 +38,8 @@ from transformers import get_scheduler
 from heads.base_model import load_base
 from heads.config import TrainConfig, to_dict
 from heads.data import build_datasets
-from heads.losses import gather_scored, scored_loss
+from heads.exit_head import ExitHead, ExitHeadConfig, ExitLogits, final_norm
+from heads.losses import IGNORE_INDEX, gather_scored, scored_loss
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.hidden_cache import TargetStates, make_caches
 from heads.train_log import Window, emit
@@ -148,12 +149,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     if cfg.logging.log_with:
         accelerator.init_trackers(cfg.logging.project, config=_flat(to_dict(cfg)))
     model.to(accelerator.device)
-    mcfg = MedusaConfig.for_model(
-        model, base_model=cfg.model.name, base_revision=cfg.model.revision, num_heads=cfg.heads.num_heads,
-        num_layers=cfg.heads.num_layers, projection=cfg.heads.projection, lora_rank=cfg.heads.lora_rank,
-        lora_alpha=cfg.heads.lora_alpha, recipe=to_dict(cfg),
-    )
-    heads = MedusaHeads(mcfg, model.get_output_embeddings())
+    heads, mcfg = build_drafts(cfg, model)
+    K, _, layer = outputs(cfg)
 
     # 3. data
     with accelerator.main_process_first():
@@ -183,7 +180,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     accelerator.register_for_checkpointing(progress)
     caches = make_caches(cfg, accelerator, model, {"train": train_rows, "eval": eval_rows})
     states = TargetStates(model, accelerator.device, accelerator.autocast, cfg.loss.kind, caches,
-                          cfg.hidden_cache.dtype)
+                          cfg.hidden_cache.dtype, layer=layer)
     uses_deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     log.info("process %d/%d on %s: %d train rows, %d batches per epoch, %d optimizer steps in all%s",
              accelerator.process_index, accelerator.num_processes, accelerator.device, len(train_rows), len(train_dl),
@@ -203,7 +200,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     metrics_file = out_dir / "metrics.jsonl"
     bar = tqdm(total=total_steps, initial=progress.step, desc="training heads", dynamic_ncols=True,
                disable=not (accelerator.is_main_process and cfg.logging.progress_bar))
-    window = Window(cfg.heads.num_heads)
+    window = Window(K)
     periodic_eval = cfg.eval.every > 0 and eval_dl is not None  # the end always measures (step 7)
     stopped = None
     with StopFlag() as stop:
@@ -272,9 +269,38 @@ def train(cfg: TrainConfig) -> TrainResult:
         accuracy = result["accuracy"]
     else:
         log.warning("no held-out rows (data.eval_fraction=0): the heads are saved without measured accuracy or tree")
-    heads_dir = save_final(accelerator, heads, mcfg, model, accuracy, cfg.tree.budget, out_dir / "heads")
+    if cfg.method == "medusa":
+        heads_dir = save_final(accelerator, heads, mcfg, model, accuracy, cfg.tree.budget, out_dir / "heads")
+    else:
+        heads_dir = save_exit_head(accelerator, heads, mcfg, accuracy, out_dir / "exit_head")
     accelerator.end_training()
     return TrainResult("done", progress.step, last_ckpt, heads_dir, accuracy)
+
+
+def outputs(cfg: TrainConfig) -> tuple[int, int, int | None]:
+    """(K predictions per position, the first one's look-ahead, the target layer whose input they read) of the
+    method: Medusa heads predict t+2..t+1+K from the final hidden state; an exit head predicts t+1 from layer E's input."""
+    if cfg.method == "medusa":
+        return cfg.heads.num_heads, 1, None
+    return 1, 0, cfg.exit.layer
+
+
+def build_drafts(cfg: TrainConfig, model) -> tuple[torch.nn.Module, MedusaConfig | ExitHeadConfig]:
+    """The module trained on the frozen target (hidden [N, D] -> logits [K, N, V]) and its config."""
+    lm_head = model.get_output_embeddings()
+    if cfg.method == "medusa":
+        mcfg = MedusaConfig.for_model(
+            model, base_model=cfg.model.name, base_revision=cfg.model.revision, num_heads=cfg.heads.num_heads,
+            num_layers=cfg.heads.num_layers, projection=cfg.heads.projection, lora_rank=cfg.heads.lora_rank,
+            lora_alpha=cfg.heads.lora_alpha, recipe=to_dict(cfg),
+        )
+        return MedusaHeads(mcfg, lm_head), mcfg
+    ecfg = ExitHeadConfig.for_model(
+        model, cfg.exit.layer, base_model=cfg.model.name, base_revision=cfg.model.revision,
+        num_layers=cfg.exit.num_layers, draft_depth=cfg.exit.draft_depth, stop_below=cfg.exit.stop_below,
+        recipe=to_dict(cfg),
+    )
+    return ExitLogits(ExitHead(ecfg), final_norm(model), lm_head), ecfg
 
 
 def heads_loss(cfg: TrainConfig, heads, states, batch: dict, split: str, ranks: int, per_row: bool = False):
@@ -282,8 +308,11 @@ def heads_loss(cfg: TrainConfig, heads, states, batch: dict, split: str, ranks: 
 
     per_row: a list with one MedusaLoss per row of the batch (for exact held-out counts across processes).
     """
+    K, first, _ = outputs(cfg)
     hidden, target_logits = states(batch, split)  # [B, T, D], [B, T, V] or None
-    scored, targets, shifted = gather_scored(batch["labels"], cfg.heads.num_heads, target_logits)  # [B, T], [K, N]
+    scored, targets, shifted = gather_scored(batch["labels"], K, target_logits, first)  # [B, T], [K, N]
+    if cfg.method == "exit_head" and shifted is not None:  # an exit head is scored on agreeing with the target itself
+        targets = torch.where(targets == IGNORE_INDEX, targets, shifted[0].argmax(-1)[None])
     logits = heads(hidden[scored])  # [K, N, V]
     if not per_row:
         return scored_loss(logits, targets, cfg.loss.decay, cfg.loss.kind, shifted, ranks)
@@ -300,7 +329,7 @@ def heads_loss(cfg: TrainConfig, heads, states, batch: dict, split: str, ranks: 
 def run_eval(cfg: TrainConfig, accelerator: Accelerator, heads, eval_dl, states, ranks: int) -> dict:
     """Held-out loss and acc[k][r] (r < ranks), exact across processes (duplicated padding rows are dropped)."""
     heads.eval()
-    K = cfg.heads.num_heads
+    K = outputs(cfg)[0]
     totals = torch.zeros(K, ranks + 2, dtype=torch.float64)  # per head: hits at each rank, positions, loss sum
     for batch in eval_dl:  # never broken off: accelerate tracks the active dataloader until its end
         rows = []
@@ -316,6 +345,20 @@ def run_eval(cfg: TrainConfig, accelerator: Accelerator, heads, eval_dl, states,
     return {"eval_loss": (totals[:, ranks + 1] / count).tolist(), "eval_top1": acc[:, 0].tolist(),
             "eval_top5": acc[:, :5].sum(1).tolist(), "eval_positions": totals[:, ranks].tolist(),
             "accuracy": acc.tolist()}
+
+
+def save_exit_head(accelerator: Accelerator, module, ecfg: ExitHeadConfig, accuracy, directory: Path) -> Path:
+    """The trained exit head with its measured top-1 agreement -> save_pretrained, on the main process only."""
+    state = accelerator.get_state_dict(module)  # every process takes part (DeepSpeed gathers partitioned weights)
+    if accelerator.is_main_process:
+        agreement = None if accuracy is None else float(accuracy[0][0])
+        head = ExitHead(replace(ecfg, top1_agreement=agreement))
+        prefix = "exit_head."
+        head.load_state_dict({k[len(prefix):]: v.float() for k, v in state.items() if k.startswith(prefix)})
+        head.save_pretrained(directory)
+        log.info("saved the exit head to %s (top-1 agreement with the target %s)", directory, agreement)
+    accelerator.wait_for_everyone()
+    return directory
 
 
 def save_final(

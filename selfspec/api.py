@@ -23,9 +23,9 @@ from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.streamers import BaseStreamer
 
 from selfspec import registry
-from selfspec.drafter import Drafter
+from selfspec.drafter import Drafter, verifier_for
 from selfspec.generate import stream as spec_stream
-from selfspec.models import BUILTIN, DEFAULT_MODEL, load_model, resolve
+from selfspec.models import BUILTIN, DEFAULT_MODEL, _refuse_remote_code, load_model, resolve
 from selfspec.sampling import Sampling
 from selfspec.target import Target
 from selfspec.tree import Tree
@@ -149,7 +149,8 @@ class SpecModel:
     """A target model, its tokenizer and a drafter; decoding is always lossless (exact acceptance)."""
 
     def __init__(self, target: Target, tokenizer: PreTrainedTokenizerBase, drafter: Drafter, name: str = ""):
-        self.target, self.tokenizer, self.drafter, self.name = target, tokenizer, drafter, name
+        # the drafter's own verifier where it has one (early exit: reuses the early layers' work from drafting)
+        self.target, self.tokenizer, self.drafter, self.name = verifier_for(drafter, target), tokenizer, drafter, name
         self.model: PreTrainedModel = target.model
         model = target.model
         eos = model.generation_config.eos_token_id
@@ -250,34 +251,41 @@ class TargetInfo:
     """other names of the model (its directory, the Hub id of a built-in)."""
 
 
-def target_info(model: str, revision: str | None = None) -> TargetInfo:
+def target_info(model: str, revision: str | None = None, trust_remote_code: bool = False) -> TargetInfo:
     location, gguf = resolve(model)
     kwargs: dict[str, Any] = {"revision": revision} if revision else {}
     if gguf:
         kwargs["gguf_file"] = gguf
-    cfg = AutoConfig.from_pretrained(location, **kwargs).get_text_config()
+    try:
+        cfg = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code, **kwargs).get_text_config()
+    except ValueError as err:
+        _refuse_remote_code(model, err)
+        raise
     aliases = (location, BUILTIN[model]["hub_id"]) if model in BUILTIN else (location,)
     return TargetInfo(int(cfg.hidden_size), int(cfg.vocab_size), int(cfg.num_hidden_layers), aliases)
 
 
 def check_drafts(model: str, drafts: Sequence[registry.DraftSpec], revision: str | None = None,
-                 allow_other_base: bool = False) -> None:
+                 allow_other_base: bool = False, trust_remote_code: bool = False) -> None:
     """Refuse draft checkpoints trained for another model, from the configs alone."""
     if not any(d.location for d in drafts):
         return
-    info = target_info(model, revision)
+    info = target_info(model, revision, trust_remote_code)
     for d in drafts:
         registry.check_base(d, model, info.hidden_size, info.vocab_size, info.aliases, allow_other_base=allow_other_base)
 
 
 def load(model: str = DEFAULT_MODEL, draft: str = "ngram", dtype: str | torch.dtype = "float32",
          tree: str | Tree | None = None, device: str = "cpu", revision: str | None = None,
-         draft_revision: str | None = None, allow_other_base: bool = False) -> SpecModel:
+         draft_revision: str | None = None, allow_other_base: bool = False,
+         trust_remote_code: bool = False) -> SpecModel:
     """Target + tokenizer + drafter in one call. The draft and the tree are checked against the target's config
-    before any weights are loaded (a draft for another base model fails here, fast)."""
+    before any weights are loaded (a draft for another base model fails here, fast). trust_remote_code: let a model
+    that ships its own Python code run it (off: such a model is refused)."""
     spec = registry.parse_draft(draft, revision=draft_revision)
     tree_obj = registry.parse_tree(tree) if isinstance(tree, str) else tree
-    check_drafts(model, [spec], revision, allow_other_base)
-    hf_model, tokenizer = load_model(model, dtype=dtype, revision=revision, device=device)
+    check_drafts(model, [spec], revision, allow_other_base, trust_remote_code)
+    hf_model, tokenizer = load_model(model, dtype=dtype, revision=revision, device=device,
+                                     trust_remote_code=trust_remote_code)
     target = Target(hf_model)
     return SpecModel(target, tokenizer, registry.build_drafter(spec, target, tree_obj), name=model)

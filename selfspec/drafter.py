@@ -10,7 +10,7 @@ Shapes: T tokens so far, N tree nodes, V vocabulary, D hidden size.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 from transformers import Cache
@@ -18,6 +18,9 @@ from transformers import Cache
 from selfspec.accept import Acceptance
 from selfspec.sampling import Sampling
 from selfspec.tree import Tree
+
+if TYPE_CHECKING:
+    from selfspec.target import Target
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,13 @@ class Drafter(Protocol):
     def update(self, draft: Draft, acceptance: Acceptance) -> None:
         """Hear which path of the last draft the target accepted (adapt tree size, advance own state)."""
         ...
+
+
+def verifier_for(drafter: Drafter, target: "Target") -> "Target":
+    """The Target that verifies ``drafter``'s drafts: the drafter's own when it offers one (``verifier()``, e.g. the
+    early-exit drafter's, which reuses the early layers' work done while drafting), else ``target``."""
+    own = getattr(drafter, "verifier", None)
+    return own() if callable(own) else target
 
 
 def check_tree(tree: Tree, *, max_depth: int, max_topk: int, drafter: str) -> Tree:

@@ -76,6 +76,10 @@ class EarlyExitDrafter(PartialModelDrafter):
         self.last_work: EarlyWork | None = None
         """the early layers' work of the last chain draft (None after a tree draft, or once a verify took it)."""
 
+    def verifier(self) -> "EarlyExitTarget":
+        """The target verifying this drafter's chains with the early layers' work reused (``verifier_for``)."""
+        return EarlyExitTarget(self)
+
     @torch.inference_mode()
     def draft(self, state: DraftState) -> Draft:
         start = state.tokens.shape[0] - 1

@@ -1,0 +1,219 @@
+"""A fine-tuned exit head for early-exit self-speculation, on a frozen target.
+
+The early-exit drafter (``selfspec.early_exit``) drafts with the target's first E layers and then its own final norm
+and LM head. Layer E's input was never trained to be read that way; an exit head is a small map trained to make it so:
+
+    tokens ─ layers 0..E-1 ─▶ h_E ─ exit head ─▶ h' ─ final norm ─ LM head ─▶ draft logits   (trained, E layers)
+    tokens ─ layers 0..L-1 ──────────────────────▶ h_L ─ final norm ─ LM head ─▶ target logits (frozen, all layers)
+
+It is ``num_layers`` zero-initialised residual blocks (x + SiLU(W x + b), as in the Medusa heads), so an untrained
+exit head is exactly plain early exit. Training (``train.py`` with ``method: exit_head``) minimises the KL from the
+target's next-token distribution at position t to the draft's at t (or the cross-entropy of the data's next token),
+the same index shift as the LM head: nothing is predicted further ahead. The final norm and LM head stay the
+target's own, held by reference and never stored.
+
+A checkpoint (``save_pretrained``) is config.json (draft_type "exit-head", the base, the exit layer, the drafting
+depth and confidence stop, the measured top-1 agreement with the target) + model.safetensors + README.md, written
+atomically like the heads' (``heads.checkpoint``); ``load_drafter`` is its ``selfspec.drafters`` entry point (``--draft DIR``).
+
+Shapes: N positions, D hidden size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from heads.medusa import ResBlock, _frozen_linear, _type_ok, base_sizes
+from selfspec import hf
+from selfspec.tree import Tree
+
+DRAFT_TYPE = "exit-head"
+
+
+@dataclass
+class ExitHeadConfig:
+    """Everything needed to rebuild the exit head on its base model; stored as config.json. Strict."""
+
+    base_model: str
+    base_revision: str | None
+    hidden_size: int
+    vocab_size: int
+    num_hidden_layers: int
+    """the base's decoder layers (L): the exit layer is only meaningful for this depth."""
+    exit_layer: int
+    """E: drafting runs layers 0..E-1, then the exit head (1 <= E < L)."""
+    num_layers: int = 1
+    """residual blocks in the exit head."""
+    draft_depth: int = 4
+    """tokens drafted per step (a chain), unless --tree says otherwise."""
+    stop_below: float = 0.0
+    """stop drafting once the draft's top probability falls below this (0: never)."""
+    top1_agreement: float | None = None
+    """measured on held-out data: how often the draft's argmax is the target's own (trained with loss kl) or the
+    data's next token (loss ce) (null: not measured)."""
+    recipe: dict | None = None
+    draft_type: str = DRAFT_TYPE
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if not _type_ok(getattr(self, f.name), str(f.type)):
+                raise ValueError(f"ExitHeadConfig.{f.name}: expected {f.type}, found {getattr(self, f.name)!r}")
+        if self.draft_type != DRAFT_TYPE:
+            raise ValueError(f"ExitHeadConfig.draft_type: expected {DRAFT_TYPE!r}, found {self.draft_type!r}")
+        if not 1 <= self.exit_layer <= self.num_hidden_layers - 1:
+            raise ValueError(f"ExitHeadConfig.exit_layer: expected 1..{self.num_hidden_layers - 1} for a base of "
+                             f"{self.num_hidden_layers} layers, found {self.exit_layer}")
+        for name in ("hidden_size", "vocab_size", "draft_depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ExitHeadConfig.{name}: expected >= 1, found {getattr(self, name)}")
+        if self.num_layers < 0:
+            raise ValueError(f"ExitHeadConfig.num_layers: expected >= 0, found {self.num_layers}")
+        if not 0.0 <= self.stop_below < 1.0:
+            raise ValueError(f"ExitHeadConfig.stop_below: expected a probability in [0, 1), found {self.stop_below}")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ExitHeadConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown ExitHeadConfig keys {unknown}; expected a subset of {sorted(known)}")
+        required = {"base_model", "base_revision", "hidden_size", "vocab_size", "num_hidden_layers", "exit_layer"}
+        missing = sorted(required - set(data))
+        if missing:
+            raise ValueError(f"ExitHeadConfig is missing required keys {missing}")
+        return cls(**data)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def for_model(cls, model: PreTrainedModel, exit_layer: int, base_model: str | None = None,
+                  **kwargs: Any) -> "ExitHeadConfig":
+        from heads.medusa import MedusaConfig
+
+        named = MedusaConfig.for_model(model, base_model=base_model, base_revision=kwargs.pop("base_revision", None))
+        return cls(base_model=named.base_model, base_revision=named.base_revision, hidden_size=named.hidden_size,
+                   vocab_size=named.vocab_size, num_hidden_layers=len(hf.decoder_layers(model)),
+                   exit_layer=exit_layer, **kwargs)
+
+
+def final_norm(model: PreTrainedModel) -> nn.Module:
+    """The decoder's final norm, which the LM head reads after (and the early-exit draft reuses)."""
+    decoder = model.get_decoder()
+    for name in ("norm", "final_layernorm", "ln_f"):
+        module = getattr(decoder, name, None)
+        if isinstance(module, nn.Module):
+            return module
+    raise TypeError(f"expected the decoder of {type(model).__name__} to have a final norm (norm / final_layernorm / "
+                    f"ln_f), found none among {[n for n, _ in decoder.named_children()]}")
+
+
+class ExitHead(nn.Module):
+    """hidden [..., D] (layer E's input) -> [..., D] for the final norm; the identity until trained."""
+
+    def __init__(self, config: ExitHeadConfig):
+        super().__init__()
+        self.config = config
+        self.blocks = nn.ModuleList([ResBlock(config.hidden_size) for _ in range(config.num_layers)])
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden
+        for block in self.blocks:
+            x = block(x.to(block.linear.weight.dtype))
+        return x
+
+    def save_pretrained(self, directory: str | Path, repo_id: str | None = None) -> Path:
+        """config.json + model.safetensors + README.md, written atomically."""
+        from heads.checkpoint import write_checkpoint
+
+        card = exit_card(self.config, repo_id or str(directory))
+        return write_checkpoint(directory, self.state_dict(), self.config.to_dict(), card)
+
+    @classmethod
+    def from_pretrained(cls, path_or_repo_id: str | Path, base_model: PreTrainedModel,
+                        revision: str | None = None) -> "ExitHead":
+        """From a local directory or a Hub id. Strict; refuses a base of another size or depth."""
+        from heads.checkpoint import read_tensors, resolve
+        from selfspec.registry import read_json_object
+
+        directory = resolve(path_or_repo_id, revision)
+        data = read_json_object(directory / "config.json", "the exit head's config")
+        if data.get("draft_type") != DRAFT_TYPE:
+            raise ValueError(f"{directory / 'config.json'} says draft_type {data.get('draft_type')!r}; "
+                             f"expected {DRAFT_TYPE!r} (an exit-head checkpoint)")
+        data.pop("selfspec_version", None)
+        config = ExitHeadConfig.from_dict(data)
+        hidden, vocab = base_sizes(base_model)
+        depth = len(hf.decoder_layers(base_model))
+        for what, want, have in (("hidden size", config.hidden_size, hidden), ("vocab size", config.vocab_size, vocab),
+                                 ("number of layers", config.num_hidden_layers, depth)):
+            if want != have:
+                raise ValueError(f"the exit head in {path_or_repo_id} was trained for {what} {want}, this model has "
+                                 f"{have}: it belongs on {config.base_model}")
+        head = cls(config)
+        tensors = read_tensors(directory)
+        expected = {name: tuple(t.shape) for name, t in head.state_dict().items()}
+        found = {name: tuple(t.shape) for name, t in tensors.items()}
+        if found != expected:
+            raise ValueError(f"{directory / 'model.safetensors'} disagrees with config.json (num_layers="
+                             f"{config.num_layers}, hidden_size={config.hidden_size}): expected tensors {expected}, "
+                             f"found {found}")
+        head.load_state_dict(tensors, strict=True)
+        weight = base_model.get_output_embeddings().weight
+        return head.to(device=weight.device, dtype=weight.dtype).eval()
+
+
+class ExitLogits(nn.Module):
+    """What training optimises: hidden [N, D] at layer E -> draft logits [1, N, V] through the exit head and the
+    target's own final norm and LM head (both frozen, held by reference: only the exit head is trained or stored).
+    The leading 1 is the "one head" axis of the Medusa loss (``heads.losses``), with a look-ahead of 0."""
+
+    def __init__(self, exit_head: ExitHead, norm: nn.Module, lm_head: nn.Module):
+        super().__init__()
+        self.exit_head = exit_head
+        self._frozen = (norm, lm_head)  # a tuple: not registered, never in state_dict or the optimizer
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        norm, lm_head = self._frozen
+        return _frozen_linear(lm_head, norm(self.exit_head(hidden).to(lm_head.weight.dtype)))[None]
+
+
+def exit_card(config: ExitHeadConfig, location: str) -> str:
+    agreement = "not measured" if config.top1_agreement is None else f"{config.top1_agreement:.3f}"
+    return f"""---
+library_name: selfspec
+base_model: {config.base_model}
+tags: [speculative-decoding, early-exit, selfspec]
+---
+# Early-exit head for {config.base_model}
+
+Drafts with the first {config.exit_layer} of the base's {config.num_hidden_layers} layers, then this exit head
+({config.num_layers} residual block(s)) and the base's own final norm and LM head; the full model verifies, so
+greedy output is the base's own. Top-1 agreement with the base on held-out data: {agreement}.
+
+```python
+from selfspec.api import load
+model = load("{config.base_model}", draft="{location}")
+print(model.generate("Hello!", max_new_tokens=64).text)
+```
+"""
+
+
+def load_drafter(path_or_repo_id: str | Path, target, revision: str | None = None,
+                 tree: Tree | Sequence[Sequence[int]] | None = None):
+    """The ``early-exit`` entry point of ``selfspec.drafters``: the exit head on ``target``, as an EarlyExitDrafter
+    (a chain of the stored depth unless ``tree`` is given)."""
+    from selfspec.early_exit import EarlyExitDrafter
+
+    head = ExitHead.from_pretrained(path_or_repo_id, target.model, revision=revision)
+    if tree is not None and not isinstance(tree, Tree):
+        tree = Tree.from_choices(tree)
+    c = head.config
+    return EarlyExitDrafter(target, c.exit_layer, depth=c.draft_depth, tree=tree, stop_below=c.stop_below,
+                            exit_head=head)
