@@ -2,7 +2,8 @@
 
 Checkpoints live in ``<output_dir>/checkpoints/step_NNNNNNN``: ``accelerator.save_state`` (heads, optimizer, scheduler,
 RNG states, samplers, and the registered ``Progress``) writes a hidden temporary directory, which is renamed into
-place whole, so a killed run leaves either a complete checkpoint or none; older ones beyond ``keep`` are deleted.
+place whole, so a killed run leaves either a complete checkpoint or none; older ones beyond ``keep`` are renamed out
+of sight, then deleted.
 SIGINT / SIGTERM only set a flag (``StopFlag``); the loop saves a checkpoint at the next optimizer step and returns.
 """
 
@@ -68,11 +69,15 @@ def save_checkpoint(accelerator: Accelerator, root: Path, step: int, keep: int) 
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        # a checkpoint is replaced or deleted by first renaming it out of sight (.tmp-old-*), so a kill during the
+        # deletion never leaves a half-deleted directory under a step_ name for resume_from=latest to pick
         if final.exists():  # re-saving a step after resuming from an older checkpoint
-            shutil.rmtree(final)
+            final.rename(root / f".tmp-old-{final.name}")
         tmp.rename(final)
         for old in checkpoints(root)[:-keep]:
-            shutil.rmtree(old)
+            old.rename(root / f".tmp-old-{old.name}")
+        for doomed in root.glob(".tmp-old-*"):
+            shutil.rmtree(doomed)
     accelerator.wait_for_everyone()
     return final
 

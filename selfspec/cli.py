@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "whether the outputs are identical")
     p.add_argument("--allow-other-base", action="store_true",
                    help="accept a draft checkpoint whose base_model names another model (e.g. a local copy of it)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let a --model that ships its own Python code (config auto_map) run it; read that code first. "
+                        "Without it such a model is refused")
     return p
 
 
@@ -157,7 +160,8 @@ def run_decode(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
                read: Callable[[str], str] = input) -> int:
     out, err = out or sys.stdout, err or sys.stderr
     model = api.load(args.model, draft=args.draft, dtype=args.dtype, tree=args.tree, device=args.device,
-                     revision=args.revision, draft_revision=args.draft_revision, allow_other_base=args.allow_other_base)
+                     revision=args.revision, draft_revision=args.draft_revision, allow_other_base=args.allow_other_base,
+                     trust_remote_code=args.trust_remote_code)
     label = f"[selfspec {args.draft}]"
     if args.prompt is not None:
         stream = _reply(model, args.prompt, args, out, err, label)

@@ -91,21 +91,37 @@ def resolve(name_or_path: str) -> tuple[str, str | None]:
     return name_or_path, None
 
 
+def _refuse_remote_code(name_or_path: str, err: ValueError) -> None:
+    """transformers refused to run Python code shipped with the model: say so in selfspec's terms."""
+    if "trust_remote_code=True" in str(err):
+        raise ValueError(
+            f"{name_or_path} needs Python code of its own to load (its config's auto_map names modules shipped with "
+            "the model), and selfspec runs no code from a model unless asked: read that code, then pass "
+            "trust_remote_code=True (infer.py --trust-remote-code)"
+        ) from None
+
+
 def load_model(
     name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", revision: str | None = None,
-    device: str = "cpu", attn_implementation: str = "sdpa",
+    device: str = "cpu", attn_implementation: str = "sdpa", trust_remote_code: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer. Refuses models that are not decoder-only causal LMs, with what was found."""
+    """Load a causal LM and its tokenizer. Refuses models that are not decoder-only causal LMs, with what was found.
+
+    trust_remote_code: allow the model's own Python code (``auto_map``) to run; off by default, and then refused
+    without asking (transformers would otherwise prompt on a terminal).
+    """
     location, gguf = resolve(name_or_path)
-    kwargs = {"revision": revision} if revision else {}
+    kwargs: dict = {"revision": revision} if revision else {}
     if gguf:
         kwargs["gguf_file"] = gguf
-    tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
+    kwargs["trust_remote_code"] = trust_remote_code
     try:
+        tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(
             location, dtype=parse_dtype(dtype), attn_implementation=attn_implementation, **kwargs
         )
     except ValueError as err:
+        _refuse_remote_code(name_or_path, err)
         if "Unrecognized configuration class" in str(err):
             raise TypeError(f"{name_or_path} is not a causal language model: {err}") from err
         raise

@@ -1,5 +1,6 @@
 """train.py end to end on the tiny recipe, in subprocesses as a user runs it: a loadable checkpoint, an exact resume
-after SIGKILL, SIGTERM saving a checkpoint, a NaN loss message, two real CPU processes, DeepSpeed ZeRO-2."""
+after SIGKILL (after a checkpoint, and in the middle of writing one), SIGTERM saving a checkpoint, a NaN loss message,
+two real CPU processes, DeepSpeed ZeRO-2."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 from heads.base_model import load_base
 from heads.config import ModelConfig
 from heads.medusa import MedusaHeads
+from heads.train_state import checkpoints
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--config", "configs/medusa_tiny.yaml"]
@@ -98,6 +100,42 @@ def test_run_killed_after_a_checkpoint_resumes_with_the_same_losses(reference, t
     assert n < 12
     for step in range(n + 1, 13):  # the steps after the checkpoint, across the epoch boundary at step 10
         assert got[step] == pytest.approx(expected[step], abs=1e-6), f"step {step}"
+
+
+# train.py with torch.save wrapped: the optimizer file of the step-8 checkpoint is left half-written on disk, the test
+# is told through a marker file, and the process waits there for the test's SIGKILL
+HALF_WRITE = """
+import os, runpy, sys, time, torch
+marker, real_save = sys.argv[1], torch.save
+def save(obj, f, *args, **kwargs):
+    real_save(obj, f, *args, **kwargs)
+    if os.path.basename(f) == "optimizer.bin" and os.path.basename(os.path.dirname(f)).endswith("step_0000008"):
+        os.truncate(f, os.path.getsize(f) // 2)
+        open(marker, "w").close()
+        time.sleep(600)
+torch.save = save
+sys.argv = ["train.py", *sys.argv[2:]]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_run_killed_while_writing_a_checkpoint_resumes_from_the_last_good_one(reference, tmp_path):
+    out, marker = tmp_path / "killed", tmp_path / "half-written"
+    cmd = [sys.executable, "-c", HALF_WRITE, str(marker), *train_cmd(out, *LONG, "optim.max_steps=1000")[2:]]
+    proc = start_and_wait_for(cmd, marker)
+    proc.send_signal(signal.SIGKILL)  # in the middle of the step-8 checkpoint
+    proc.wait()
+    partial = out / "checkpoints" / ".tmp-step_0000008"
+    assert (partial / "optimizer.bin").exists() and not (partial / "scheduler.bin").exists()
+    assert [p.name for p in checkpoints(out / "checkpoints")] == ["step_0000004"]  # the partial one is not a checkpoint
+
+    result = run(train_cmd(out, *LONG, "optim.max_steps=12", "checkpoint.resume_from=latest"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from {out / 'checkpoints' / 'step_0000004'} at step 4" in result.stderr
+    expected, got = step_losses(reference), step_losses(out)
+    for step in range(5, 13):
+        assert got[step] == pytest.approx(expected[step], abs=1e-6), f"step {step}"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000008", "step_0000012"]  # swept
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
