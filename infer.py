@@ -1,4 +1,5 @@
-"""Decode with selfspec: `python infer.py --help`. Subcommands: `python infer.py bench ...`, `python infer.py costs ...`.
+"""Decode with selfspec: `python infer.py --help`. Subcommands: `python infer.py bench ...`, `costs ...`, `sweep-exit ...`
+(exit layers for early exit), `search-skip ...` (layers to skip).
 
 The logic lives in selfspec.cli (importable and tested); this file only runs it.
 """

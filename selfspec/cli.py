@@ -38,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Speculative decoding with a model's own built-in draft: streams text as the target accepts it, "
                     "then prints statistics. Greedy output is token-identical to plain decoding.",
         epilog="subcommands:\n  infer.py bench ...   Spec-Bench answers for selfspec and its peers (infer.py bench --help)\n"
-               "  infer.py costs ...   verify-forward time against tree size on this machine (infer.py costs --help)",
+               "  infer.py costs ...   verify-forward time against tree size on this machine (infer.py costs --help)\n"
+               "  infer.py sweep-exit ...   early exit's accepted tokens and speed per exit layer (--help)\n"
+               "  infer.py search-skip ...  search the layers to skip, save a layer-skip draft (--help)",
     )
     _model_args(p)
     p.add_argument("--draft", default="ngram",
@@ -239,6 +241,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_bench_cli(argv[1:])
         if argv[:1] == ["costs"]:
             return run_costs_cli(argv[1:])
+        if argv[:1] in (["sweep-exit"], ["search-skip"]):
+            from selfspec import calibrate
+
+            run = calibrate.run_sweep_cli if argv[0] == "sweep-exit" else calibrate.run_search_cli
+            return run(argv[1:], sys.stdout)
         return run_decode(build_parser().parse_args(argv))
     except (FileNotFoundError, ValueError, TypeError, ImportError) as err:
         sys.stderr.write(f"error: {err}\n")

@@ -1,0 +1,151 @@
+"""Choosing a self-speculative draft for a target on this machine: measured, on calibration prompts, never guessed.
+
+    infer.py sweep-exit   mean accepted tokens and tokens/s of early exit at each exit layer E (plain early exit, and
+                          a trained exit head where one is given for that E), against plain decoding in the same loop
+    infer.py search-skip  the greedy layer-skip search (``layerskip_search``), saved as a layer-skip checkpoint that
+                          ``--draft DIR`` loads
+
+Both decode the calibration prompts (``layerskip_search.CALIBRATION_PROMPTS``, not the evaluation questions) greedily
+through the real loop, so what they report is what decoding will see, on this machine and in this dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence, TextIO
+
+import torch
+
+from selfspec import hf, registry
+from selfspec.drafter import NoDrafter, verifier_for
+from selfspec.early_exit import EarlyExitDrafter, check_exit_layer
+from selfspec.generate import generate
+from selfspec.layerskip_search import Measurement, calibration_inputs, measure, search_skip_layers
+from selfspec.models import DEFAULT_MODEL, load_model
+from selfspec.target import Target
+
+
+@dataclass(frozen=True)
+class ExitRow:
+    exit_layer: int
+    draft: str
+    """"early-exit" (no exit head) or the exit-head checkpoint."""
+    measured: Measurement
+    plain: Measurement
+
+    @property
+    def speedup(self) -> float:
+        return self.measured.tokens_per_s / self.plain.tokens_per_s
+
+
+def sweep_exit_layers(target: Target, prompts: Sequence[torch.Tensor], layers: Sequence[int], depth: int = 4,
+                      exit_heads: Sequence[str] = (), max_new_tokens: int = 64) -> list[ExitRow]:
+    """Plain decoding once, then early exit at each E in ``layers`` and each exit-head checkpoint, on ``prompts``."""
+    num_layers = len(hf.decoder_layers(target.model))
+    for e in layers:
+        check_exit_layer(e, num_layers)
+    generate(target, NoDrafter(), prompts[0], 2)  # warm-up: first-call costs stay out of every measurement
+    plain = measure(target, NoDrafter(), prompts, max_new_tokens)
+    rows = []
+    for e in layers:
+        drafter = EarlyExitDrafter(target, e, depth=depth)
+        rows.append(ExitRow(e, "early-exit", measure(verifier_for(drafter, target), drafter, prompts, max_new_tokens),
+                            plain))
+    for ckpt in exit_heads:
+        drafter = registry.build_drafter(registry.parse_draft(ckpt), target)
+        if not isinstance(drafter, EarlyExitDrafter):
+            raise ValueError(f"{ckpt} is a {type(drafter).__name__} checkpoint; expected an exit head (draft_type "
+                             "'exit-head', from train.py with method=exit_head)")
+        rows.append(ExitRow(drafter.exit_layer, ckpt,
+                            measure(verifier_for(drafter, target), drafter, prompts, max_new_tokens), plain))
+    return rows
+
+
+def format_exit_rows(rows: Sequence[ExitRow]) -> str:
+    plain = rows[0].plain if rows else None
+    lines = ["| exit layer | draft | mean accepted | tokens/s | vs plain |", "|---:|---|---:|---:|---:|"]
+    if plain is not None:
+        lines.append(f"| — | plain | 1.00 | {plain.tokens_per_s:.1f} | 1.00× |")
+    for r in sorted(rows, key=lambda r: (r.exit_layer, r.draft != "early-exit")):
+        lines.append(f"| {r.exit_layer} | {r.draft} | {r.measured.mean_accepted:.2f} | {r.measured.tokens_per_s:.1f} | "
+                     f"{r.speedup:.2f}× |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------- CLIs
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="target model (default: the built-in %(default)s)")
+    p.add_argument("--revision", default=None, help="Hub revision of --model")
+    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    p.add_argument("--dtype", default="bfloat16", help="the dtype decoding will use (default: %(default)s)")
+    p.add_argument("--prompts", type=int, default=4, help="calibration prompts (1..8, default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="per prompt (default: %(default)s)")
+    p.add_argument("--depth", type=int, default=4, help="draft tokens per step (default: %(default)s)")
+
+
+def build_sweep_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="infer.py sweep-exit", description="Early exit at each exit layer E: mean "
+                                "accepted tokens and tokens/s against plain decoding, on calibration prompts, in one "
+                                "run; trained exit heads (--exit-heads) are measured beside plain early exit.")
+    _common(p)
+    p.add_argument("--layers", default=None, help="comma-separated exit layers (default: every 4th layer)")
+    p.add_argument("--exit-heads", default="", help="comma-separated exit-head checkpoints to measure too")
+    p.add_argument("--out", default=None, help="also write the table (markdown) and the rows (JSON) here")
+    return p
+
+
+def run_sweep_cli(argv: Sequence[str], out: TextIO) -> int:
+    a = build_sweep_parser().parse_args(argv)
+    model, tokenizer = load_model(a.model, dtype=a.dtype, revision=a.revision, device=a.device)
+    num_layers = len(hf.decoder_layers(model))
+    layers = [int(x) for x in a.layers.split(",")] if a.layers else list(range(4, num_layers, 4))
+    heads = [h for h in a.exit_heads.split(",") if h]
+    target = Target(model)
+    rows = sweep_exit_layers(target, [p.to(target.device) for p in calibration_inputs(tokenizer, a.prompts)], layers,
+                             depth=a.depth, exit_heads=heads, max_new_tokens=a.max_new_tokens)
+    table = format_exit_rows(rows)
+    out.write(f"{a.model} {a.dtype}, {a.prompts} calibration prompts x {a.max_new_tokens} tokens, chain of {a.depth}:\n"
+              f"{table}\n")
+    if a.out:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "sweep.md").write_text(table + "\n")
+        (Path(a.out) / "sweep.json").write_text(json.dumps([
+            {"exit_layer": r.exit_layer, "draft": r.draft, "mean_accepted": r.measured.mean_accepted,
+             "tokens_per_s": r.measured.tokens_per_s, "plain_tokens_per_s": r.plain.tokens_per_s,
+             "speedup": r.speedup} for r in rows], indent=2) + "\n")
+    return 0
+
+
+def build_search_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="infer.py search-skip", description="Search the set of layers whose skipping "
+                                "drafts fastest (greedy, SWIFT-style random candidates per round), measured through "
+                                "the decoding loop on calibration prompts; save it as a layer-skip checkpoint for "
+                                "--draft DIR.")
+    _common(p)
+    p.add_argument("--out", required=True, help="checkpoint directory to write (config.json)")
+    p.add_argument("--per-round", type=int, default=6, help="random candidate layers tried per round (default: "
+                                                             "%(default)s; 0 = all)")
+    p.add_argument("--patience", type=int, default=2, help="rounds without a new best before stopping")
+    p.add_argument("--stop-below", type=float, default=0.0, help="stop a draft once its top probability falls below")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def run_search_cli(argv: Sequence[str], out: TextIO) -> int:
+    a = build_search_parser().parse_args(argv)
+    model, tokenizer = load_model(a.model, dtype=a.dtype, revision=a.revision, device=a.device)
+    target = Target(model)
+    prompts = [p.to(target.device) for p in calibration_inputs(tokenizer, a.prompts)]
+    result = search_skip_layers(target, prompts, depth=a.depth, stop_below=a.stop_below,
+                                max_new_tokens=a.max_new_tokens, per_round=a.per_round or None, patience=a.patience,
+                                seed=a.seed)
+    name = Path(a.model.rstrip("/")).name if Path(a.model).expanduser().is_dir() else a.model
+    config = result.config(name, len(hf.decoder_layers(model)), a.depth, a.stop_below)
+    config.save(a.out)
+    out.write(f"skip layers {list(result.skip_layers)}: {result.best.tokens_per_s:.1f} tokens/s, mean accepted "
+              f"{result.best.mean_accepted:.2f}, {result.best.tokens_per_s / result.plain.tokens_per_s:.2f}x plain "
+              f"({result.plain.tokens_per_s:.1f} tokens/s), {len(result.trials)} trials; saved to {a.out}\n")
+    return 0

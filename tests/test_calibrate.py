@@ -1,0 +1,63 @@
+"""infer.py sweep-exit and search-skip on a tiny chat model: the sweep measures plain decoding and early exit at each
+requested layer (and a trained exit head) in one run; the search writes a layer-skip checkpoint that --draft loads and
+that decodes token-identically to plain greedy decoding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import tiny_chat_model
+from conftest import reference
+
+from heads.exit_head import ExitHead, ExitHeadConfig
+from selfspec import cli, registry
+from selfspec.api import SpecModel
+from selfspec.layerskip import LayerSkipDrafter
+from selfspec.models import load_model
+from selfspec.target import Target
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    yield from tiny_chat_model.one_thread()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_chat_model.build(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def test_sweep_measures_plain_early_exit_per_layer_and_exit_heads(model_dir, tmp_path, capsys):
+    model, _ = load_model(str(model_dir))
+    ExitHead(ExitHeadConfig.for_model(model, 1, base_model="model")).save_pretrained(tmp_path / "exit1")
+    assert cli.main(["sweep-exit", "--model", str(model_dir), "--dtype", "float32", "--layers", "1",
+                     "--exit-heads", str(tmp_path / "exit1"), "--prompts", "2", "--max-new-tokens", "6",
+                     "--out", str(tmp_path / "sweep")]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split("|")[1:3] for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [[c.strip() for c in r] for r in rows] == [
+        ["exit layer", "draft"], ["—", "plain"], ["1", "early-exit"], ["1", str(tmp_path / "exit1")]]
+    stored = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    assert [r["exit_layer"] for r in stored] == [1, 1]
+    assert all(r["mean_accepted"] >= 1.0 and r["tokens_per_s"] > 0 for r in stored)
+
+
+def test_sweep_refuses_an_exit_layer_outside_the_model(model_dir, capsys):
+    assert cli.main(["sweep-exit", "--model", str(model_dir), "--layers", "9"]) == 2
+    assert "exit layer must be in 1.." in capsys.readouterr().err
+
+
+def test_search_writes_a_layer_skip_draft_that_decodes_losslessly(model_dir, tmp_path, capsys):
+    out_dir = tmp_path / "skip"
+    assert cli.main(["search-skip", "--model", str(model_dir), "--dtype", "float32", "--prompts", "2",
+                     "--max-new-tokens", "6", "--per-round", "0", "--patience", "1", "--out", str(out_dir)]) == 0
+    assert f"saved to {out_dir}" in capsys.readouterr().out
+    config = json.loads((out_dir / "config.json").read_text())
+    assert config["skip_layers"] and config["measured"]["trials"] >= 1
+    model, tokenizer = load_model(str(model_dir))
+    target = Target(model)
+    spec = SpecModel(target, tokenizer, registry.build_drafter(registry.parse_draft(str(out_dir)), target))
+    assert isinstance(spec.drafter, LayerSkipDrafter)
+    ids = spec.encode("hello there")
+    assert spec.generate(ids, max_new_tokens=10).tokens == reference(model, ids, 10)
