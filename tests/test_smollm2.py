@@ -67,3 +67,29 @@ def test_oracle_tree_drafter_matches_generate(smollm2):
         out = generate(target, OracleDrafter(TREE, target.vocab_size, ref), ids, NEW, eos_token_id=eos)
         assert out.tokens == ref, f"{text!r}: oracle tree drafts changed the output"
         assert len(out.steps) <= 1 + -(-(len(ref) - 1) // (TREE.depth + 1)), "the oracle branch was not accepted"
+
+
+def test_self_speculative_drafters_match_generate(smollm2):
+    """Early exit (with its KV reuse, and with a randomly perturbed exit head standing in for a trained one) and layer
+    skipping draft from the target's own layers; whatever they draft, the output is the target's."""
+    from heads.exit_head import ExitHead, ExitHeadConfig
+    from selfspec.drafter import verifier_for
+    from selfspec.early_exit import EarlyExitDrafter, EarlyExitTarget
+    from selfspec.layerskip import LayerSkipDrafter
+
+    target, prompts, refs, eos = smollm2
+    head = ExitHead(ExitHeadConfig.for_model(target.model, 12, base_model="smollm2-135m-instruct"))
+    with torch.no_grad():
+        head.blocks[0].linear.weight.normal_(0, 0.02, generator=torch.Generator().manual_seed(0))
+    drafters = {"early exit at 12": EarlyExitDrafter(target, 12), "exit head": EarlyExitDrafter(target, 12, exit_head=head),
+                "layer skip": LayerSkipDrafter(target, [3, 7, 11, 15, 19, 23])}
+    for name, drafter in drafters.items():
+        verifier = verifier_for(drafter, target)
+        accepted = 0
+        for text, ids, ref in zip(PROMPTS[:2], prompts, refs):
+            out = generate(verifier, drafter, ids, NEW, eos_token_id=eos)
+            assert out.tokens == ref, f"{name}, {text!r}: drafts changed the output"
+            accepted += len(out.tokens) - len(out.steps)
+        assert accepted > 0, f"{name}: nothing accepted on any prompt"
+        if name != "layer skip":
+            assert isinstance(verifier, EarlyExitTarget) and verifier.reused > 0
