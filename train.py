@@ -1,4 +1,4 @@
-"""Train Medusa heads on a frozen causal LM.
+"""Train draft heads (Medusa heads or an early-exit head) on a frozen causal LM.
 
     python train.py --config configs/medusa_smollm2.yaml [key=value ...]
     accelerate launch [--config_file configs/accelerate/<setup>.yaml] train.py --config ... [key=value ...]
@@ -9,7 +9,8 @@ import logging
 import sys
 
 from heads.config import describe, load_config
-from heads.trainer import TrainingDiverged, train
+from heads.hub import PublishError
+from heads.trainer import TrainingDiverged, check_publish, train
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(args.config, args.overrides)
+        check_publish(cfg)
     except (ValueError, FileNotFoundError) as err:
         print(f"error in the recipe: {err}", file=sys.stderr)
         return 2
@@ -30,6 +32,11 @@ def main(argv: list[str] | None = None) -> int:
         result = train(cfg)
     except TrainingDiverged as err:
         print(f"error: {err}", file=sys.stderr)
+        return 1
+    except PublishError as err:
+        print(f"training finished and the checkpoint is saved, but publishing failed: {err}\n"
+              f"retry with: python -m heads.publish <output_dir>/<heads or exit_head> {cfg.publish.repo_id}",
+              file=sys.stderr)
         return 1
     return 128 + result.signal if result.status == "interrupted" else 0
 

@@ -208,7 +208,14 @@ def checkpoint_files(directory: Path) -> list[str]:
 
 def publish_files(directory: Path, repo_id: str) -> dict[str, Path | bytes]:
     """What a publish of ``directory`` to ``repo_id`` uploads: config.json and model.safetensors as saved (after a
-    strict check), and README.md generated from config.json for ``repo_id`` (so its usage snippet names the repo)."""
+    strict check), and README.md generated from config.json for ``repo_id`` (so its usage snippet names the repo).
+    Medusa heads and exit heads (draft_type "exit-head") alike."""
+    config_file = directory / CONFIG
+    if config_file.is_file() and read_json_object(config_file, "the checkpoint's config").get("draft_type") == "exit-head":
+        from heads.exit_head import check_exit_checkpoint, exit_card
+
+        card = exit_card(check_exit_checkpoint(directory), repo_id).encode()
+        return {CONFIG: directory / CONFIG, WEIGHTS: directory / WEIGHTS, CARD: card}
     checkpoint_files(directory)
     card = model_card(read_config(directory), repo_id).encode()
     return {CONFIG: directory / CONFIG, WEIGHTS: directory / WEIGHTS, CARD: card}

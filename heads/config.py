@@ -132,6 +132,16 @@ class HiddenCacheConfig:
 
 
 @dataclass
+class PublishConfig:
+    repo_id: str | None = None
+    """publish the final draft checkpoint to this Hub repo ('owner/name') when training ends (null: do not)."""
+    private: bool = False
+    """create the repo private."""
+    revision: str | None = None
+    """the branch to commit to (null: main)."""
+
+
+@dataclass
 class ExitConfig:
     layer: int | None = None
     """E: the exit head reads layer E's input and drafting runs layers 0..E-1 (required with method exit_head)."""
@@ -183,6 +193,8 @@ class TrainConfig:
     """cached target hidden states."""
     tree: TreeConfig = field(default_factory=TreeConfig)
     """the draft tree built from measured accuracy."""
+    publish: PublishConfig = field(default_factory=PublishConfig)
+    """the Hub repo the final checkpoint goes to (the token: HF_TOKEN or a saved `hf auth login`)."""
 
     def __post_init__(self) -> None:
         positive = {
@@ -217,6 +229,10 @@ class TrainConfig:
         if self.exit.num_layers < 0 or self.exit.draft_depth < 1 or not 0.0 <= self.exit.stop_below < 1.0:
             raise ValueError(f"exit: expected num_layers >= 0, draft_depth >= 1 and stop_below in [0, 1), found "
                              f"{self.exit}")
+        if self.publish.repo_id is not None:
+            from heads.hub import check_repo_id
+
+            check_repo_id(self.publish.repo_id)  # a bad id fails now, not after hours of training
         if self.eval.ranks < 5:
             raise ValueError(f"eval.ranks: expected >= 5 (top-5 accuracy is reported), found {self.eval.ranks}")
 

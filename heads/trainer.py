@@ -12,6 +12,7 @@
      a NaN / inf loss stops with the step and the last good checkpoint; SIGINT / SIGTERM save and stop cleanly;
      log, evaluate held-out accuracy and save atomic checkpoints every N steps
   7. the end: measure acc[k][r] on held-out data, build the tree from it, save the heads (main process only)
+  8. publish the saved checkpoint to the Hub when the recipe names a repo (publish.repo_id)
 
 Checkpoints, resuming and signals: heads/train_state.py. Cached target hidden states: heads/hidden_cache.py.
 
@@ -37,11 +38,13 @@ from transformers import get_scheduler
 
 from heads.base_model import load_base
 from heads.config import TrainConfig, to_dict
+from heads.checkpoint import push_folder
 from heads.data import build_datasets
 from heads.exit_head import ExitHead, ExitHeadConfig, ExitLogits, final_norm
 from heads.losses import IGNORE_INDEX, gather_scored, scored_loss
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.hidden_cache import TargetStates, make_caches
+from heads.hub import find_token
 from heads.train_log import Window, emit
 from heads.train_state import Progress, StopFlag, resolve_resume, save_checkpoint
 from heads.tree_search import best_choices
@@ -67,6 +70,8 @@ class TrainResult:
     """acc[k][r] measured on the held-out split at the end (None when interrupted or without held-out data)."""
     signal: int | None = None
     """the signal that interrupted the run."""
+    published: str | None = None
+    """the Hub URL the final checkpoint was published to (publish.repo_id), else None."""
 
 
 # --------------------------------------------------------------------------------------------------------- data
@@ -141,6 +146,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     # 1. the frozen target, loaded before the accelerator exists: under DeepSpeed ZeRO-3 transformers would otherwise
     #    partition it at load time (zero.Init); it stays a plain module outside the engine
     model, tokenizer = load_base(cfg.model)
+
+    check_publish(cfg)
 
     # 2. accelerator, trackers, seed, the heads
     accelerator = build_accelerator(cfg)
@@ -274,7 +281,20 @@ def train(cfg: TrainConfig) -> TrainResult:
     else:
         heads_dir = save_exit_head(accelerator, heads, mcfg, accuracy, out_dir / "exit_head")
     accelerator.end_training()
-    return TrainResult("done", progress.step, last_ckpt, heads_dir, accuracy)
+    published = None
+    if cfg.publish.repo_id is not None and accelerator.is_main_process:
+        # 8. publish: all files in one commit, or a PublishError saying what the repo holds; the heads stay saved
+        published = push_folder(heads_dir, cfg.publish.repo_id, private=cfg.publish.private,
+                                revision=cfg.publish.revision).url
+        log.info("published %s to %s", heads_dir, published)
+    return TrainResult("done", progress.step, last_ckpt, heads_dir, accuracy, published=published)
+
+
+def check_publish(cfg: TrainConfig) -> None:
+    """A recipe that publishes needs a Hub token: refuse it before training, not after hours of it."""
+    if cfg.publish.repo_id is not None and find_token()[0] is None:
+        raise ValueError(f"publish.repo_id={cfg.publish.repo_id} is set but no Hub token was found: set HF_TOKEN or "
+                         "run `hf auth login`, or drop publish.repo_id and publish later with python -m heads.publish")
 
 
 def outputs(cfg: TrainConfig) -> tuple[int, int, int | None]:

@@ -221,3 +221,35 @@ def test_cli_help(capsys):
     out = capsys.readouterr().out
     assert "usage: python -m heads.publish" in out and "--dry-run" in out and "--revision BRANCH" in out
 
+
+
+def test_train_py_publishes_when_the_recipe_names_a_repo(hub, tmp_path):
+    """publish.repo_id: the final heads (and an exit head) go to the Hub when training ends, as saved; a recipe that
+    publishes without a token, or to a malformed repo id, is refused before any training."""
+    def train(*overrides: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "train.py", "--config", "configs/medusa_tiny.yaml", "logging.log_with=[]",
+               "optim.max_steps=2", "checkpoint.every=0", "eval.every=0", *overrides]
+        return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=180)
+
+    run = train(f"output_dir={tmp_path / 'm'}", f"publish.repo_id={REPO}", "publish.revision=r1")
+    assert run.returncode == 0, run.stderr[-3000:]
+    saved = tmp_path / "m" / "heads"
+    assert hub.files(REPO, "r1")["model.safetensors"] == (saved / "model.safetensors").read_bytes()
+    assert hub.files(REPO, "r1")["config.json"] == (saved / "config.json").read_bytes()
+    assert f"published {saved} to" in run.stderr
+
+    run = train(f"output_dir={tmp_path / 'e'}", "method=exit_head", "exit.layer=1", "loss.kind=kl",
+                "publish.repo_id=tester/tiny-exit")
+    assert run.returncode == 0, run.stderr[-3000:]
+    files = hub.files("tester/tiny-exit", "main")
+    assert files["model.safetensors"] == (tmp_path / "e" / "exit_head" / "model.safetensors").read_bytes()
+    assert b"Early-exit head" in files["README.md"] and b'draft="tester/tiny-exit"' in files["README.md"]
+
+    env = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"}
+    no_token = subprocess.run([sys.executable, "train.py", "--config", "configs/medusa_tiny.yaml",
+                               f"output_dir={tmp_path / 'x'}", f"publish.repo_id={REPO}"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+    assert no_token.returncode == 2 and "no Hub token was found: set HF_TOKEN" in no_token.stderr
+    assert not (tmp_path / "x").exists()  # refused before anything ran
+    bad_id = train(f"output_dir={tmp_path / 'y'}", "publish.repo_id=not a repo")
+    assert bad_id.returncode == 2 and bad_id.stderr.startswith("error in the recipe:")
