@@ -240,10 +240,11 @@ def push_folder(
                    endpoint=endpoint)
 
 
-def push_heads(heads: MedusaHeads, repo_id: str, **kwargs: Any) -> list[str] | Published:
-    """save_pretrained into a temporary directory and push_folder it (same keyword arguments)."""
+def push_heads(heads: Any, repo_id: str, **kwargs: Any) -> list[str] | Published:
+    """save_pretrained (Medusa heads or an exit head) into a temporary directory and push_folder it (same keyword
+    arguments)."""
     with tempfile.TemporaryDirectory(prefix="selfspec-push-") as tmp:
-        directory = save_heads(heads, Path(tmp) / "heads", repo_id=repo_id)
+        directory = heads.save_pretrained(Path(tmp) / "heads", repo_id=repo_id)
         return push_folder(directory, repo_id, **kwargs)
 
 

@@ -24,12 +24,19 @@ from heads.medusa import MedusaHeads
 from selfspec.accept import Acceptance
 from selfspec.drafter import Draft, DraftState, check_tree
 from selfspec.target import Target
-from selfspec.tree import Tree
+from selfspec.tree import DynamicTree, Tree
 
 
 class MedusaDrafter:
-    def __init__(self, heads: MedusaHeads, tree: Tree | Sequence[Sequence[int]]):
+    """tree: a static tree (or its choices), filled each step with the heads' candidates; or a DynamicTree, whose
+    shape is chosen each step: the ``budget`` rank paths of highest product of the heads' probabilities."""
+
+    def __init__(self, heads: MedusaHeads, tree: Tree | DynamicTree | Sequence[Sequence[int]]):
         self.heads = heads.eval()
+        self.dynamic = tree if isinstance(tree, DynamicTree) else None
+        if self.dynamic is not None:
+            self._trees: dict[tuple[tuple[int, ...], ...], Tree] = {}  # choices -> Tree (masks are built once each)
+            return
         tree = tree if isinstance(tree, Tree) else Tree.from_choices(tree)
         self.tree = check_tree(tree, max_depth=len(heads.heads), max_topk=heads.config.vocab_size, drafter="Medusa heads")
         self.topk = self.tree.max_rank + 1
@@ -38,6 +45,8 @@ class MedusaDrafter:
 
     @torch.inference_mode()
     def draft(self, state: DraftState) -> Draft:
+        if self.dynamic is not None:
+            return self._draft_dynamic(state)
         root = state.tokens[-1:]  # [1]
         if len(self.tree) == 1:
             return Draft(tree=self.tree, tokens=root.clone())
@@ -46,6 +55,22 @@ class MedusaDrafter:
         cand = logits.topk(self.topk, dim=-1).indices  # [K', R]
         nodes = cand[self._depth.to(cand.device), self._rank.to(cand.device)]  # [N - 1]
         return Draft(tree=self.tree, tokens=torch.cat([root, nodes.to(root.device)]))
+
+    def _draft_dynamic(self, state: DraftState) -> Draft:
+        """1. every head's top-R log-probabilities; 2. the best-first rank paths under the budget; 3. their tokens."""
+        root = state.tokens[-1:]  # [1]
+        logits = self.heads(state.hidden).float()  # [K, V]
+        top = torch.log_softmax(logits, dim=-1).topk(self.dynamic.max_rank, dim=-1)  # [K, R] values and indices
+        choices = Tree.best_first(top.values.cpu(), self.dynamic.budget)
+        tree = self._trees.get(choices)
+        if tree is None:
+            if len(self._trees) >= 4096:
+                self._trees.clear()
+            tree = self._trees[choices] = Tree.from_choices(choices)
+        depth = torch.tensor([len(c) - 1 for c in choices], device=top.indices.device)  # [N - 1]
+        rank = torch.tensor([c[-1] for c in choices], device=top.indices.device)  # [N - 1]
+        # Tree.from_choices orders nodes by (depth, path), the order best_first returns them in
+        return Draft(tree=tree, tokens=torch.cat([root, top.indices[depth, rank].to(root.device)]))
 
     def update(self, draft: Draft, acceptance: Acceptance) -> None:
         return None
@@ -58,11 +83,13 @@ def default_tree(num_heads: int) -> Tree:
 
 def load_drafter(
     path_or_repo_id: str | Path, target: Target, revision: str | None = None,
-    tree: Tree | Sequence[Sequence[int]] | None = None,
+    tree: Tree | DynamicTree | Sequence[Sequence[int]] | None = None,
 ) -> MedusaDrafter:
     """Heads from a checkpoint (local directory or Hub id) on ``target``'s model, drafting ``tree``; tree=None uses the
     checkpoint's stored tree, or a chain of the heads' top-1 candidates when it stores none."""
     heads = MedusaHeads.from_pretrained(path_or_repo_id, target.model, revision=revision)
+    if isinstance(tree, DynamicTree):
+        return MedusaDrafter(heads, tree)
     if tree is None:
         tree = Tree.from_choices(heads.config.tree) if heads.config.tree else default_tree(heads.config.num_heads)
     return MedusaDrafter(heads, tree)

@@ -135,6 +135,14 @@ class ExitHead(nn.Module):
         card = exit_card(self.config, repo_id or str(directory))
         return write_checkpoint(directory, self.state_dict(), self.config.to_dict(), card)
 
+    def push_to_hub(self, repo_id: str, private: bool = False, revision: str | None = None, token: str | None = None,
+                    dry_run: bool = False, commit_message: str = "Upload an exit head (selfspec)") -> Any:
+        """Save to a temporary directory and upload it in one commit; dry_run returns the files it would upload."""
+        from heads.checkpoint import push_heads
+
+        return push_heads(self, repo_id, private=private, revision=revision, token=token, dry_run=dry_run,
+                          commit_message=commit_message)
+
     @classmethod
     def from_pretrained(cls, path_or_repo_id: str | Path, base_model: PreTrainedModel,
                         revision: str | None = None) -> "ExitHead":

@@ -25,7 +25,7 @@ from typing import Any, Callable
 from selfspec.drafter import Drafter, NoDrafter
 from selfspec.ngram import NGramDrafter
 from selfspec.target import Target
-from selfspec.tree import Tree
+from selfspec.tree import DynamicTree, Tree
 
 ENTRY_POINT_GROUP = "selfspec.drafters"
 NGRAM_KEYS = ("max_ngram", "min_ngram", "depth", "max_nodes", "max_matches")
@@ -183,12 +183,15 @@ def check_base(spec: DraftSpec, model_name: str, hidden_size: int, vocab_size: i
         )
 
 
-def parse_tree(spec: str | None) -> Tree | None:
-    """A ``--tree`` string -> Tree (None keeps the drafter's or checkpoint's own tree)."""
+def parse_tree(spec: str | None) -> Tree | DynamicTree | None:
+    """A ``--tree`` string -> Tree, or DynamicTree for 'dynamic:N' (None keeps the drafter's or checkpoint's own)."""
     if spec is None or spec == "":
         return None
-    forms = "expected 'chain:K', 'full:3,2,1', JSON choices like '[[0],[0,0],[1]]', or a .json file of choices"
+    forms = ("expected 'chain:K', 'full:3,2,1', 'dynamic:N' (N nodes grown each step by draft probability), "
+             "JSON choices like '[[0],[0,0],[1]]', or a .json file of choices")
     try:
+        if spec.startswith("dynamic:"):
+            return DynamicTree(int(spec[len("dynamic:"):]))
         if spec.startswith("chain:"):
             return Tree.chain(int(spec[len("chain:"):]))
         if spec.startswith("full:"):
@@ -209,8 +212,16 @@ def parse_tree(spec: str | None) -> Tree | None:
     raise ValueError(f"unknown --tree {spec!r}: {forms}")
 
 
-def build_drafter(spec: DraftSpec, target: Target, tree: Tree | None = None) -> Drafter:
+DYNAMIC_TREE_KINDS = ("medusa",)
+"""drafters that grow a tree per step from their candidates' probabilities (--tree dynamic:N)."""
+
+
+def build_drafter(spec: DraftSpec, target: Target, tree: Tree | DynamicTree | None = None) -> Drafter:
     """Construct the drafter a DraftSpec names, for this target (loads the checkpoint's weights, if any)."""
+    if isinstance(tree, DynamicTree) and spec.kind not in DYNAMIC_TREE_KINDS:
+        raise ValueError(f"--tree dynamic:{tree.budget} needs a drafter whose candidates at each depth have their own "
+                         f"probabilities ({', '.join(DYNAMIC_TREE_KINDS)} heads); --draft {spec.kind} takes a fixed "
+                         "tree such as chain:4")
     if spec.kind in ("none", "ngram"):
         if tree is not None:
             hint = "ngram grows its own trie: size it with 'ngram:depth=8,max_nodes=24'" if spec.kind == "ngram" else ""

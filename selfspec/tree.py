@@ -13,6 +13,7 @@ root, two candidates at depth 1 and one child under the first.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterable, Sequence
@@ -78,6 +79,28 @@ class Tree:
             parents.append(index[path[:-1]])
             ranks.append(path[-1])
         return cls(parents=tuple(parents), ranks=tuple(ranks))
+
+    @classmethod
+    def best_first(cls, logp: torch.Tensor, budget: int) -> tuple[tuple[int, ...], ...]:
+        """The ``budget`` rank paths with the highest cumulative draft probability (EAGLE-2's dynamic tree), for a
+        drafter whose depth-d candidates do not depend on the path above them (Medusa heads): logp [K, R] holds the
+        log-probabilities of each depth's top-R candidates, best first. Returns the choices, parents first; a path's
+        score is the sum of its ranks' log-probabilities, so every prefix of a chosen path scores at least as high
+        and is chosen too."""
+        K, R = logp.shape
+        if budget < 1:
+            raise ValueError(f"a dynamic tree needs a node budget >= 1, found {budget}")
+        lp = logp.tolist()
+        heap = [(-lp[0][r], (r,)) for r in range(R)]
+        heapq.heapify(heap)
+        chosen: list[tuple[int, ...]] = []
+        while heap and len(chosen) < budget:
+            neg, path = heapq.heappop(heap)
+            chosen.append(path)
+            if len(path) < K:
+                for r in range(R):
+                    heapq.heappush(heap, (neg - lp[len(path)][r], path + (r,)))
+        return tuple(sorted(chosen, key=lambda c: (len(c), c)))
 
     @classmethod
     def full(cls, topk: Sequence[int]) -> "Tree":
@@ -165,3 +188,16 @@ class Tree:
         width = self.depth + 1
         rows = [self.path_to(i) + [-1] * (width - len(self.path_to(i))) for i in leaves]
         return torch.tensor(rows, dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """Not one tree but a rule for one per step: the ``budget`` draft nodes of highest cumulative draft probability,
+    from each depth's top ``max_rank`` candidates (``Tree.best_first``). ``--tree dynamic:64``."""
+
+    budget: int
+    max_rank: int = 8
+
+    def __post_init__(self) -> None:
+        if self.budget < 1 or self.max_rank < 1:
+            raise ValueError(f"a dynamic tree needs budget >= 1 and max_rank >= 1, found {self.budget}, {self.max_rank}")

@@ -10,7 +10,7 @@ import tiny_chat_model
 from selfspec import api, registry
 from selfspec.drafter import NoDrafter
 from selfspec.ngram import NGramDrafter
-from selfspec.tree import Tree
+from selfspec.tree import DynamicTree, Tree
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -94,6 +94,9 @@ def test_parse_tree(tmp_path):
     f = tmp_path / "tree.json"
     f.write_text("[[0], [1]]")
     assert registry.parse_tree(str(f)) == Tree.from_choices([(0,), (1,)])
+    assert registry.parse_tree("dynamic:24") == DynamicTree(24)
+    with pytest.raises(ValueError, match="bad --tree 'dynamic:0'.*budget >= 1"):
+        registry.parse_tree("dynamic:0")
     with pytest.raises(ValueError, match="unknown --tree 'medusa63'.*'chain:K'"):
         registry.parse_tree("medusa63")
     with pytest.raises(ValueError, match="bad --tree .*has no parent"):
@@ -138,6 +141,8 @@ def test_tree_with_ngram_or_none_is_refused(model_dir):
     with pytest.raises(ValueError, match="--tree does not apply to --draft ngram.*ngram:depth=8"):
         api.load(str(model_dir), draft="ngram", tree="chain:3")
     assert isinstance(api.load(str(model_dir), draft="none").drafter, NoDrafter)
+    with pytest.raises(ValueError, match="--tree dynamic:8 needs a drafter whose candidates .* --draft early-exit"):
+        api.load(str(model_dir), draft="early-exit:layer=1", tree="dynamic:8")
 
 
 def test_loader_that_returns_no_drafter_is_refused(model_dir, tmp_path, monkeypatch):

@@ -137,3 +137,38 @@ def test_load_drafter_uses_the_stored_tree_or_a_chain(llama, tmp_path):
     assert load_drafter(tmp_path / "with-tree", Target(llama), tree=[[0], [0, 0]]).tree == Tree.chain(2)
     hidden = torch.randn(32)
     assert torch.equal(drafter.draft(state_for(hidden)).tokens, MedusaDrafter(heads, TREE).draft(state_for(hidden)).tokens)
+
+
+def test_best_first_picks_the_paths_of_highest_cumulative_probability():
+    logp = torch.tensor([[0.7, 0.2, 0.1], [0.9, 0.05, 0.05], [0.5, 0.3, 0.2]]).log()  # [K=3, R=3]
+    # scores: (0,) .7  (0,0) .63  (0,0,0) .315  (1,) .2  (0,0,1) .189  (0,0,2) .126  (1,0) .18  (2,) .1
+    assert Tree.best_first(logp, 5) == ((0,), (1,), (0, 0), (0, 0, 0), (0, 0, 1))
+    assert Tree.best_first(logp, 1) == ((0,),)
+    for budget in range(1, 20):
+        chosen = Tree.best_first(logp, budget)
+        assert len(chosen) == min(budget, 3 + 9 + 27) and all(c[:-1] in chosen for c in chosen if len(c) > 1)
+    with pytest.raises(ValueError, match="node budget >= 1"):
+        Tree.best_first(logp, 0)
+
+
+@pytest.mark.parametrize("budget", [1, 6, 24])
+def test_dynamic_trees_are_lossless_and_follow_the_heads_probabilities(llama, references, budget):
+    from selfspec.tree import DynamicTree
+
+    target = Target(llama)
+    heads = untrained(llama, "shared")
+    drafter = MedusaDrafter(heads, DynamicTree(budget, max_rank=4))
+    shapes, accepted = set(), 0
+    for prompt, expected in zip(PROMPTS, references):
+        out = generate(target, drafter, prompt, max_new_tokens=16)
+        assert out.tokens == expected
+        accepted += sum(n - 1 for n in out.accept_lengths)
+    state = state_for(torch.randn(llama.config.hidden_size, generator=torch.Generator().manual_seed(1)))
+    draft = drafter.draft(state)
+    assert len(draft.tree) == budget + 1
+    logits = heads(state.hidden)  # [K, V]: the node reached by rank path c holds head len(c)'s rank-c[-1] candidate
+    ranked = logits.argsort(dim=-1, descending=True)
+    for i in range(1, len(draft.tree)):
+        depth, rank = int(draft.tree.depth_tensor[i]) - 1, draft.tree.ranks[i]
+        assert int(draft.tokens[i]) == int(ranked[depth, rank])
+    assert accepted > 0 or budget == 1

@@ -253,3 +253,18 @@ def test_train_py_publishes_when_the_recipe_names_a_repo(hub, tmp_path):
     assert not (tmp_path / "x").exists()  # refused before anything ran
     bad_id = train(f"output_dir={tmp_path / 'y'}", "publish.repo_id=not a repo")
     assert bad_id.returncode == 2 and bad_id.stderr.startswith("error in the recipe:")
+
+
+def test_exit_head_push_to_hub_round_trip(chat, hub):
+    from heads.exit_head import ExitHead, ExitHeadConfig
+
+    model, _ = chat
+    head = ExitHead(ExitHeadConfig.for_model(model, 1, base_model="tiny-chat"))
+    with torch.no_grad():
+        head.blocks[0].linear.weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
+    assert head.push_to_hub("tester/exit", dry_run=True) == ["config.json", "model.safetensors", "README.md"]
+    published = head.push_to_hub("tester/exit")
+    assert published.changed and sorted(published.files) == ["README.md", "config.json", "model.safetensors"]
+    loaded = ExitHead.from_pretrained("tester/exit", model)
+    assert loaded.config == head.config
+    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), loaded.state_dict().values()))
