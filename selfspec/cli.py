@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-revision", default=None, help="Hub revision of a --draft checkpoint")
     p.add_argument("--tree", default=None,
                    help="candidate tree for checkpoint drafts (default: the checkpoint's own): 'chain:K', "
-                        "'full:3,2,1' (children per level), JSON choices '[[0],[0,0],[1]]', or a .json file of them")
+                        "'full:3,2,1' (children per level), JSON choices '[[0],[0,0],[1]]', a .json file of them, "
+                        "or 'dynamic:N' (Medusa heads: N nodes chosen each step by cumulative draft probability)")
     p.add_argument("--prompt", default=None, help="the prompt; without it, an interactive multi-turn chat starts")
     p.add_argument("--no-chat", action="store_true",
                    help="feed --prompt as plain text instead of wrapping it in the model's chat template")
