@@ -79,6 +79,8 @@ class Method:
     """for transformers methods: extra ``model.generate`` arguments (plain: {})."""
     draft: registry.DraftSpec | None = None
     """for selfspec methods: the parsed --draft."""
+    tree: str | None = None
+    """for selfspec methods: a --tree for the draft ('DRAFT@TREE', e.g. 'runs/heads@dynamic:32'); None: its own."""
 
 
 def _option(spec: str, name: str) -> int | None:
@@ -107,8 +109,12 @@ def parse_methods(specs: tuple[str, ...], num_layers: int, revision: str | None 
                 raise ValueError(f"method {spec!r}: the exit layer must be below the target's {num_layers} layers")
             methods.append(Method(spec, hf_kwargs={"assistant_early_exit": exit_layer}))
         else:
-            draft = registry.parse_draft(spec, revision=revision)
-            methods.append(Method(draft.label if draft.location else spec, draft=draft))
+            draft_spec, _, tree = spec.partition("@")  # 'DRAFT@TREE': the same draft with another tree
+            if tree:
+                registry.parse_tree(tree)  # a bad tree fails here, before any model loads
+            draft = registry.parse_draft(draft_spec, revision=revision)
+            label = draft.label if draft.location else draft_spec
+            methods.append(Method(f"{label}@{tree}" if tree else label, draft=draft, tree=tree or None))
     labels = [m.label for m in methods]
     if len(set(labels)) != len(labels):
         raise ValueError(f"two methods share a name: {labels}; give checkpoint directories distinct names")
@@ -118,7 +124,8 @@ def parse_methods(specs: tuple[str, ...], num_layers: int, revision: str | None 
 
 
 def _runner(method: Method, target: Target, tokenizer: Any, model_name: str) -> SpecModel:
-    drafter = registry.build_drafter(method.draft, target) if method.draft is not None else NoDrafter()
+    tree = registry.parse_tree(method.tree) if method.tree else None
+    drafter = registry.build_drafter(method.draft, target, tree) if method.draft is not None else NoDrafter()
     return SpecModel(target, tokenizer, drafter, name=model_name)
 
 

@@ -85,7 +85,9 @@ def build_bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", type=Path, default=Path("outputs/bench"), help="where answers and the summary go")
     p.add_argument("--methods", default="plain,pld,aee,ngram",
                    help="comma-separated: plain, pld[:N] (prompt_lookup_num_tokens, default 10), aee[:E] "
-                        "(assistant_early_exit, default half the layers), none, ngram[:opts], draft checkpoints")
+                        "(assistant_early_exit, default half the layers), none, ngram[:opts], draft checkpoints; "
+                        "DRAFT@TREE runs a draft with another --tree without commas (e.g. runs/heads@dynamic:32, "
+                        "runs/heads@chain:3, runs/heads@tree.json)")
     p.add_argument("--dtype", default="fp32,bf16", help="comma-separated dtypes, one target load each")
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--limit", type=int, default=None, help="answer only the first N questions")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import tiny_chat_model
-from selfspec import api, bench, cli, specbench
+from selfspec import Tree, api, bench, cli, specbench
 
 QUESTIONS = [
     {"question_id": 81, "category": "writing", "turns": ["Write about the sea.", "Now say it again, shorter."]},
@@ -204,3 +204,19 @@ def test_methods_parse():
         bench.parse_methods(("aee:30",), num_layers=30)
     with pytest.raises(ValueError, match="two methods share a name"):
         bench.parse_methods(("ngram", "ngram"), num_layers=30)
+
+
+def test_a_draft_can_run_with_another_tree_beside_its_own(model_dir, tmp_path):
+    from selfspec.models import load_model
+    from selfspec.target import Target
+    from selfspec.tree import DynamicTree
+
+    heads = tiny_chat_model.build_heads(model_dir, tmp_path / "heads")
+    methods = bench.parse_methods((str(heads), f"{heads}@dynamic:8", f"{heads}@chain:2"), num_layers=2)
+    assert [m.label for m in methods] == ["plain", "heads", "heads@dynamic:8", "heads@chain:2"]
+    model, tokenizer = load_model(str(model_dir))
+    target = Target(model)
+    assert bench._runner(methods[2], target, tokenizer, "m").drafter.dynamic == DynamicTree(8)
+    assert bench._runner(methods[3], target, tokenizer, "m").drafter.tree == Tree.chain(2)
+    with pytest.raises(ValueError, match="bad --tree 'dynamic:x'"):
+        bench.parse_methods((f"{heads}@dynamic:x",), num_layers=2)
