@@ -115,8 +115,9 @@ class LoggingConfig:
     """accelerate trackers (tensorboard, wandb, ...); [] for none."""
     every: int = 10
     """log training metrics every this many optimizer steps."""
-    project: str = "medusa"
-    """tracker project / run name."""
+    project: str | None = None
+    """tracker project / run name (null: "medusa" or, for method exit_head, "exit"; TensorBoard writes to
+    <output_dir>/<project>)."""
     progress_bar: bool = True
     """show a tqdm progress bar on the main process."""
 

@@ -154,7 +154,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     set_seed(cfg.seed)
     out_dir, ckpt_root = Path(cfg.output_dir), Path(cfg.output_dir) / "checkpoints"
     if cfg.logging.log_with:
-        accelerator.init_trackers(cfg.logging.project, config=_flat(to_dict(cfg)))
+        project = cfg.logging.project or {"medusa": "medusa", "exit_head": "exit"}[cfg.method]
+        accelerator.init_trackers(project, config=_flat(to_dict(cfg)))
     model.to(accelerator.device)
     heads, mcfg = build_drafts(cfg, model)
     K, _, layer = outputs(cfg)

@@ -128,12 +128,13 @@ def test_recipe_needs_an_exit_layer_and_refuses_cached_states_with_kl(tmp_path):
 def test_train_py_trains_an_exit_head_that_drafts_through_selfspec_load(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "train.py", "--config", "configs/medusa_tiny.yaml", f"output_dir={out}", "method=exit_head",
-           "exit.layer=1", "loss.kind=kl", "logging.log_with=[]", "optim.max_steps=6", "checkpoint.every=0"]
+           "exit.layer=1", "loss.kind=kl", "optim.max_steps=6", "checkpoint.every=0"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     config = json.loads((out / "exit_head" / "config.json").read_text())
     assert config["exit_layer"] == 1 and config["recipe"]["method"] == "exit_head"
     assert 0.0 <= config["top1_agreement"] <= 1.0
+    assert list((out / "exit").rglob("events.out.tfevents*")) and not (out / "medusa").exists()  # TensorBoard
     final = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"final"' in line]
     assert final and final[-1]["eval_top1"] == [config["top1_agreement"]]
 
