@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 IGNORE = -100
 FILE_LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
 # the evaluation set, relative to the repository root (the directory that holds heads/)
-DEFAULT_EXCLUDE = "../shared/bench/spec_bench_mt_bench.jsonl"
+DEFAULT_EXCLUDE = "selfspec/data/spec_bench_mt_bench.jsonl"
+"""Spec-Bench's MT-bench questions, shipped with selfspec; a relative path is read from where selfspec is installed."""
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
          "bard": "assistant", "assistant": "assistant", "model": "assistant", "system": "system"}
 MESSAGES_FEATURES = datasets.Features({"messages": datasets.List({"role": datasets.Value("string"),

@@ -34,7 +34,8 @@ from selfspec.plots import plot_summary
 from selfspec.specbench import Answer, Question
 from selfspec.target import Target
 
-DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "bench" / "spec_bench_mt_bench.jsonl"
+DEFAULT_QUESTIONS = Path(__file__).resolve().parent / "data" / "spec_bench_mt_bench.jsonl"
+"""Spec-Bench's 80 MT-bench questions, shipped with selfspec (selfspec/data/NOTICE.md)."""
 HF_METHODS = ("plain", "pld", "aee")
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 

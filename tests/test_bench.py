@@ -152,9 +152,9 @@ def test_summary_from_records_matches_speed_py():
         specbench.summarize({**runs, ("fast", "bfloat16"): runs[("fast", "float32")]})
 
 
-def test_the_shared_mt_bench_file_is_valid():
+def test_the_shipped_mt_bench_file_is_valid():
     if not bench.DEFAULT_QUESTIONS.is_file():
-        pytest.fail(f"the shared question file {bench.DEFAULT_QUESTIONS} is missing")
+        pytest.fail(f"the shipped question file {bench.DEFAULT_QUESTIONS} is missing")
     questions = specbench.load_questions(bench.DEFAULT_QUESTIONS)
     assert len(questions) == 80 and all(len(q.turns) == 2 for q in questions)
     assert {q.category for q in questions} == {"writing", "roleplay", "reasoning", "math", "coding", "extraction",
