@@ -138,16 +138,18 @@ def test_run_killed_while_writing_a_checkpoint_resumes_from_the_last_good_one(re
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000008", "step_0000012"]  # swept
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, signum):
+    """SIGTERM (a scheduler's stop) and SIGINT (Ctrl-C) alike: a checkpoint at the step reached, a clean exit."""
     out = tmp_path / "term"
     cmd = train_cmd(out, *LONG, "optim.max_steps=1000", "checkpoint.every=0")
     proc = start_and_wait_for(cmd, out / "metrics.jsonl")
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     output = proc.communicate(timeout=60)[0]
-    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert proc.returncode == 128 + signum, output[-3000:]
     saved = sorted((out / "checkpoints").iterdir())
     assert len(saved) == 1 and saved[0].name.startswith("step_")
-    assert f"stopped by signal {int(signal.SIGTERM)} at step {int(saved[0].name[5:])}" in output
+    assert f"stopped by signal {int(signum)} at step {int(saved[0].name[5:])}" in output
     assert "Traceback" not in output
 
 
