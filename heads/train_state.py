@@ -1,7 +1,8 @@
 """A training run's state on disk and its interruptions: progress, atomic checkpoints, ``resume_from``, signals.
 
 Checkpoints live in ``<output_dir>/checkpoints/step_NNNNNNN``: ``accelerator.save_state`` (heads, optimizer, scheduler,
-RNG states, samplers, and the registered ``Progress``) writes a hidden temporary directory, which is renamed into
+RNG states, samplers) and ``progress.json`` (``Progress``: plain JSON, never a pickle) go to a hidden temporary
+directory, which is renamed into
 place whole, so a killed run leaves either a complete checkpoint or none; older ones beyond ``keep`` are renamed out
 of sight, then deleted.
 SIGINT / SIGTERM only set a flag (``StopFlag``); the loop saves a checkpoint at the next optimizer step and returns.
@@ -9,6 +10,7 @@ SIGINT / SIGTERM only set a flag (``StopFlag``); the loop saves a checkpoint at 
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import signal
@@ -20,8 +22,11 @@ log = logging.getLogger(__name__)
 CHECKPOINT_PREFIX = "step_"
 
 
+PROGRESS_FILE = "progress.json"
+
+
 class Progress:
-    """Where training stands; saved in every checkpoint through ``accelerator.register_for_checkpointing``."""
+    """Where training stands; saved in every checkpoint as ``progress.json`` (``save_checkpoint`` / ``load_progress``)."""
 
     def __init__(self) -> None:
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
@@ -57,8 +62,20 @@ def resolve_resume(resume_from: str | None, root: Path) -> Path | None:
     return path
 
 
-def save_checkpoint(accelerator: Accelerator, root: Path, step: int, keep: int) -> Path:
-    """accelerator.save_state into a temporary directory, renamed into place; keeps the newest ``keep``."""
+def load_progress(checkpoint: Path) -> Progress:
+    """The Progress stored in a checkpoint directory."""
+    file = checkpoint / PROGRESS_FILE
+    if not file.is_file():
+        raise FileNotFoundError(f"{checkpoint} has no {PROGRESS_FILE}: it is not a complete selfspec training checkpoint "
+                                "(or one from before progress.json; start that run afresh)")
+    progress = Progress()
+    progress.load_state_dict(json.loads(file.read_text()))
+    return progress
+
+
+def save_checkpoint(accelerator: Accelerator, root: Path, step: int, keep: int, progress: Progress) -> Path:
+    """accelerator.save_state + progress.json into a temporary directory, renamed into place; keeps the newest
+    ``keep``."""
     final = root / f"{CHECKPOINT_PREFIX}{step:07d}"
     tmp = root / f".tmp-{final.name}"
     if accelerator.is_main_process:
@@ -69,6 +86,7 @@ def save_checkpoint(accelerator: Accelerator, root: Path, step: int, keep: int) 
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        (tmp / PROGRESS_FILE).write_text(json.dumps(progress.state_dict()) + "\n")
         # a checkpoint is replaced or deleted by first renaming it out of sight (.tmp-old-*), so a kill during the
         # deletion never leaves a half-deleted directory under a step_ name for resume_from=latest to pick
         if final.exists():  # re-saving a step after resuming from an older checkpoint

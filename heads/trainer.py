@@ -46,7 +46,7 @@ from heads.medusa import MedusaConfig, MedusaHeads
 from heads.hidden_cache import TargetStates, make_caches
 from heads.hub import find_token
 from heads.train_log import Window, emit
-from heads.train_state import Progress, StopFlag, resolve_resume, save_checkpoint
+from heads.train_state import Progress, StopFlag, load_progress, resolve_resume, save_checkpoint
 from heads.tree_search import best_choices
 
 log = logging.getLogger(__name__)
@@ -185,7 +185,6 @@ def train(cfg: TrainConfig) -> TrainResult:
     heads, optimizer, train_dl, scheduler = prepared[:4]
     eval_dl = prepared[4] if eval_dl else None
     progress = Progress()
-    accelerator.register_for_checkpointing(progress)
     caches = make_caches(cfg, accelerator, model, {"train": train_rows, "eval": eval_rows})
     states = TargetStates(model, accelerator.device, accelerator.autocast, cfg.loss.kind, caches,
                           cfg.hidden_cache.dtype, layer=layer)
@@ -198,6 +197,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     last_ckpt = resolve_resume(cfg.checkpoint.resume_from, ckpt_root)
     if last_ckpt is not None:
         accelerator.load_state(str(last_ckpt))
+        progress = load_progress(last_ckpt)
         log.info("resumed from %s at step %d (epoch %d, batch %d)", last_ckpt, progress.step, progress.epoch,
                  progress.batch_in_epoch)
 
@@ -251,7 +251,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                 if periodic_eval and progress.step % cfg.eval.every == 0 and progress.step < total_steps:
                     emit(accelerator, metrics_file, {"step": progress.step, **evaluate(5)})
                 if flags[1] > 0 or (cfg.checkpoint.every and progress.step % cfg.checkpoint.every == 0):
-                    last_ckpt = save_checkpoint(accelerator, ckpt_root, progress.step, cfg.checkpoint.keep)
+                    last_ckpt = save_checkpoint(accelerator, ckpt_root, progress.step, cfg.checkpoint.keep, progress)
                 if flags[1] > 0:
                     stopped = stop.signum or signal.SIGTERM
                     break

@@ -51,24 +51,38 @@ def dying_rmtree(path) -> None:
 def complete(root: Path) -> list[str]:
     """The checkpoints resume_from=latest may pick, each checked to hold its files."""
     found = train_state.checkpoints(root)
-    assert all((p / "random_states_0.pkl").is_file() for p in found), [sorted(os.listdir(p)) for p in found]
+    assert all((p / "random_states_0.pkl").is_file() and (p / "progress.json").is_file() for p in found), [
+        sorted(os.listdir(p)) for p in found]
     return [p.name for p in found]
 
 
 def test_a_kill_while_deleting_or_replacing_a_checkpoint_leaves_only_complete_ones(tmp_path, monkeypatch):
-    accelerator, root = Accelerator(cpu=True), tmp_path / "checkpoints"
+    accelerator, root, progress = Accelerator(cpu=True), tmp_path / "checkpoints", train_state.Progress()
     for step in (4, 8):
-        train_state.save_checkpoint(accelerator, root, step, keep=2)
+        train_state.save_checkpoint(accelerator, root, step, keep=2, progress=progress)
     monkeypatch.setattr(train_state, "shutil", SimpleNamespace(rmtree=dying_rmtree))
     with pytest.raises(Killed):  # step 12 is in place; deleting step 4 (beyond keep=2) dies half-way
-        train_state.save_checkpoint(accelerator, root, 12, keep=2)
+        train_state.save_checkpoint(accelerator, root, 12, keep=2, progress=progress)
     assert complete(root) == ["step_0000008", "step_0000012"]
     with pytest.raises(Killed):  # resumed from step 8, re-saving step 12 over the old one dies half-way
-        train_state.save_checkpoint(accelerator, root, 12, keep=2)
+        train_state.save_checkpoint(accelerator, root, 12, keep=2, progress=progress)
     assert complete(root) == ["step_0000008", "step_0000012"]
     monkeypatch.undo()
-    train_state.save_checkpoint(accelerator, root, 16, keep=2)  # the next save sweeps what the kills left
+    train_state.save_checkpoint(accelerator, root, 16, keep=2, progress=progress)  # the next save sweeps what the kills left
     assert sorted(os.listdir(root)) == ["step_0000012", "step_0000016"]
+
+
+def test_training_checkpoints_hold_no_pickled_progress(tmp_path):
+    """Where training stands is plain JSON (accelerate would pickle registered custom state and load it with
+    weights_only=False); resuming reads it back."""
+    accelerator, root, progress = Accelerator(cpu=True), tmp_path / "checkpoints", train_state.Progress()
+    progress.step, progress.epoch, progress.batch_in_epoch = 7, 1, 3
+    saved = train_state.save_checkpoint(accelerator, root, 7, keep=2, progress=progress)
+    assert not list(saved.glob("custom_checkpoint_*"))
+    assert train_state.load_progress(saved).state_dict() == {"step": 7, "epoch": 1, "batch_in_epoch": 3}
+    (saved / "progress.json").unlink()
+    with pytest.raises(FileNotFoundError, match="has no progress.json: it is not a complete selfspec training"):
+        train_state.load_progress(saved)
 
 
 # --------------------------------------------------------------------------------------- long runs: memory flat
