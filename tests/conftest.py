@@ -33,6 +33,22 @@ from selfspec.drafter import Draft, Drafter, DraftState
 
 torch.set_num_threads(1)
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Every module starts on one thread again (a test of --threads sets torch's count process-wide)."""
+    import tiny_chat_model
+
+    yield from tiny_chat_model.one_thread()
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """A tiny Llama with a byte-level chat tokenizer, saved as a model directory (read-only for tests)."""
+    import tiny_chat_model
+
+    return tiny_chat_model.build(tmp_path_factory.mktemp("tiny") / "model")
+
 VOCAB = 96
 REPEATING = 0.1
 ARCHS = ("llama", "qwen2", "mistral", "gemma3", "gpt2")

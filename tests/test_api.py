@@ -5,20 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tiny_chat_model
 from selfspec import api
 
 PROMPTS = ["hello café", "write a short story about the sea"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    yield from tiny_chat_model.one_thread()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_chat_model.build(tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture(scope="module")

@@ -21,16 +21,6 @@ DTYPES = ("float32", "bfloat16")
 MAX_NEW = 12
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    yield from tiny_chat_model.one_thread()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_chat_model.build(tmp_path_factory.mktemp("tiny") / "model")
-
-
 def write_questions(path: Path, rows) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-import tiny_chat_model
 from conftest import reference
 
 from heads.exit_head import ExitHead, ExitHeadConfig
@@ -16,16 +14,6 @@ from selfspec.api import SpecModel
 from selfspec.layerskip import LayerSkipDrafter
 from selfspec.models import load_model
 from selfspec.target import Target
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    yield from tiny_chat_model.one_thread()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_chat_model.build(tmp_path_factory.mktemp("tiny") / "model")
 
 
 def test_sweep_measures_plain_early_exit_per_layer_and_exit_heads(model_dir, tmp_path, capsys):

@@ -17,16 +17,6 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONIOENCODING": "utf-8"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    yield from tiny_chat_model.one_thread()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_chat_model.build(tmp_path_factory.mktemp("tiny") / "model")
-
-
 def infer(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "infer.py", *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
                           encoding="utf-8", timeout=timeout)

@@ -35,14 +35,6 @@ def four_layer(arch: str, seed: int = 0, weak: tuple[int, ...] = WEAK):
     return model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def models():
     return {arch: four_layer(arch) for arch in ("llama", "qwen2")}

@@ -6,21 +6,10 @@ import json
 
 import pytest
 
-import tiny_chat_model
 from selfspec import api, registry
 from selfspec.drafter import NoDrafter
 from selfspec.ngram import NGramDrafter
 from selfspec.tree import DynamicTree, Tree
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    yield from tiny_chat_model.one_thread()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_chat_model.build(tmp_path_factory.mktemp("tiny") / "model")
 
 
 class FakeEntryPoint:

@@ -17,15 +17,6 @@ ACC = [[0.6, 0.2, 0.1], [0.4, 0.15], [0.3, 0.1], [0.2]]  # as if measured: 4 hea
 TREE = best_tree(ACC, 10)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models decode fastest on one thread (and the CPUs here are shared)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def llama():
     return tiny_model("llama")

@@ -14,7 +14,7 @@ import torch
 from huggingface_hub import constants
 from hub_server import TOKEN, HubServer, use_hub
 from safetensors.torch import load_file
-from tiny_chat_model import build, one_thread  # noqa: F401  (one_thread: generator used by the fixture below)
+from tiny_chat_model import build
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from heads import publish as publish_cli
@@ -27,11 +27,6 @@ from selfspec.registry import build_drafter, parse_draft
 
 REPO = "tester/tiny-heads"
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    yield from one_thread()
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +215,6 @@ def test_cli_help(capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert "usage: python -m heads.publish" in out and "--dry-run" in out and "--revision BRANCH" in out
-
 
 
 def test_train_py_publishes_when_the_recipe_names_a_repo(hub, tmp_path):

@@ -18,7 +18,7 @@ from conftest import random_prompts, reference, tiny_model
 from huggingface_hub import CommitOperationAdd, HfApi
 from hub_server import TOKEN, HubServer, use_hub
 from safetensors.torch import load_file, save_file
-from tiny_chat_model import build, one_thread
+from tiny_chat_model import build
 
 from heads import export as export_cli
 from heads import import_medusa as import_cli
@@ -29,11 +29,6 @@ from heads.medusa import MedusaConfig, MedusaHeads
 from selfspec import Target, Tree, generate
 
 K, L = 3, 2  # heads, residual blocks per head
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    yield from one_thread()
 
 
 @pytest.fixture(scope="module")

@@ -4,16 +4,9 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 import tiny_chat_model
 from heads import retree
 from heads.tree_search import expected_accept_length
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    yield from tiny_chat_model.one_thread()
 
 
 def test_retree_writes_a_tree_from_the_measured_accuracy(tmp_path, capsys):
