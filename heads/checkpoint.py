@@ -212,9 +212,9 @@ def publish_files(directory: Path, repo_id: str) -> dict[str, Path | bytes]:
     Medusa heads and exit heads (draft_type "exit-head") alike."""
     config_file = directory / CONFIG
     if config_file.is_file() and read_json_object(config_file, "the checkpoint's config").get("draft_type") == "exit-head":
-        from heads.exit_head import check_exit_checkpoint, exit_card
+        from heads.exit_head import exit_card, read_exit_checkpoint
 
-        card = exit_card(check_exit_checkpoint(directory), repo_id).encode()
+        card = exit_card(read_exit_checkpoint(directory)[0], repo_id).encode()
         return {CONFIG: directory / CONFIG, WEIGHTS: directory / WEIGHTS, CARD: card}
     checkpoint_files(directory)
     card = model_card(read_config(directory), repo_id).encode()

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from heads.medusa import ResBlock, _frozen_linear, _type_ok, base_sizes
+from heads.medusa import ResBlock, _frozen_linear, _type_ok, base_name, base_sizes, strict_keys
 from selfspec import hf
 from selfspec.tree import Tree
 
@@ -79,15 +79,9 @@ class ExitHeadConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "ExitHeadConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown ExitHeadConfig keys {unknown}; expected a subset of {sorted(known)}")
+        """Strict: unknown keys and missing required keys raise, saying which."""
         required = {"base_model", "base_revision", "hidden_size", "vocab_size", "num_hidden_layers", "exit_layer"}
-        missing = sorted(required - set(data))
-        if missing:
-            raise ValueError(f"ExitHeadConfig is missing required keys {missing}")
-        return cls(**data)
+        return cls(**strict_keys(cls, data, required))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -95,12 +89,10 @@ class ExitHeadConfig:
     @classmethod
     def for_model(cls, model: PreTrainedModel, exit_layer: int, base_model: str | None = None,
                   **kwargs: Any) -> "ExitHeadConfig":
-        from heads.medusa import MedusaConfig
-
-        named = MedusaConfig.for_model(model, base_model=base_model, base_revision=kwargs.pop("base_revision", None))
-        return cls(base_model=named.base_model, base_revision=named.base_revision, hidden_size=named.hidden_size,
-                   vocab_size=named.vocab_size, num_hidden_layers=len(hf.decoder_layers(model)),
-                   exit_layer=exit_layer, **kwargs)
+        hidden, vocab = base_sizes(model)
+        kwargs.setdefault("base_revision", None)
+        return cls(base_model=base_name(model, base_model), hidden_size=hidden, vocab_size=vocab,
+                   num_hidden_layers=len(hf.decoder_layers(model)), exit_layer=exit_layer, **kwargs)
 
 
 def final_norm(model: PreTrainedModel) -> nn.Module:
@@ -184,11 +176,6 @@ def read_exit_checkpoint(directory: Path) -> tuple[ExitHeadConfig, dict[str, tor
                          f"{config.num_layers}, hidden_size={config.hidden_size}): expected tensors {expected}, "
                          f"found {found}")
     return config, tensors
-
-
-def check_exit_checkpoint(directory: Path) -> ExitHeadConfig:
-    """The config of a valid exit-head checkpoint directory (what a publish uploads is checked with this)."""
-    return read_exit_checkpoint(Path(directory))[0]
 
 
 class ExitLogits(nn.Module):

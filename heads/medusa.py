@@ -124,15 +124,7 @@ class MedusaConfig:
     @classmethod
     def from_dict(cls, data: dict) -> "MedusaConfig":
         """Strict: unknown keys and missing required keys raise, saying which."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown MedusaConfig keys {unknown}; expected a subset of {sorted(known)}")
-        required = {"base_model", "base_revision", "hidden_size", "vocab_size"}
-        missing = sorted(required - set(data))
-        if missing:
-            raise ValueError(f"MedusaConfig is missing required keys {missing}")
-        return cls(**data)
+        return cls(**strict_keys(cls, data, {"base_model", "base_revision", "hidden_size", "vocab_size"}))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -145,11 +137,29 @@ class MedusaConfig:
         the built-in default loads from ``.../smollm2-135m-instruct`` and is named ``smollm2-135m-instruct``.
         """
         hidden, vocab = base_sizes(model)
-        name = base_model or getattr(model.config, "_name_or_path", None) or model.config.model_type
-        if base_model is None and Path(name).expanduser().is_dir():
-            name = Path(name).expanduser().resolve().name
         kwargs.setdefault("base_revision", None)
-        return cls(base_model=str(name), hidden_size=hidden, vocab_size=vocab, **kwargs)
+        return cls(base_model=base_name(model, base_model), hidden_size=hidden, vocab_size=vocab, **kwargs)
+
+
+def strict_keys(cls: type, data: dict, required: set[str]) -> dict:
+    """``data`` for a config dataclass ``cls``, refused when it has unknown keys or lacks required ones."""
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} keys {unknown}; expected a subset of {sorted(known)}")
+    missing = sorted(required - set(data))
+    if missing:
+        raise ValueError(f"{cls.__name__} is missing required keys {missing}")
+    return data
+
+
+def base_name(model: PreTrainedModel, base_model: str | None = None) -> str:
+    """The name a checkpoint records for its base: ``base_model``, else the model's Hub id, or the name of its local
+    directory (never a machine's full path)."""
+    name = base_model or getattr(model.config, "_name_or_path", None) or model.config.model_type
+    if base_model is None and Path(name).expanduser().is_dir():
+        name = Path(name).expanduser().resolve().name
+    return str(name)
 
 
 def base_sizes(model: PreTrainedModel) -> tuple[int, int]:
