@@ -209,12 +209,18 @@ def checkpoint_files(directory: Path) -> list[str]:
 def publish_files(directory: Path, repo_id: str) -> dict[str, Path | bytes]:
     """What a publish of ``directory`` to ``repo_id`` uploads: config.json and model.safetensors as saved (after a
     strict check), and README.md generated from config.json for ``repo_id`` (so its usage snippet names the repo).
-    Medusa heads and exit heads (draft_type "exit-head") alike."""
+    Medusa heads, exit heads (draft_type "exit-head") and EAGLE heads ("eagle") alike."""
     config_file = directory / CONFIG
-    if config_file.is_file() and read_json_object(config_file, "the checkpoint's config").get("draft_type") == "exit-head":
+    kind = read_json_object(config_file, "the checkpoint's config").get("draft_type") if config_file.is_file() else None
+    if kind == "exit-head":
         from heads.exit_head import exit_card, read_exit_checkpoint
 
         card = exit_card(read_exit_checkpoint(directory)[0], repo_id).encode()
+        return {CONFIG: directory / CONFIG, WEIGHTS: directory / WEIGHTS, CARD: card}
+    if kind == "eagle":
+        from heads.eagle import eagle_card, read_eagle_checkpoint
+
+        card = eagle_card(read_eagle_checkpoint(directory)[0], repo_id).encode()
         return {CONFIG: directory / CONFIG, WEIGHTS: directory / WEIGHTS, CARD: card}
     checkpoint_files(directory)
     card = model_card(read_config(directory), repo_id).encode()
@@ -241,7 +247,7 @@ def push_folder(
 
 
 def push_heads(heads: Any, repo_id: str, **kwargs: Any) -> list[str] | Published:
-    """save_pretrained (Medusa heads or an exit head) into a temporary directory and push_folder it (same keyword
+    """save_pretrained (Medusa heads, an exit head or an EAGLE head) into a temporary directory and push_folder it (same keyword
     arguments)."""
     with tempfile.TemporaryDirectory(prefix="selfspec-push-") as tmp:
         directory = heads.save_pretrained(Path(tmp) / "heads", repo_id=repo_id)

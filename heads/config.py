@@ -116,7 +116,7 @@ class LoggingConfig:
     every: int = 10
     """log training metrics every this many optimizer steps."""
     project: str | None = None
-    """tracker project / run name (null: "medusa" or, for method exit_head, "exit"; TensorBoard writes to
+    """tracker project / run name (null: the method: "medusa", "exit" or "eagle"; TensorBoard writes to
     <output_dir>/<project>)."""
     progress_bar: bool = True
     """show a tqdm progress bar on the main process."""
@@ -155,6 +155,24 @@ class ExitConfig:
 
 
 @dataclass
+class EagleSection:
+    num_layers: int = 1
+    """decoder layers (of the target's own architecture) in the EAGLE head."""
+    unroll: int = 3
+    """drafting steps unrolled in training: step u learns to draft depth u + 1 from its own u earlier drafts."""
+    draft_vocab: int = 8192
+    """V': the head drafts the V' tokens most frequent in the training data (0: the whole vocabulary)."""
+    feature_weight: float = 0.1
+    """weight of the smooth-L1 regression of the head's features onto the target's (EAGLE's feature loss)."""
+    depth: int = 6
+    """drafting default stored in the checkpoint: tokens drafted along a path."""
+    topk: int = 8
+    """drafting default stored in the checkpoint: nodes expanded per depth and children per node."""
+    budget: int = 32
+    """drafting default stored in the checkpoint: draft nodes kept per step (the most probable)."""
+
+
+@dataclass
 class TreeConfig:
     budget: int = 64
     """draft nodes of the tree built at the end from the measured head accuracy."""
@@ -172,12 +190,15 @@ class TrainConfig:
     """force CPU (null: CPU when no GPU is present, unless DeepSpeed is in use)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """the frozen target."""
-    method: Literal["medusa", "exit_head"] = "medusa"
-    """what is trained on the frozen target: Medusa heads (section heads) or an early-exit head (section exit)."""
+    method: Literal["medusa", "exit_head", "eagle"] = "medusa"
+    """what is trained on the frozen target: Medusa heads (section heads), an early-exit head (section exit) or an
+    EAGLE-style sequential head (section eagle)."""
     heads: HeadsConfig = field(default_factory=HeadsConfig)
     """the Medusa heads being trained (method medusa)."""
     exit: ExitConfig = field(default_factory=ExitConfig)
     """the exit head being trained (method exit_head; heads/exit_head.py)."""
+    eagle: EagleSection = field(default_factory=EagleSection)
+    """the EAGLE-style head being trained (method eagle; heads/eagle.py)."""
     data: DataConfig = field(default_factory=DataConfig)
     """training data (heads/data.py)."""
     loss: LossConfig = field(default_factory=LossConfig)
@@ -230,6 +251,10 @@ class TrainConfig:
         if self.exit.num_layers < 0 or self.exit.draft_depth < 1 or not 0.0 <= self.exit.stop_below < 1.0:
             raise ValueError(f"exit: expected num_layers >= 0, draft_depth >= 1 and stop_below in [0, 1), found "
                              f"{self.exit}")
+        e = self.eagle
+        if min(e.num_layers, e.unroll, e.depth, e.topk, e.budget) < 1 or e.draft_vocab < 0 or e.feature_weight < 0:
+            raise ValueError(f"eagle: expected num_layers, unroll, depth, topk, budget >= 1 and draft_vocab, "
+                             f"feature_weight >= 0, found {e}")
         if self.publish.repo_id is not None:
             from heads.hub import check_repo_id
 

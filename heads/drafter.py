@@ -59,7 +59,7 @@ class MedusaDrafter:
     def _draft_dynamic(self, state: DraftState) -> Draft:
         """1. every head's top-R log-probabilities; 2. the best-first rank paths under the budget; 3. their tokens."""
         root = state.tokens[-1:]  # [1]
-        logits = self.heads(state.hidden).float()  # [K, V]
+        logits = self.heads(state.hidden).float()[: self.dynamic.depth]  # [K, V] (K <= the tree's depth)
         top = torch.log_softmax(logits, dim=-1).topk(self.dynamic.max_rank, dim=-1)  # [K, R] values and indices
         choices = Tree.best_first(top.values.cpu(), self.dynamic.budget)
         tree = self._trees.get(choices)

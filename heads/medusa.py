@@ -48,6 +48,9 @@ def _type_ok(value: Any, expected: str) -> bool:
         return isinstance(value, str)
     if expected.startswith("dict"):
         return isinstance(value, dict)
+    if expected.startswith("list[int]") or expected.startswith("list[float]"):
+        inner = "int" if expected.startswith("list[int]") else "float"
+        return isinstance(value, list) and all(_type_ok(x, inner) for x in value)
     if expected.startswith("list[list["):
         inner = "int" if expected.startswith("list[list[int]]") else "float"
         return isinstance(value, list) and all(isinstance(c, list) and all(_type_ok(x, inner) for x in c) for c in value)

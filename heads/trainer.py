@@ -40,6 +40,8 @@ from heads.base_model import load_base
 from heads.config import TrainConfig, to_dict
 from heads.checkpoint import push_folder
 from heads.data import build_datasets
+from heads.eagle import EagleConfig, EagleHead
+from heads.eagle_loss import draft_vocabulary, eagle_loss
 from heads.exit_head import ExitHead, ExitHeadConfig, ExitLogits, final_norm
 from heads.losses import IGNORE_INDEX, gather_scored, scored_loss
 from heads.medusa import MedusaConfig, MedusaHeads
@@ -149,20 +151,20 @@ def train(cfg: TrainConfig) -> TrainResult:
 
     check_publish(cfg)
 
-    # 2. accelerator, trackers, seed, the heads
+    # 2. accelerator, trackers, seed, data, the heads (an EAGLE head's draft vocabulary is read off the data)
     accelerator = build_accelerator(cfg)
     set_seed(cfg.seed)
     out_dir, ckpt_root = Path(cfg.output_dir), Path(cfg.output_dir) / "checkpoints"
     if cfg.logging.log_with:
-        project = cfg.logging.project or {"medusa": "medusa", "exit_head": "exit"}[cfg.method]
+        project = cfg.logging.project or {"medusa": "medusa", "exit_head": "exit", "eagle": "eagle"}[cfg.method]
         accelerator.init_trackers(project, config=_flat(to_dict(cfg)))
     model.to(accelerator.device)
-    heads, mcfg = build_drafts(cfg, model)
-    K, _, layer = outputs(cfg)
-
-    # 3. data
     with accelerator.main_process_first():
         train_rows, eval_rows = build_datasets(cfg.data, tokenizer)
+    heads, mcfg = build_drafts(cfg, model, train_rows, tokenizer)
+    K, _, layer = outputs(cfg)
+
+    # 3. loaders
     train_dl = loader(train_rows, cfg.optim.batch_size, True, tokenizer.pad_token_id)
     if cfg.eval.max_batches is not None:  # a fixed held-out subset, always read to its end (see run_eval)
         keep = cfg.eval.max_batches * cfg.eval.batch_size * accelerator.num_processes
@@ -186,8 +188,9 @@ def train(cfg: TrainConfig) -> TrainResult:
     eval_dl = prepared[4] if eval_dl else None
     progress = Progress()
     caches = make_caches(cfg, accelerator, model, {"train": train_rows, "eval": eval_rows})
-    states = TargetStates(model, accelerator.device, accelerator.autocast, cfg.loss.kind, caches,
-                          cfg.hidden_cache.dtype, layer=layer)
+    # an EAGLE head's loss computes the target's logits itself, on the draft vocabulary only
+    states = TargetStates(model, accelerator.device, accelerator.autocast,
+                          "ce" if cfg.method == "eagle" else cfg.loss.kind, caches, cfg.hidden_cache.dtype, layer=layer)
     uses_deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     log.info("process %d/%d on %s: %d train rows, %d batches per epoch, %d optimizer steps in all%s",
              accelerator.process_index, accelerator.num_processes, accelerator.device, len(train_rows), len(train_dl),
@@ -279,6 +282,8 @@ def train(cfg: TrainConfig) -> TrainResult:
         log.warning("no held-out rows (data.eval_fraction=0): the heads are saved without measured accuracy or tree")
     if cfg.method == "medusa":
         heads_dir = save_final(accelerator, heads, mcfg, model, accuracy, cfg.tree.budget, out_dir / "heads")
+    elif cfg.method == "eagle":
+        heads_dir = save_eagle(accelerator, heads, mcfg, model, accuracy, out_dir / "eagle_head")
     else:
         heads_dir = save_exit_head(accelerator, heads, mcfg, accuracy, out_dir / "exit_head")
     accelerator.end_training()
@@ -300,15 +305,31 @@ def check_publish(cfg: TrainConfig) -> None:
 
 def outputs(cfg: TrainConfig) -> tuple[int, int, int | None]:
     """(K predictions per position, the first one's look-ahead, the target layer whose input they read) of the
-    method: Medusa heads predict t+2..t+1+K from the final hidden state; an exit head predicts t+1 from layer E's input."""
+    method: Medusa heads predict t+2..t+1+K from the final hidden state; an exit head predicts t+1 from layer E's input;
+    an EAGLE head predicts t+2 at each of its unrolled steps, from the final hidden states (heads/eagle_loss.py)."""
     if cfg.method == "medusa":
         return cfg.heads.num_heads, 1, None
+    if cfg.method == "eagle":
+        return cfg.eagle.unroll, 1, None
     return 1, 0, cfg.exit.layer
 
 
-def build_drafts(cfg: TrainConfig, model) -> tuple[torch.nn.Module, MedusaConfig | ExitHeadConfig]:
-    """The module trained on the frozen target (hidden [N, D] -> logits [K, N, V]) and its config."""
+def build_drafts(cfg: TrainConfig, model, train_rows=None,
+                 tokenizer=None) -> tuple[torch.nn.Module, MedusaConfig | ExitHeadConfig | EagleConfig]:
+    """The module trained on the frozen target and its config: Medusa heads and an exit head map hidden [N, D] to
+    logits [K, N, V]; an EAGLE head unrolls over whole rows (EagleHead.forward), its draft vocabulary counted on
+    ``train_rows``."""
     lm_head = model.get_output_embeddings()
+    if cfg.method == "eagle":
+        e = cfg.eagle
+        ecfg = EagleConfig.for_model(
+            model, base_model=cfg.model.name, base_revision=cfg.model.revision, num_layers=e.num_layers,
+            draft_vocab_size=e.draft_vocab, depth=e.depth, topk=e.topk, budget=e.budget, recipe=to_dict(cfg))
+        head = EagleHead(ecfg, model.get_input_embeddings(), lm_head)
+        if train_rows is not None:
+            eos = tuple(t for t in (getattr(tokenizer, "eos_token_id", None),) if t is not None)
+            head.set_draft_tokens(draft_vocabulary(train_rows, ecfg.draft_vocab_size, ecfg.vocab_size, eos))
+        return head, ecfg
     if cfg.method == "medusa":
         mcfg = MedusaConfig.for_model(
             model, base_model=cfg.model.name, base_revision=cfg.model.revision, num_heads=cfg.heads.num_heads,
@@ -331,6 +352,8 @@ def heads_loss(cfg: TrainConfig, heads, states, batch: dict, split: str, ranks: 
     """
     K, first, _ = outputs(cfg)
     hidden, target_logits = states(batch, split)  # [B, T, D], [B, T, V] or None
+    if cfg.method == "eagle":
+        return _eagle_loss(cfg, heads, hidden, batch, ranks, per_row)
     scored, targets, shifted = gather_scored(batch["labels"], K, target_logits, first)  # [B, T], [K, N]
     if cfg.method == "exit_head" and shifted is not None:  # an exit head is scored on agreeing with the target itself
         targets = torch.where(targets == IGNORE_INDEX, targets, shifted[0].argmax(-1)[None])
@@ -344,6 +367,18 @@ def heads_loss(cfg: TrainConfig, heads, states, batch: dict, split: str, ranks: 
         outs.append(scored_loss(logits[:, m], targets[:, m], cfg.loss.decay, cfg.loss.kind,
                                 None if shifted is None else [p[m] for p in shifted], ranks))
     return outs
+
+
+def _eagle_loss(cfg: TrainConfig, head, hidden: torch.Tensor, batch: dict, ranks: int, per_row: bool):
+    """The EAGLE head's unrolled loss of a batch (one forward of the wrapped head), or one per row."""
+    inner = head.module if hasattr(head, "module") else head  # DDP / DeepSpeed wrap the head
+    outs = head(hidden, batch["input_ids"], batch["lengths"], cfg.eagle.unroll)  # [U, B, n, D]
+    lm_weight = inner._frozen[1].weight
+    args = dict(kind=cfg.loss.kind, decay=cfg.loss.decay, feature_weight=cfg.eagle.feature_weight, ranks=ranks)
+    if not per_row:
+        return eagle_loss(outs, hidden, batch["labels"], inner, lm_weight, **args)
+    return [eagle_loss(outs[:, b:b + 1], hidden[b:b + 1], batch["labels"][b:b + 1], inner, lm_weight, **args)
+            for b in range(hidden.shape[0])]
 
 
 @torch.no_grad()
@@ -378,6 +413,20 @@ def save_exit_head(accelerator: Accelerator, module, ecfg: ExitHeadConfig, accur
         head.load_state_dict({k[len(prefix):]: v.float() for k, v in state.items() if k.startswith(prefix)})
         head.save_pretrained(directory)
         log.info("saved the exit head to %s (top-1 agreement with the target %s)", directory, agreement)
+    accelerator.wait_for_everyone()
+    return directory
+
+
+def save_eagle(accelerator: Accelerator, head, ecfg: EagleConfig, model, accuracy, directory: Path) -> Path:
+    """The trained EAGLE head with its measured per-step agreement -> save_pretrained, on the main process only."""
+    state = accelerator.get_state_dict(head)  # every process takes part (DeepSpeed gathers partitioned weights)
+    if accelerator.is_main_process:
+        agreement = None if accuracy is None else [float(row[0]) for row in accuracy]
+        final = EagleHead(replace(ecfg, top1_agreement=agreement), model.get_input_embeddings(),
+                          model.get_output_embeddings())
+        final.load_state_dict({k: v if k == "draft_tokens" else v.float() for k, v in state.items()})
+        final.save_pretrained(directory)
+        log.info("saved the EAGLE head to %s (top-1 agreement with the target per step: %s)", directory, agreement)
     accelerator.wait_for_everyone()
     return directory
 

@@ -283,9 +283,11 @@ def load(model: str = DEFAULT_MODEL, draft: str = "ngram", dtype: str | torch.dt
     before any weights are loaded (a draft for another base model fails here, fast). trust_remote_code: let a model
     that ships its own Python code run it (off: such a model is refused)."""
     spec = registry.parse_draft(draft, revision=draft_revision)
-    tree_obj = registry.parse_tree(tree) if isinstance(tree, str) else tree
+    if tree != "auto":
+        tree = registry.parse_tree(tree) if isinstance(tree, str) else tree  # a bad tree fails before any loading
     check_drafts(model, [spec], revision, allow_other_base, trust_remote_code)
     hf_model, tokenizer = load_model(model, dtype=dtype, revision=revision, device=device,
                                      trust_remote_code=trust_remote_code)
     target = Target(hf_model)
+    tree_obj = registry.resolve_tree(tree, spec, target, model)
     return SpecModel(target, tokenizer, registry.build_drafter(spec, target, tree_obj), name=model)

@@ -111,7 +111,7 @@ def parse_methods(specs: tuple[str, ...], num_layers: int, revision: str | None 
             methods.append(Method(spec, hf_kwargs={"assistant_early_exit": exit_layer}))
         else:
             draft_spec, _, tree = spec.partition("@")  # 'DRAFT@TREE': the same draft with another tree
-            if tree:
+            if tree and tree != "auto":
                 registry.parse_tree(tree)  # a bad tree fails here, before any model loads
             draft = registry.parse_draft(draft_spec, revision=revision)
             label = draft.label if draft.location else draft_spec
@@ -125,7 +125,7 @@ def parse_methods(specs: tuple[str, ...], num_layers: int, revision: str | None 
 
 
 def _runner(method: Method, target: Target, tokenizer: Any, model_name: str) -> SpecModel:
-    tree = registry.parse_tree(method.tree) if method.tree else None
+    tree = registry.resolve_tree(method.tree, method.draft, target, model_name) if method.tree else None
     drafter = registry.build_drafter(method.draft, target, tree) if method.draft is not None else NoDrafter()
     return SpecModel(target, tokenizer, drafter, name=model_name)
 

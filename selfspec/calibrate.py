@@ -4,6 +4,8 @@
                           a trained exit head where one is given for that E), against plain decoding in the same loop
     infer.py search-skip  the greedy layer-skip search (``layerskip_search``), saved as a layer-skip checkpoint that
                           ``--draft DIR`` loads
+    infer.py tune-tree    the tree budget and depth of a draft that maximise predicted tokens/s on this machine
+                          (``budget``), cached for ``--tree auto``
 
 Both decode the calibration prompts (``layerskip_search.CALIBRATION_PROMPTS``, not the evaluation questions) greedily
 through the real loop, so what they report is what decoding will see, on this machine and in this dtype.
@@ -148,4 +150,47 @@ def run_search_cli(argv: Sequence[str], out: TextIO) -> int:
     out.write(f"skip layers {list(result.skip_layers)}: {result.best.tokens_per_s:.1f} tokens/s, mean accepted "
               f"{result.best.mean_accepted:.2f}, {result.best.tokens_per_s / result.plain.tokens_per_s:.2f}x plain "
               f"({result.plain.tokens_per_s:.1f} tokens/s), {len(result.trials)} trials; saved to {a.out}\n")
+    return 0
+
+
+def build_tune_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="infer.py tune-tree", description="Choose the tree budget (nodes) and depth of a "
+                                "draft that maximise tokens per second on this machine, not accepted length: the verify "
+                                "cost against tree size is measured once per model, dtype and machine (cached), the "
+                                "accepted lengths at every budget come from greedy decoding of calibration prompts. "
+                                "The best is cached for --tree auto.")
+    _common(p)
+    p.add_argument("--draft", required=True, help="the draft checkpoint (an EAGLE head)")
+    p.add_argument("--depths", default="3,4,5,6,8", help="depths to try, comma-separated (default: %(default)s)")
+    p.add_argument("--budgets", default="4,8,12,16,24,32,48,64", help="node budgets to try (default: %(default)s)")
+    p.add_argument("--refresh-costs", action="store_true", help="measure the verify costs again")
+    return p
+
+
+def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
+    from heads.eagle_drafter import EagleDrafter
+    from selfspec import budget
+
+    a = build_tune_parser().parse_args(argv)
+    spec = registry.parse_draft(a.draft)
+    if spec.kind not in registry.TUNABLE_KINDS:
+        raise ValueError(f"tune-tree tunes drafts that grow their tree by score ({', '.join(registry.TUNABLE_KINDS)} "
+                         f"heads); {a.draft} is a {spec.kind!r} draft")
+    depths = [int(x) for x in a.depths.split(",")]
+    budgets = [int(x) for x in a.budgets.split(",")]
+    model, tokenizer = load_model(a.model, dtype=a.dtype, revision=a.revision, device=a.device)
+    target = Target(model)
+    drafter = registry.build_drafter(spec, target)
+    if not isinstance(drafter, EagleDrafter):
+        raise TypeError(f"{a.draft} built a {type(drafter).__name__}; tune-tree expected an EagleDrafter")
+    curve = budget.cached_verify_costs(target, a.model, refresh=a.refresh_costs)
+    prompts = [p.to(target.device) for p in calibration_inputs(tokenizer, a.prompts)]
+    tuning = budget.tune(target, lambda d, n: EagleDrafter(drafter.head, d, drafter.topk, n), prompts, curve, depths,
+                         budgets, a.max_new_tokens)
+    path = budget.save_tuned(a.draft, target, a.model, tuning)
+    b = tuning.best
+    out.write(f"{a.model} {a.dtype}, {a.prompts} calibration prompts x {a.max_new_tokens} tokens, one-token step "
+              f"{tuning.plain_ms:.1f} ms:\n{budget.format_tuning(tuning)}\n\nbest: --tree dynamic:{b.budget},depth="
+              f"{b.depth} (mean accepted {b.accepted:.2f}, predicted {b.tokens_per_s:.1f} tokens/s); cached in {path} "
+              f"for --tree auto\n")
     return 0

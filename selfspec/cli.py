@@ -40,19 +40,22 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="subcommands:\n  infer.py bench ...   Spec-Bench answers for selfspec and its peers (infer.py bench --help)\n"
                "  infer.py costs ...   verify-forward time against tree size on this machine (infer.py costs --help)\n"
                "  infer.py sweep-exit ...   early exit's accepted tokens and speed per exit layer (--help)\n"
-               "  infer.py search-skip ...  search the layers to skip, save a layer-skip draft (--help)",
+               "  infer.py search-skip ...  search the layers to skip, save a layer-skip draft (--help)\n"
+               "  infer.py tune-tree ...    the tree budget and depth fastest on this machine for a draft (--help)",
     )
     _model_args(p)
     p.add_argument("--draft", default="ngram",
                    help="the draft: 'ngram' (prompt lookup, default; options as 'ngram:depth=8,max_nodes=24'), 'none' "
                         "(plain decoding through the same loop), 'early-exit:layer=E' (the first E layers draft; options "
-                        "depth, stop_below), or a draft checkpoint (directory or Hub id: Medusa heads, a layer-skip "
-                        "config)")
+                        "depth, stop_below), or a draft checkpoint (directory or Hub id: Medusa heads, an EAGLE head, an "
+                        "exit head, a layer-skip config)")
     p.add_argument("--draft-revision", default=None, help="Hub revision of a --draft checkpoint")
     p.add_argument("--tree", default=None,
                    help="candidate tree for checkpoint drafts (default: the checkpoint's own): 'chain:K', "
                         "'full:3,2,1' (children per level), JSON choices '[[0],[0,0],[1]]', a .json file of them, "
-                        "or 'dynamic:N' (Medusa heads: N nodes chosen each step by cumulative draft probability)")
+                        "'dynamic:N' or 'dynamic:N,depth=D' (Medusa and EAGLE heads: N nodes chosen each step by "
+                        "cumulative draft probability), or 'auto' (EAGLE heads: the budget and depth infer.py tune-tree "
+                        "measured fastest on this machine)")
     p.add_argument("--prompt", default=None, help="the prompt; without it, an interactive multi-turn chat starts")
     p.add_argument("--no-chat", action="store_true",
                    help="feed --prompt as plain text instead of wrapping it in the model's chat template")
@@ -244,10 +247,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_bench_cli(argv[1:])
         if argv[:1] == ["costs"]:
             return run_costs_cli(argv[1:])
-        if argv[:1] in (["sweep-exit"], ["search-skip"]):
+        if argv[:1] in (["sweep-exit"], ["search-skip"], ["tune-tree"]):
             from selfspec import calibrate
 
-            run = calibrate.run_sweep_cli if argv[0] == "sweep-exit" else calibrate.run_search_cli
+            run = {"sweep-exit": calibrate.run_sweep_cli, "search-skip": calibrate.run_search_cli,
+                   "tune-tree": calibrate.run_tune_cli}[argv[0]]
             return run(argv[1:], sys.stdout)
         return run_decode(build_parser().parse_args(argv))
     except (FileNotFoundError, ValueError, TypeError, ImportError) as err:

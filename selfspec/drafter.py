@@ -34,6 +34,10 @@ class DraftState:
     cache: Cache
     """the target's cache (holds tokens[:-1]); self-speculative drafters may read it, never change its length."""
     sampling: Sampling
+    new_hidden: torch.Tensor | None = None
+    """[A, D] the target's final hidden states at the A positions committed since the previous draft, tokens[-1-A:-1]
+    (the whole prompt at the first draft of a request; ``hidden`` is new_hidden[-1]): what a sequential draft head
+    with its own cache (heads/eagle_drafter.py) extends it with. None when the caller does not track it."""
 
 
 @dataclass(frozen=True)
@@ -43,10 +47,16 @@ class Draft:
     """[N] the token at each tree node; tokens[0] is the root."""
     q: torch.Tensor | None = None
     """[N, V] the distribution each node's token was drawn from (sampling only); None for deterministic drafts."""
+    scores: torch.Tensor | None = None
+    """[N] each node's cumulative draft log-probability (0 for the root), from drafters that grow their tree by score
+    under a budget (EAGLE heads); what budget tuning (selfspec/budget.py) reads. None otherwise."""
 
     def __post_init__(self) -> None:
         if self.tokens.shape != (len(self.tree),):
             raise ValueError(f"a draft needs one token per tree node ({len(self.tree)}), found {tuple(self.tokens.shape)}")
+        if self.scores is not None and self.scores.shape != (len(self.tree),):
+            raise ValueError(f"a draft's scores need one entry per tree node ({len(self.tree)}), found "
+                             f"{tuple(self.scores.shape)}")
 
     def truncated(self, max_depth: int) -> "Draft":
         """The same draft without the nodes deeper than max_depth."""
@@ -59,7 +69,8 @@ class Draft:
             ranks=tuple(self.tree.ranks[i] for i in keep),
         )
         idx = torch.tensor(keep, dtype=torch.long)
-        return Draft(tree=tree, tokens=self.tokens[idx], q=None if self.q is None else self.q[idx])
+        return Draft(tree=tree, tokens=self.tokens[idx], q=None if self.q is None else self.q[idx],
+                     scores=None if self.scores is None else self.scores[idx])
 
 
 @runtime_checkable

@@ -114,7 +114,7 @@ def stream(
     root = next_token(pre.logits[-1], sampling, generator)
     sync()
     tokens = torch.cat([prompt, prompt.new_tensor([root])])  # [T]
-    hidden = pre.hidden[-1]  # [D]
+    hidden, new_hidden = pre.hidden[-1], pre.hidden  # [D], [T, D]
     yield Step(tokens=(root,), tree_size=0, verify_s=time.perf_counter() - t0, other_s=0.0)
     produced = 1
     if root in eos or produced >= max_new_tokens:
@@ -124,7 +124,8 @@ def stream(
         t_step = time.perf_counter()
         start = tokens.shape[0] - 1  # cache length: everything but the root
         # 2. draft a tree rooted at the last token; never deeper than the tokens still wanted or the context allows
-        state = DraftState(tokens=tokens, prompt_length=prompt.shape[0], hidden=hidden, cache=cache, sampling=sampling)
+        state = DraftState(tokens=tokens, prompt_length=prompt.shape[0], hidden=hidden, cache=cache, sampling=sampling,
+                           new_hidden=new_hidden)
         draft = drafter.draft(state)
         draft = draft.truncated(min(max_new_tokens - produced - 1, target.max_length - start - 1))
         # sliding-window layers keep only window - 1 entries: the whole tree must fit beside the cache (check_request
@@ -163,7 +164,7 @@ def stream(
             new = new[: stop + 1]
         produced += len(new)
         tokens = torch.cat([tokens, tokens.new_tensor(new)])
-        hidden = out.hidden[acc.path[-1]]
+        hidden, new_hidden = out.hidden[acc.path[-1]], out.hidden[list(acc.path)]  # [D], [A, D]
         yield Step(tokens=tuple(new), tree_size=len(draft.tree), verify_s=verify_s, other_s=time.perf_counter() - t_step - verify_s)
         if stop is not None or produced >= max_new_tokens:
             return

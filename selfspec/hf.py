@@ -43,10 +43,10 @@ def forward(
     cache: Cache,
     logits_to_keep: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids [N], position_ids [N], mask [1, 1, N, S + N] or None (plain causal) -> logits [n, V], hidden [n, D].
+    """input_ids [N], position_ids [N], mask [1, 1, N, S + N] or None (plain causal) -> logits [n, V], hidden [N, D].
 
     n = N, or the last ``logits_to_keep`` positions when that is > 0. ``hidden`` is the final hidden state (after the
-    model's final norm), the input of the LM head, which is what draft heads read.
+    model's final norm) at every one of the N positions, the input of the LM head, which is what draft heads read.
     """
     out = model(
         input_ids=input_ids[None],
@@ -58,10 +58,7 @@ def forward(
         logits_to_keep=logits_to_keep,
         return_dict=True,
     )
-    hidden = out.hidden_states[-1][0]  # [N, D]
-    if logits_to_keep > 0:
-        hidden = hidden[-logits_to_keep:]
-    return out.logits[0], hidden
+    return out.logits[0], out.hidden_states[-1][0]  # [n, V], [N, D]
 
 
 def cache_keep(cache: Cache, start: int, keep: torch.Tensor) -> None:

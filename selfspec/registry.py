@@ -187,11 +187,15 @@ def parse_tree(spec: str | None) -> Tree | DynamicTree | None:
     """A ``--tree`` string -> Tree, or DynamicTree for 'dynamic:N' (None keeps the drafter's or checkpoint's own)."""
     if spec is None or spec == "":
         return None
-    forms = ("expected 'chain:K', 'full:3,2,1', 'dynamic:N' (N nodes grown each step by draft probability), "
+    if spec == "auto":
+        raise ValueError("--tree auto is resolved with the draft and the target (registry.resolve_tree), not alone")
+    forms = ("expected 'chain:K', 'full:3,2,1', 'dynamic:N' or 'dynamic:N,depth=D' (N nodes grown each step by draft "
+             "probability), 'auto' (the budget tuned for this machine by infer.py tune-tree), "
              "JSON choices like '[[0],[0,0],[1]]', or a .json file of choices")
     try:
         if spec.startswith("dynamic:"):
-            return DynamicTree(int(spec[len("dynamic:"):]))
+            budget, _, depth = spec[len("dynamic:"):].partition(",depth=")
+            return DynamicTree(int(budget), depth=int(depth) if depth else None)
         if spec.startswith("chain:"):
             return Tree.chain(int(spec[len("chain:"):]))
         if spec.startswith("full:"):
@@ -212,7 +216,24 @@ def parse_tree(spec: str | None) -> Tree | DynamicTree | None:
     raise ValueError(f"unknown --tree {spec!r}: {forms}")
 
 
-DYNAMIC_TREE_KINDS = ("medusa",)
+def resolve_tree(tree: str | Tree | DynamicTree | None, spec: DraftSpec, target: Target,
+                 model_id: str) -> Tree | DynamicTree | None:
+    """A --tree value for ``spec`` on ``target``: 'auto' is the (budget, depth) that ``infer.py tune-tree`` measured
+    fastest for this draft, target, dtype and machine (selfspec/budget.py); anything else as ``parse_tree``."""
+    if tree == "auto":
+        if spec.kind not in TUNABLE_KINDS:
+            raise ValueError(f"--tree auto is for drafts whose tree budget infer.py tune-tree can tune "
+                             f"({', '.join(TUNABLE_KINDS)} heads); --draft {spec.kind} takes a --tree of its own")
+        from selfspec.budget import load_tuned
+
+        return load_tuned(spec.location, target, model_id)
+    return parse_tree(tree) if isinstance(tree, str) else tree
+
+
+TUNABLE_KINDS = ("eagle",)
+"""drafters that grow their tree by score under a budget and a depth, and report the scores (infer.py tune-tree)."""
+
+DYNAMIC_TREE_KINDS = ("medusa", "eagle")
 """drafters that grow a tree per step from their candidates' probabilities (--tree dynamic:N)."""
 
 

@@ -22,9 +22,9 @@ from selfspec.tree import Tree
 @dataclass(frozen=True)
 class Verified:
     logits: torch.Tensor
-    """[N, V] the target's next-token logits after each tree node."""
+    """[N, V] the target's next-token logits after each tree node ([1, V]: after the prompt's last token, for a prefill)."""
     hidden: torch.Tensor
-    """[N, D] the target's final hidden state at each tree node."""
+    """[N, D] the target's final hidden state at each tree node (at every prompt position, for a prefill)."""
 
 
 class Target:
@@ -64,7 +64,8 @@ class Target:
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, cache: Cache) -> Verified:
-        """input_ids [T] -> logits [1, V], hidden [1, D] at the last prompt position; the cache then holds T entries."""
+        """input_ids [T] -> logits [1, V] at the last prompt position, hidden [T, D] at every one (what a sequential
+        draft head reads); the cache then holds T entries."""
         start = hf.cache_length(cache)
         positions = torch.arange(start, start + input_ids.shape[0], device=input_ids.device)
         logits, hidden = hf.forward(self.model, input_ids, positions, None, cache, logits_to_keep=1)

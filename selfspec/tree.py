@@ -193,11 +193,14 @@ class Tree:
 @dataclass(frozen=True)
 class DynamicTree:
     """Not one tree but a rule for one per step: the ``budget`` draft nodes of highest cumulative draft probability,
-    from each depth's top ``max_rank`` candidates (``Tree.best_first``). ``--tree dynamic:64``."""
+    from each depth's top ``max_rank`` candidates (``Tree.best_first``), at most ``depth`` deep (None: as deep as the
+    drafter drafts). ``--tree dynamic:64`` or ``dynamic:24,depth=4``."""
 
     budget: int
     max_rank: int = 8
+    depth: int | None = None
 
     def __post_init__(self) -> None:
-        if self.budget < 1 or self.max_rank < 1:
-            raise ValueError(f"a dynamic tree needs budget >= 1 and max_rank >= 1, found {self.budget}, {self.max_rank}")
+        if self.budget < 1 or self.max_rank < 1 or (self.depth is not None and self.depth < 1):
+            raise ValueError(f"a dynamic tree needs budget >= 1, max_rank >= 1 and depth >= 1 (or none), found "
+                             f"{self.budget}, {self.max_rank}, {self.depth}")

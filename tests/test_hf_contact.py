@@ -56,9 +56,9 @@ def test_prefill_is_a_plain_forward(model):
     cache = target.new_cache()
     pre = target.prefill(prefix, cache)
     logits, hidden, plain_cache = _plain(model, prefix)
-    assert pre.logits.shape == (1, VOCAB) and pre.hidden.shape == (1, 32)
+    assert pre.logits.shape == (1, VOCAB) and pre.hidden.shape == (prefix.shape[0], 32)
     torch.testing.assert_close(pre.logits[0], logits[-1], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(pre.hidden[0], hidden[-1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pre.hidden, hidden, rtol=1e-5, atol=1e-5)  # every prompt position
     assert hf.cache_length(cache) == S
     for a, b in zip(cache.layers, plain_cache.layers):
         torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
@@ -110,9 +110,9 @@ def test_forward_logits_to_keep():
     ids = torch.arange(9) % VOCAB
     logits, hidden = hf.forward(model, ids, torch.arange(9), None, hf.new_cache(model), logits_to_keep=2)
     full_logits, full_hidden, _ = _plain(model, ids)
-    assert logits.shape == (2, VOCAB) and hidden.shape == (2, 32)
+    assert logits.shape == (2, VOCAB) and hidden.shape == (9, 32)  # logits for the last 2; hidden states for all
     torch.testing.assert_close(logits, full_logits[-2:], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(hidden, full_hidden[-2:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden, full_hidden, rtol=1e-5, atol=1e-5)
 
 
 def test_additive_mask():

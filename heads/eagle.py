@@ -1,0 +1,322 @@
+"""An EAGLE-style sequential draft head on a frozen target: one light decoder layer over the target's own features.
+
+Medusa heads guess every future position from one hidden state; this head drafts autoregressively, each step
+conditioned on the tokens it has drafted so far, as EAGLE does. Pair j of the sequence is the target's final hidden
+state f_j (the LM head's input at j) and the embedding of the token that followed, x_{j+1}:
+
+    (f_j, e(x_{j+1})) ─ fc [2D -> D] ─ decoder layer(s), causal over pairs 0..j ─▶ f̂_{j+1} ─ LM head ─▶ x̂_{j+2}
+
+At draft time the pairs of the committed text use the target's true features (kept in the head's own small KV cache);
+beyond them the head feeds on its own predictions, (f̂_{j+1}, e(x̂_{j+2})) -> f̂_{j+2} -> x̂_{j+3}, and so on
+(heads/eagle_drafter.py). Training unrolls those steps so the head learns from its own mistakes (heads/eagle_loss.py).
+
+The decoder layer is the target architecture's own (built with transformers' ``AutoModel.from_config`` from the target's
+config with ``num_layers`` layers and no vocabulary): no modeling file is copied. The embeddings and the LM head are the
+target's, frozen and held by reference (never stored). The LM head is read on a **draft vocabulary** only: the
+``draft_vocab_size`` tokens most frequent in the training data (EAGLE-3 / FR-Spec's trick): on a 135M model with a 49k
+vocabulary the full LM head costs as much as 8 of its 30 layers, on every drafted position.
+
+A checkpoint (``save_pretrained``) is config.json (draft_type "eagle", the base, the decoder's transformers config, the
+draft vocabulary size, drafting defaults, measured agreement) + model.safetensors (fc, the decoder, the draft
+vocabulary's token ids) + README.md, written atomically like every selfspec checkpoint; ``load_drafter`` is its
+``selfspec.drafters`` entry point (``--draft DIR``).
+
+Shapes: B batch, T time, n = T - 1 pairs, U unrolled steps, D hidden size, V vocabulary, V' draft vocabulary.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig, AutoModel, PreTrainedModel
+
+from heads.medusa import _type_ok, base_name, base_sizes, strict_keys
+
+DRAFT_TYPE = "eagle"
+
+
+@dataclass
+class EagleConfig:
+    """Everything needed to rebuild the head on its base model; stored as config.json. Strict."""
+
+    base_model: str
+    base_revision: str | None
+    hidden_size: int
+    vocab_size: int
+    """V of the base's LM head."""
+    decoder_config: dict
+    """the transformers config (``to_dict``) of the draft decoder: the base's architecture, ``num_layers`` layers."""
+    num_layers: int = 1
+    """decoder layers in the head."""
+    draft_vocab_size: int = 8192
+    """V': how many of the base's tokens the head can draft (the most frequent in its training data)."""
+    depth: int = 6
+    """drafting default: tokens drafted along any path of the tree."""
+    topk: int = 8
+    """drafting default: nodes expanded per depth, and children tried per expanded node."""
+    budget: int = 32
+    """drafting default: draft nodes kept (the highest cumulative draft probability; EAGLE-2's rerank)."""
+    top1_agreement: list[float] | None = None
+    """measured on held-out data, per unrolled step: how often the head's argmax is the target's own next token
+    (null: not measured)."""
+    recipe: dict | None = None
+    draft_type: str = DRAFT_TYPE
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if not _type_ok(getattr(self, f.name), str(f.type)):
+                raise ValueError(f"EagleConfig.{f.name}: expected {f.type}, found {getattr(self, f.name)!r:.80}")
+        if self.draft_type != DRAFT_TYPE:
+            raise ValueError(f"EagleConfig.draft_type: expected {DRAFT_TYPE!r}, found {self.draft_type!r}")
+        for name in ("hidden_size", "vocab_size", "num_layers", "depth", "topk", "budget"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EagleConfig.{name}: expected >= 1, found {getattr(self, name)}")
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"EagleConfig.draft_vocab_size: expected 1..{self.vocab_size} (the base's vocabulary), "
+                             f"found {self.draft_vocab_size}")
+        if "model_type" not in self.decoder_config:
+            raise ValueError(f"EagleConfig.decoder_config: expected a transformers config dict with 'model_type', found "
+                             f"keys {sorted(self.decoder_config)[:8]}")
+        json.dumps(self.recipe)  # stored in config.json
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "EagleConfig":
+        """Strict: unknown keys and missing required keys raise, saying which."""
+        required = {"base_model", "base_revision", "hidden_size", "vocab_size", "decoder_config"}
+        return cls(**strict_keys(cls, data, required))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def for_model(cls, model: PreTrainedModel, base_model: str | None = None, num_layers: int = 1,
+                  **kwargs: Any) -> "EagleConfig":
+        hidden, vocab = base_sizes(model)
+        kwargs.setdefault("base_revision", None)
+        kwargs["draft_vocab_size"] = min(kwargs.get("draft_vocab_size", 8192) or vocab, vocab)
+        return cls(base_model=base_name(model, base_model), hidden_size=hidden, vocab_size=vocab,
+                   decoder_config=decoder_config(model, num_layers), num_layers=num_layers, **kwargs)
+
+
+def decoder_config(model: PreTrainedModel, num_layers: int) -> dict:
+    """The base's text config cut to ``num_layers`` layers and a one-entry vocabulary (the head's decoder reads
+    embeddings it is given; it has no vocabulary of its own), as a dict."""
+    cfg = copy.deepcopy(model.config.get_text_config())
+    cfg.num_hidden_layers = num_layers
+    for name, value in (("vocab_size", 1), ("pad_token_id", None), ("bos_token_id", None), ("eos_token_id", None),
+                        ("tie_word_embeddings", False)):
+        if hasattr(cfg, name):
+            setattr(cfg, name, value)
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = list(cfg.layer_types[:num_layers])
+    out = cfg.to_dict()
+    for name in ("_name_or_path", "architectures", "dtype", "torch_dtype", "transformers_version"):
+        out.pop(name, None)
+    return json.loads(json.dumps(out))  # as config.json will hold it (string keys, lists)
+
+
+class EagleHead(nn.Module):
+    """fc + a ``num_layers``-layer decoder of the base's architecture + the draft vocabulary's token ids.
+
+    ``forward`` is the training unroll (one call, so DDP / DeepSpeed see a single forward); ``step`` is one drafting
+    call over the head's own KV cache; ``logits`` reads the target's LM head on the draft vocabulary.
+    """
+
+    def __init__(self, config: EagleConfig, embed: nn.Module, lm_head: nn.Module):
+        super().__init__()
+        self.config = config
+        D = config.hidden_size
+        self.fc = nn.Linear(2 * D, D)
+        dcfg = dict(config.decoder_config)
+        self.decoder = AutoModel.from_config(AutoConfig.for_model(dcfg.pop("model_type"), **dcfg),
+                                             attn_implementation="sdpa")
+        self.decoder.embed_tokens = None  # it reads the embeddings it is given: no unused (DDP-breaking) parameter
+        self.register_buffer("draft_tokens", torch.arange(config.draft_vocab_size), persistent=True)  # [V'] long
+        self._frozen = (embed, lm_head)  # a tuple: not registered, never in state_dict or the optimizer
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (tokens, LM head rows) cached for drafting
+
+    # ----------------------------------------------------------------------------------------------------- pieces
+    def set_draft_tokens(self, tokens: torch.Tensor) -> None:
+        """The draft vocabulary: V' distinct token ids of the base."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long).flatten()
+        if tokens.shape != (self.config.draft_vocab_size,) or tokens.unique().numel() != tokens.numel():
+            raise ValueError(f"expected {self.config.draft_vocab_size} distinct token ids, found {tuple(tokens.shape)} "
+                             f"with {tokens.unique().numel()} distinct")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size:
+            raise ValueError(f"draft token ids must lie in [0, {self.config.vocab_size}), found {int(tokens.min())}.."
+                             f"{int(tokens.max())}")
+        self.draft_tokens.copy_(tokens.to(self.draft_tokens.device))
+        self._rows = None
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [...] -> the base's (frozen) input embeddings [..., D]."""
+        embed = self._frozen[0]
+        return F.embedding(tokens, embed.weight.detach()) * getattr(embed, "embed_scale", 1.0)
+
+    def lm_rows(self) -> torch.Tensor:
+        """[V', D] the base's LM head rows of the draft vocabulary (cached until the vocabulary or device changes)."""
+        weight = self._frozen[1].weight.detach()
+        if self._rows is None or self._rows[0] is not self.draft_tokens or self._rows[1].device != weight.device:
+            self._rows = (self.draft_tokens, weight[self.draft_tokens.to(weight.device)])
+        return self._rows[1]
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """features [..., D] -> draft-vocabulary logits [..., V'] (through the frozen LM head)."""
+        rows = self.lm_rows()
+        return F.linear(features.to(rows.dtype), rows)
+
+    def step(self, features: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor,
+             mask: torch.Tensor | None, cache) -> torch.Tensor:
+        """features [B, N, D] (f_j), tokens [B, N] (x_{j+1}), position_ids [B, N], mask [B, 1, N, S + N] additive or
+        None (causal) -> f̂_{j+1} [B, N, D]; appends N entries to ``cache``."""
+        x = self.fc(torch.cat([self.embed(tokens).to(self.fc.weight.dtype), features.to(self.fc.weight.dtype)], -1))
+        out = self.decoder(inputs_embeds=x, position_ids=position_ids, attention_mask=mask, cache=cache,
+                           use_cache=cache is not None, return_dict=True)
+        return out.last_hidden_state
+
+    # ------------------------------------------------------------------------------------------------- training
+    def forward(self, features: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor, unroll: int) -> torch.Tensor:
+        """The training unroll. features [B, T, D] (the target's f_0..f_{T-1}), input_ids [B, T], lengths [B] (right
+        padding) -> [U, B, n, D]: step u's prediction, at pair i, of f_{i+1}, made from the true pairs up to i - u and
+        the head's own predictions for positions i - u + 1 .. i (exactly what drafting depth u + 1 sees).
+
+        Step 0 is plain causal attention over the true pairs. Step u >= 1 feeds pair i the head's own step-(u-1)
+        prediction of f_i (made at pair i - 1) and attends to step 0's keys at pairs <= i - u, to step m's key at pair
+        i - u + m (m = 1..u-1), and to its own (EAGLE-3's training-time test, as one KV cache growing by n per step).
+        """
+        from transformers import DynamicCache
+
+        B, T, _ = features.shape
+        n = T - 1
+        tokens = input_ids[:, 1:]  # [B, n] x_{i+1}
+        positions = torch.arange(n, device=features.device).expand(B, n)
+        cache = DynamicCache(config=self.decoder.config)
+        outs = []
+        feats = features[:, :n]  # [B, n, D] f_i
+        for u in range(unroll):
+            mask = unroll_mask(u, n, lengths, self.fc.weight.dtype, features.device)  # [B, 1, n, (u + 1) n]
+            out = self.step(feats, tokens, positions, mask, cache)  # [B, n, D]
+            outs.append(out)
+            feats = torch.cat([features[:, :1], out[:, :-1]], dim=1)  # pair i reads the prediction made at i - 1
+        return torch.stack(outs)
+
+    # -------------------------------------------------------------------------------------------------- storage
+    def save_pretrained(self, directory: str | Path, repo_id: str | None = None) -> Path:
+        """config.json + model.safetensors + README.md, written atomically."""
+        from heads.checkpoint import write_checkpoint
+
+        return write_checkpoint(directory, self.state_dict(), self.config.to_dict(), eagle_card(self.config, repo_id or str(directory)))
+
+    def push_to_hub(self, repo_id: str, private: bool = False, revision: str | None = None, token: str | None = None,
+                    dry_run: bool = False, commit_message: str = "Upload an EAGLE-style draft head (selfspec)") -> Any:
+        """Save to a temporary directory and upload it in one commit; dry_run returns the files it would upload."""
+        from heads.checkpoint import push_heads
+
+        return push_heads(self, repo_id, private=private, revision=revision, token=token, dry_run=dry_run,
+                          commit_message=commit_message)
+
+    @classmethod
+    def from_pretrained(cls, path_or_repo_id: str | Path, base_model: PreTrainedModel,
+                        revision: str | None = None) -> "EagleHead":
+        """From a local directory or a Hub id, onto ``base_model`` (its embeddings, LM head, device and dtype).
+        Strict; refuses a base of another hidden or vocabulary size."""
+        from heads.checkpoint import resolve
+
+        directory = resolve(path_or_repo_id, revision)
+        config, tensors = read_eagle_checkpoint(directory)
+        hidden, vocab = base_sizes(base_model)
+        for what, want, have in (("hidden size", config.hidden_size, hidden), ("vocab size", config.vocab_size, vocab)):
+            if want != have:
+                raise ValueError(f"the EAGLE head in {path_or_repo_id} was trained for {what} {want}, this model has "
+                                 f"{have}: it belongs on {config.base_model}")
+        head = cls(config, base_model.get_input_embeddings(), base_model.get_output_embeddings())
+        head.load_state_dict(tensors, strict=True)
+        weight = base_model.get_output_embeddings().weight
+        return head.to(device=weight.device, dtype=weight.dtype).eval()
+
+
+def unroll_mask(u: int, n: int, lengths: torch.Tensor, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """The additive mask of unroll step u: [B, 1, n, (u + 1) n] over the keys of steps 0..u (see EagleHead.forward).
+
+    Queries of pairs i < u have no full chain behind them; they attend to what exists (their own key at least) and are
+    never scored. Keys of padding pairs (i >= length - 1) are masked for every query.
+    """
+    i = torch.arange(n)[:, None]  # [n, 1] query pair
+    j = torch.arange(n)[None, :]  # [1, n] key pair
+    blocks = [j <= i - u]  # step 0's keys: the true pairs up to i - u
+    blocks += [j == i - u + m for m in range(1, u + 1)]  # step m's key at pair i - u + m (m = u: its own)
+    allowed = torch.cat(blocks, dim=1)  # [n, (u + 1) n]
+    valid_key = (torch.arange(n)[None, :] < (lengths[:, None].cpu() - 1)).repeat(1, u + 1)  # [B, (u + 1) n]
+    allowed = allowed[None] & valid_key[:, None, :]  # [B, n, (u + 1) n]
+    allowed[:, :, u * n:] |= torch.eye(n, dtype=torch.bool)[None]  # a query always sees its own key (no empty row)
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None].to(device or lengths.device)
+
+
+def read_eagle_checkpoint(directory: Path) -> tuple[EagleConfig, dict[str, torch.Tensor]]:
+    """config.json and model.safetensors of an EAGLE-head checkpoint directory, checked against each other. Strict."""
+    from heads.checkpoint import read_tensors
+    from selfspec.registry import read_json_object
+
+    data = read_json_object(directory / "config.json", "the EAGLE head's config")
+    if data.get("draft_type") != DRAFT_TYPE:
+        raise ValueError(f"{directory / 'config.json'} says draft_type {data.get('draft_type')!r}; "
+                         f"expected {DRAFT_TYPE!r} (an EAGLE-head checkpoint)")
+    data.pop("selfspec_version", None)
+    config = EagleConfig.from_dict(data)
+    tensors = read_tensors(directory)
+    with torch.device("meta"):
+        stub = nn.Linear(1, config.vocab_size)
+        expected = {name: tuple(t.shape) for name, t in EagleHead(config, stub, stub).state_dict().items()}
+    found = {name: tuple(t.shape) for name, t in tensors.items()}
+    if found != expected:
+        missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+        wrong = sorted(k for k in set(expected) & set(found) if expected[k] != found[k])
+        raise ValueError(f"{directory / 'model.safetensors'} disagrees with config.json (num_layers={config.num_layers}, "
+                         f"hidden_size={config.hidden_size}, draft_vocab_size={config.draft_vocab_size}): missing "
+                         f"{missing[:4]}, unexpected {extra[:4]}, wrong shapes {wrong[:4]}")
+    ids = tensors["draft_tokens"]
+    if ids.unique().numel() != ids.numel() or int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size:
+        raise ValueError(f"{directory / 'model.safetensors'}: draft_tokens must be distinct ids in [0, {config.vocab_size})")
+    return config, tensors
+
+
+def eagle_card(config: EagleConfig, location: str) -> str:
+    agreement = ("not measured" if config.top1_agreement is None
+                 else ", ".join(f"{a:.3f}" for a in config.top1_agreement) + " (steps 1, 2, ...)")
+    return f"""---
+library_name: selfspec
+base_model: {config.base_model}
+tags: [speculative-decoding, eagle, selfspec]
+---
+# EAGLE-style draft head for {config.base_model}
+
+{config.num_layers} decoder layer(s) of the base's architecture over the base's own final hidden states and token
+embeddings, drafting autoregressively over a {config.draft_vocab_size}-token draft vocabulary (of {config.vocab_size});
+the base verifies every draft tree in one forward, so greedy output is the base's own. Drafting defaults: depth
+{config.depth}, {config.topk} expanded per depth, {config.budget} nodes. Top-1 agreement with the base on held-out data:
+{agreement}.
+
+```python
+from selfspec.api import load
+model = load("{config.base_model}", draft="{location}")
+print(model.generate("Hello!", max_new_tokens=64).text)
+```
+"""
+
+
+def load_drafter(path_or_repo_id: str | Path, target, revision: str | None = None, tree=None):
+    """The ``eagle`` entry point of ``selfspec.drafters``: the head on ``target`` as an EagleDrafter. tree: None (the
+    checkpoint's depth / topk / budget), ``dynamic:N`` (budget N), or ``chain:K`` (one greedy path of K tokens)."""
+    from heads.eagle_drafter import EagleDrafter
+
+    head = EagleHead.from_pretrained(path_or_repo_id, target.model, revision=revision)
+    return EagleDrafter.with_tree(head, tree)

@@ -1,0 +1,147 @@
+"""An EAGLE-style head as a selfspec Drafter: autoregressive drafting over its own KV cache, a dynamic tree per step.
+
+Each step:
+
+    1. extend  the head's cache with the pairs (f_j, x_{j+1}) the target committed since the last step (true features);
+               the last one's output f̂ gives the depth-1 candidates
+    2. expand  depth by depth: the ``topk`` best nodes of the newest depth (by cumulative draft log-probability) each
+               run one pair (f̂ of its parent, its token) through the head in one batched call, attending to the true
+               pairs and its own ancestors' pairs (a tree mask over the head's cache); each offers its ``topk`` children
+    3. rerank  keep the ``budget`` nodes of highest cumulative log-probability (EAGLE-2); every kept node's parent is kept
+    4. tree    topological order, siblings best first; the speculative cache entries are dropped at the next step
+
+Drafts are deterministic (q = None): greedy acceptance is exact, and ``sample_accept`` treats each node as a point mass,
+which keeps sampling lossless too. The head's cache holds one entry per committed pair: it is rebuilt from the prompt
+when a new request starts (the first draft sees the whole prompt's hidden states) and refuses to run out of step.
+
+Shapes: T tokens so far, A newly committed positions, Q nodes expanded at a depth, S head-cache length, D hidden size,
+V' draft vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from heads.eagle import EagleHead
+from selfspec import hf
+from selfspec.accept import Acceptance
+from selfspec.drafter import Draft, DraftState
+from selfspec.tree import DynamicTree, Tree
+
+
+class EagleDrafter:
+    def __init__(self, head: EagleHead, depth: int, topk: int, budget: int):
+        for name, value in (("depth", depth), ("topk", topk), ("budget", budget)):
+            if value < 1:
+                raise ValueError(f"EAGLE drafting: expected {name} >= 1, found {value}")
+        self.head = head.eval()
+        self.depth, self.topk, self.budget = depth, min(topk, head.config.draft_vocab_size), budget
+        self.cache: DynamicCache | None = None
+        self.committed = 0  # true pairs in the head's cache
+
+    @classmethod
+    def with_tree(cls, head: EagleHead, tree: Tree | DynamicTree | None) -> "EagleDrafter":
+        """tree None: the checkpoint's defaults; DynamicTree(N): N nodes; a chain of K: the greedy path of K tokens."""
+        c = head.config
+        if tree is None:
+            return cls(head, c.depth, c.topk, c.budget)
+        if isinstance(tree, DynamicTree):
+            return cls(head, tree.depth or c.depth, c.topk, tree.budget)
+        if isinstance(tree, Tree) and tree.is_chain and tree.depth >= 1:
+            return cls(head, tree.depth, 1, tree.depth)
+        raise ValueError(f"an EAGLE head grows its own tree each step: use --tree dynamic:N (N nodes, depth "
+                         f"{c.depth}) or chain:K (its greedy path of K tokens), found a static tree of {len(tree)} nodes")
+
+    @torch.inference_mode()
+    def draft(self, state: DraftState) -> Draft:
+        tokens, new = state.tokens, state.new_hidden
+        T = tokens.shape[0]
+        if new is None:
+            raise ValueError("the EAGLE drafter needs DraftState.new_hidden (the target's hidden states of the newly "
+                             "committed positions); selfspec.generate provides it")
+        A = new.shape[0]
+        if self.cache is None or A == T - 1:  # a new request: the first draft sees the whole prompt
+            self.cache, self.committed = DynamicCache(config=self.head.decoder.config), 0
+        elif self.committed + A != T - 1:
+            raise RuntimeError(f"the EAGLE drafter is out of step: its cache holds {self.committed} committed positions "
+                               f"and {A} new ones arrived, but the text has {T - 1} before the root")
+        hf.cache_truncate(self.cache, self.committed)  # drop the last step's speculative pairs
+        head, device = self.head, tokens.device
+
+        # 1. extend: the newly committed pairs (f_j, x_{j+1}), j = committed .. T-2, plain causal attention
+        positions = torch.arange(self.committed, T - 1, device=device)
+        out = head.step(new[None], tokens[self.committed + 1:][None], positions[None], None, self.cache)[0]  # [A, D]
+        self.committed = T - 1
+        base = T - 1  # head-cache entries that are true pairs
+
+        # nodes: index 0 is the root; lists hold token, parent, cumulative log-probability, depth, the f̂ that drafted it
+        tok, parent, score, depth = [int(tokens[-1])], [-1], [0.0], [0]
+        feat: list[torch.Tensor] = [out[-1]]
+        entry: dict[int, int] = {}  # expanded node -> its pair's index in the head's cache
+        layer = self._children(head, out[-1:], [0], tok, parent, score, depth, feat, d=1)
+
+        # 2. expand the best nodes of the newest depth, one batched call per depth
+        for d in range(2, self.depth + 1):
+            expand = sorted(layer, key=lambda i: -score[i])[: self.topk]
+            S, Q = hf.cache_length(self.cache), len(expand)
+            allowed = torch.zeros(Q, S + Q, dtype=torch.bool)
+            allowed[:, :base] = True
+            for q, i in enumerate(expand):
+                a = parent[i]
+                while a > 0:
+                    allowed[q, entry[a]] = True
+                    a = parent[a]
+                allowed[q, S + q] = True
+            mask = hf.additive_mask(allowed.to(device), head.fc.weight.dtype)  # [1, 1, Q, S + Q]
+            pos = torch.full((1, Q), base + d - 2, device=device)
+            f = torch.stack([feat[i] for i in expand])[None]  # [1, Q, D]
+            ids = torch.tensor([tok[i] for i in expand], device=device)[None]  # [1, Q]
+            out = head.step(f, ids, pos, mask, self.cache)[0]  # [Q, D]
+            entry.update({i: S + q for q, i in enumerate(expand)})
+            layer = self._children(head, out, expand, tok, parent, score, depth, feat, d=d)
+
+        # 3. rerank: the budget best nodes, parents before children (a child never scores above its parent)
+        kept: list[int] = []
+        keep = {0}
+        for i in sorted(range(1, len(tok)), key=lambda i: (-score[i], depth[i], i)):
+            if parent[i] in keep:
+                kept.append(i)
+                keep.add(i)
+                if len(kept) == self.budget:
+                    break
+
+        # 4. the tree: by depth, siblings best first
+        kept.sort(key=lambda i: (depth[i], -score[i], i))
+        index = {0: 0}
+        parents, ranks, seen = [-1], [0], {}
+        for i in kept:
+            index[i] = len(parents)
+            p = index[parent[i]]
+            parents.append(p)
+            ranks.append(seen.get(p, 0))
+            seen[p] = ranks[-1] + 1
+        draft_tokens = torch.tensor([tok[0]] + [tok[i] for i in kept], dtype=tokens.dtype, device=device)
+        scores = torch.tensor([0.0] + [score[i] for i in kept])
+        return Draft(tree=Tree(parents=tuple(parents), ranks=tuple(ranks)), tokens=draft_tokens, scores=scores)
+
+    def _children(self, head: EagleHead, out: torch.Tensor, nodes: list[int], tok, parent, score, depth, feat,
+                  d: int) -> list[int]:
+        """out [Q, D]: f̂ after each of ``nodes``; adds each node's topk children (depth d) and returns their indices."""
+        logp = torch.log_softmax(head.logits(out).float(), dim=-1)  # [Q, V']
+        top = logp.topk(self.topk, dim=-1)
+        ids = head.draft_tokens[top.indices.to(head.draft_tokens.device)].tolist()  # [Q][k] base token ids
+        values = top.values.tolist()
+        added = []
+        for q, node in enumerate(nodes):
+            for r in range(self.topk):
+                added.append(len(tok))
+                tok.append(ids[q][r])
+                parent.append(node)
+                score.append(score[node] + values[q][r])
+                depth.append(d)
+                feat.append(out[q])
+        return added
+
+    def update(self, draft: Draft, acceptance: Acceptance) -> None:
+        return None

@@ -1,0 +1,209 @@
+"""The hardware-aware tree budget: the node budget and depth that maximise expected tokens per second on this machine.
+
+    1. verify cost  median time of one tree verification against tree size for this target, dtype and machine
+                    (``costs.verify_costs``), measured once and cached on disk
+    2. acceptance   greedy decoding of calibration prompts at the largest budget, once per depth, recording every
+                    step's draft with its node scores and the path the target accepted. A budget-N tree is the N
+                    best-scored nodes of the same candidates (EAGLE-2's rerank), so its accepted length at each
+                    recorded step is exact: the part of the recorded accepted path inside those N nodes, plus the bonus
+    3. choose       expected tokens/s (N, d) = accepted(N, d) / (verify_ms(N + 1 nodes) + other_ms(d)), where other_ms
+                    is the measured rest of a step at depth d (drafting, acceptance, cache commit); the maximum is
+                    cached per (draft, target, dtype, machine) and ``--tree auto`` uses it
+
+It needs a drafter that grows its tree by score under a budget and a depth and reports the scores (``Draft.scores``):
+the EAGLE heads. Nothing is guessed: accepted lengths come from the target's own verdicts on this machine's dtype.
+
+Shapes: N tree nodes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from selfspec.accept import Acceptance
+from selfspec.costs import verify_costs
+from selfspec.drafter import Draft, Drafter, DraftState, NoDrafter
+from selfspec.generate import generate
+from selfspec.tree import DynamicTree
+
+SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+
+
+# ------------------------------------------------------------------------------------------------ 1. verify cost
+def machine_key(target, model_id: str) -> dict:
+    """What a verify-cost curve depends on: the model, its dtype and device, this machine's CPU and threads."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"model": model_id, "config": hashlib.sha256(target.model.config.to_json_string().encode()).hexdigest()[:12],
+            "dtype": str(next(target.model.parameters()).dtype), "device": str(target.device), "cpu": cpu,
+            "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def _cache_file(kind: str, key: dict) -> Path:
+    from selfspec.models import cache_dir
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "tuning" / f"{kind}-{digest}.json"
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)  # whole or absent
+
+
+def cached_verify_costs(target, model_id: str, refresh: bool = False, context: int = 256,
+                        repeats: int = 10) -> dict[int, float]:
+    """{nodes: median verify ms} for SIZES on this machine, read from the cache or measured once and stored."""
+    key = machine_key(target, model_id)
+    path = _cache_file("verify", key)
+    if path.is_file() and not refresh:
+        data = json.loads(path.read_text())
+        if data.get("key") == key:
+            return {int(n): ms for n, ms in data["median_ms"].items()}
+    rows = verify_costs(target, sizes=SIZES, context=context, repeats=repeats)
+    curve = {r.nodes: r.median_ms for r in rows}
+    _write_json(path, {"key": key, "context": context, "median_ms": curve})
+    return curve
+
+
+def interpolate(curve: dict[int, float], nodes: int) -> float:
+    """Verify ms at ``nodes``, linear between measured sizes (and beyond the largest, along its last segment)."""
+    sizes = sorted(curve)
+    if nodes in curve:
+        return curve[nodes]
+    lo = max([s for s in sizes if s < nodes], default=sizes[0])
+    hi = min([s for s in sizes if s > nodes], default=None)
+    if hi is None:
+        lo, hi = sizes[-2], sizes[-1]
+    return curve[lo] + (curve[hi] - curve[lo]) * (nodes - lo) / (hi - lo)
+
+
+# ------------------------------------------------------------------------------------------------- 2. acceptance
+class _Recorder:
+    """Wraps a drafter; keeps each step's node scores and accepted path, and the loop's time outside the verify."""
+
+    def __init__(self, inner: Drafter):
+        self.inner = inner
+        self.steps: list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]] = []  # scores, depths, path
+
+    def draft(self, state: DraftState) -> Draft:
+        draft = self.inner.draft(state)
+        if draft.scores is None:
+            raise TypeError(f"{type(self.inner).__name__} does not report node scores (Draft.scores): budget tuning "
+                            "needs a drafter that grows its tree by score (an EAGLE head)")
+        return draft
+
+    def update(self, draft: Draft, acceptance: Acceptance) -> None:
+        self.steps.append((draft.scores, draft.tree.depths, acceptance.path))
+        self.inner.update(draft, acceptance)
+
+
+def accepted_at(scores: torch.Tensor, depths: Sequence[int], path: Sequence[int], budget: int, depth: int) -> int:
+    """Tokens a step gains with the ``budget`` best-scored nodes of depth <= ``depth`` of this draft: the accepted
+    path's nodes among them, plus the target's bonus token. (Ties by depth, then index: the drafter's own order.)"""
+    nodes = [i for i in range(1, len(depths)) if depths[i] <= depth]
+    best = set(sorted(nodes, key=lambda i: (-float(scores[i]), depths[i], i))[:budget])
+    gained = 0
+    for i in path[1:]:
+        if i not in best:
+            break
+        gained += 1
+    return gained + 1
+
+
+@dataclass(frozen=True)
+class Choice:
+    depth: int
+    budget: int
+    accepted: float
+    """mean tokens per decoding step (bonus included, prefill excluded)."""
+    step_ms: float
+    """predicted ms per step: verify of budget + 1 nodes + the measured rest of a step at this depth."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1000 * self.accepted / self.step_ms
+
+
+@dataclass(frozen=True)
+class Tuning:
+    best: Choice
+    plain_ms: float
+    """the verify of a single node: one plain decoding step."""
+    table: list[Choice]
+
+
+def tune(target, make_drafter: Callable[[int, int], Drafter], prompts: Sequence[torch.Tensor], curve: dict[int, float],
+         depths: Sequence[int], budgets: Sequence[int], max_new_tokens: int = 64) -> Tuning:
+    """Record one greedy decode per depth at the largest budget; predict tokens/s for every (depth, budget)."""
+    big = max(budgets)
+    generate(target, NoDrafter(), prompts[0], 2)  # warm-up
+    table = []
+    for d in depths:
+        recorder = _Recorder(make_drafter(d, big))
+        other = []
+        for prompt in prompts:
+            out = generate(target, recorder, prompt, max_new_tokens)
+            other += [s.other_s for s in out.steps[1:]]
+        records = recorder.steps
+        other_ms = 1000 * statistics.median(other)
+        for n in budgets:
+            gains = [accepted_at(scores, dep, path, n, d) for scores, dep, path in records]
+            acc = sum(gains) / max(len(gains), 1)
+            table.append(Choice(depth=d, budget=n, accepted=acc, step_ms=interpolate(curve, n + 1) + other_ms))
+    best = max(table, key=lambda c: c.tokens_per_s)
+    return Tuning(best=best, plain_ms=curve[1], table=table)
+
+
+def format_tuning(t: Tuning) -> str:
+    plain = 1000 / t.plain_ms
+    lines = ["| depth | budget | mean accepted | predicted ms / step | predicted tokens/s | vs one-token step |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for c in sorted(t.table, key=lambda c: (c.depth, c.budget)):
+        mark = " **best**" if c == t.best else ""
+        lines.append(f"| {c.depth} | {c.budget} | {c.accepted:.2f} | {c.step_ms:.1f} | {c.tokens_per_s:.1f}{mark} | "
+                     f"{c.tokens_per_s / plain:.2f}× |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- 3. the tuned tree
+def tuned_key(draft_location: str, target, model_id: str) -> dict:
+    path = Path(draft_location).expanduser()
+    weights = path / "model.safetensors"
+    stamp = hashlib.sha256(weights.read_bytes()).hexdigest()[:16] if weights.is_file() else draft_location
+    return {"draft": stamp, **machine_key(target, model_id)}
+
+
+def save_tuned(draft_location: str, target, model_id: str, tuning: Tuning) -> Path:
+    path = _cache_file("tree", tuned_key(draft_location, target, model_id))
+    _write_json(path, {"key": tuned_key(draft_location, target, model_id), "draft": draft_location,
+                       "best": asdict(tuning.best), "table": [asdict(c) for c in tuning.table]})
+    return path
+
+
+def load_tuned(draft_location: str, target, model_id: str) -> DynamicTree:
+    """The tuned DynamicTree (budget, depth) for this draft on this target, dtype and machine (``--tree auto``)."""
+    key = tuned_key(draft_location, target, model_id)
+    path = _cache_file("tree", key)
+    if not path.is_file():
+        raise FileNotFoundError(f"--tree auto: no tuned tree for {draft_location} on {model_id} ({key['dtype']}, "
+                                f"{key['threads']} threads) on this machine; run `python infer.py tune-tree --draft "
+                                f"{draft_location} --model {model_id} --dtype {key['dtype'].removeprefix('torch.')}` "
+                                f"first (a few minutes)")
+    best = json.loads(path.read_text())["best"]
+    return DynamicTree(budget=int(best["budget"]), depth=int(best["depth"]))

@@ -1,0 +1,264 @@
+"""The EAGLE-style sequential head: the training unroll computes exactly what drafting computes, the loss's index
+shift, the draft vocabulary, drafting (chain and tree) through the head's own cache, losslessness through the runtime
+on several architectures, strict save / load, and train.py's eagle method end to end with an exact resume.
+
+The heads here are random or trained for a few steps on a tiny random target: these tests pin the plumbing and
+losslessness; what training buys is measured on SmolLM2 in docs/BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from conftest import random_prompts, reference, tiny_model
+from transformers import DynamicCache
+
+from heads.config import load_config
+from heads.eagle import EagleConfig, EagleHead, load_drafter, unroll_mask
+from heads.eagle_drafter import EagleDrafter
+from heads.eagle_loss import draft_vocabulary, eagle_loss
+from heads.losses import IGNORE_INDEX
+from selfspec import registry
+from selfspec.drafter import DraftState
+from selfspec.generate import generate
+from selfspec.sampling import Sampling
+from selfspec.target import Target
+from selfspec.tree import DynamicTree, Tree
+
+REPO = Path(__file__).resolve().parents[2]
+VOCAB = 96
+
+
+def make_head(model, seed: int = 0, draft_vocab: int = 64, num_layers: int = 1) -> EagleHead:
+    cfg = EagleConfig.for_model(model, num_layers=num_layers, draft_vocab_size=draft_vocab)
+    torch.manual_seed(seed)
+    head = EagleHead(cfg, model.get_input_embeddings(), model.get_output_embeddings()).eval()
+    head.set_draft_tokens(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:draft_vocab])
+    return head
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", initializer_range=0.1)
+
+
+def chain(head, features, ids, true_pairs: int, own: int) -> torch.Tensor:
+    """Drafting by hand: the true pairs 0..true_pairs-1 in one causal call, then ``own`` pairs one at a time, each fed
+    the head's previous output (and the data's token): the head's output after the last pair [D]."""
+    cache = DynamicCache(config=head.decoder.config)
+    out = head.step(features[:, :true_pairs], ids[:, 1:true_pairs + 1], torch.arange(true_pairs)[None], None, cache)
+    f = out[:, -1:]
+    for p in range(true_pairs, true_pairs + own):
+        f = head.step(f, ids[:, p + 1:p + 2], torch.tensor([[p]]), None, cache)
+    return f[0, -1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_training_unroll_is_what_drafting_computes(arch):
+    """Step u of the unroll at pair i = the chain of true pairs 0..i-u and u of the head's own predictions, also for a
+    right-padded row (padding changes nothing before it)."""
+    model = tiny_model(arch, initializer_range=0.1)
+    head = make_head(model, num_layers=2)
+    T = 11
+    ids = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(1))
+    lengths = torch.tensor([T, 8])
+    with torch.no_grad():
+        features = model.model(input_ids=ids).last_hidden_state  # [2, T, D]
+        outs = head(features, ids, lengths, unroll=3)  # [3, 2, T - 1, D]
+        for u in range(3):
+            for row, n_valid in ((0, T - 1), (1, 7)):
+                for i in range(u, n_valid):
+                    want = chain(head, features[row:row + 1], ids[row:row + 1], i - u + 1, u)
+                    torch.testing.assert_close(outs[u, row, i], want, rtol=1e-4, atol=1e-4)
+
+
+def test_unroll_mask_attends_to_the_true_prefix_the_chain_and_itself():
+    allowed = unroll_mask(2, 5, torch.tensor([6]), torch.float32)[0, 0] == 0  # [5, 15]: keys of steps 0, 1, 2
+    i = 3
+    assert allowed[i, :5].nonzero().flatten().tolist() == [0, 1]  # true pairs <= i - u
+    assert allowed[i, 5:10].nonzero().flatten().tolist() == [2]  # step 1's key at i - u + 1
+    assert allowed[i, 10:].nonzero().flatten().tolist() == [3]  # its own
+    padded = unroll_mask(0, 5, torch.tensor([4]), torch.float32)[0, 0] == 0  # pairs 3, 4 are padding
+    assert padded[2].nonzero().flatten().tolist() == [0, 1, 2] and not padded[:3, 3:].any()
+
+
+def test_loss_index_shift_a_head_predicting_the_next_feature_scores_zero(model):
+    """If every step's output at pair i were f_{i+1}, the KL and feature losses are 0 and top-1 agreement is 1 (with
+    the whole vocabulary drafted), scored exactly where labels[i + 2] is a training token and i >= u."""
+    model = tiny_model("llama")  # spread-out logits: a feature one position off is far from right
+    head = make_head(model, draft_vocab=VOCAB)
+    T = 9
+    ids = torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(2))
+    labels = ids.clone()
+    labels[0, :4] = IGNORE_INDEX  # a prompt: pairs 0, 1 predict x_2, x_3 and are not scored
+    with torch.no_grad():
+        features = model.model(input_ids=ids).last_hidden_state
+    perfect = features[:, 1:].expand(2, 1, T - 1, features.shape[-1])  # [U = 2, 1, n, D]: f_{i+1} at pair i
+    out = eagle_loss(perfect, features, labels, head, model.get_output_embeddings().weight, kind="kl", feature_weight=1.0)
+    assert out.per_head.abs().max() < 1e-5
+    assert out.count.tolist() == [5, 5]  # pairs 2..6 (labels[4..8]); i >= 1 removes none of them
+    assert out.top1.tolist() == [1.0, 1.0]
+    shifted = features[:, :-1].expand(2, 1, T - 1, features.shape[-1])  # f_i instead of f_{i+1}: wrong by one
+    wrong = eagle_loss(shifted, features, labels, head, model.get_output_embeddings().weight, kind="kl")
+    assert wrong.per_head.min() > 0.1
+
+
+def test_draft_vocabulary_is_the_most_frequent_training_tokens_with_the_end_of_turn():
+    rows = datasets.Dataset.from_dict({"labels": [[5, 5, 5, -100, 7, 7, 9], [-100, -100, 9, 9, 9, 9, 3]]})
+    assert draft_vocabulary(rows, 2, 12).tolist() == [5, 9]  # 9 x5, 5 x3, 7 x2; prompt tokens (-100) not counted
+    assert draft_vocabulary(rows, 3, 12, always=(11,)).tolist() == [5, 9, 11]
+    with pytest.raises(ValueError, match="expected a size in 1..12, found 13"):
+        draft_vocabulary(rows, 13, 12)
+
+
+def state_after_prefill(model, prompt):
+    target = Target(model)
+    cache = target.new_cache()
+    pre = target.prefill(prompt[:-1], cache)
+    return DraftState(tokens=prompt, prompt_length=len(prompt), hidden=pre.hidden[-1], cache=cache,
+                      sampling=Sampling(), new_hidden=pre.hidden)
+
+
+def test_chain_drafting_is_the_heads_greedy_path(model):
+    head = make_head(model)
+    prompt = random_prompts(1, VOCAB, seed=5, min_len=8, max_len=8)[0]
+    draft = EagleDrafter(head, depth=4, topk=1, budget=4).draft(state_after_prefill(model, prompt))
+    assert draft.tree == Tree.chain(4)
+    ids = prompt[None].clone()
+    want = []
+    with torch.no_grad():
+        features = model.model(input_ids=prompt[None]).last_hidden_state
+        for d in range(4):  # the head's greedy token after the true pairs and its own d drafts, by hand
+            f = chain(head, features, ids, len(prompt) - 1, d)
+            want.append(int(head.draft_tokens[head.logits(f).argmax()]))
+            ids = torch.cat([ids, torch.tensor([[want[-1]]])], dim=1)
+    assert draft.tokens.tolist() == [int(prompt[-1])] + want
+
+
+def test_tree_drafting_keeps_the_budget_best_nodes_each_a_top_candidate_of_its_path(model):
+    head = make_head(model, seed=3)
+    prompt = random_prompts(1, VOCAB, seed=6, min_len=9, max_len=9)[0]
+    draft = EagleDrafter(head, depth=4, topk=3, budget=10).draft(state_after_prefill(model, prompt))
+    tree = draft.tree
+    assert len(tree) == 11 and tree.depth >= 2 and not tree.is_chain
+    with torch.no_grad():
+        features = model.model(input_ids=prompt[None]).last_hidden_state
+        for node in range(1, len(tree)):
+            path = tree.path_to(node)  # root .. node
+            ids = torch.cat([prompt, draft.tokens[path[1:-1]]])[None]
+            f = chain(head, features, ids, len(prompt) - 1, len(path) - 2)
+            top = head.draft_tokens[head.logits(f).topk(3).indices].tolist()
+            assert int(draft.tokens[node]) in top, f"node {node} (path {path})"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_eagle_drafts_through_the_runtime_stay_token_identical_to_generate(arch):
+    model = tiny_model(arch, initializer_range=0.1)
+    head = make_head(model, draft_vocab=VOCAB)
+    target = Target(model)
+    drafter = EagleDrafter(head, depth=5, topk=4, budget=12)  # one drafter across prompts: its cache restarts
+    for prompt in random_prompts(6, VOCAB, seed=7):
+        out = generate(target, drafter, prompt, max_new_tokens=24)
+        assert out.tokens == reference(model, prompt, 24)
+        assert drafter.committed == prompt.shape[0] + sum(len(s.tokens) for s in out.steps[:-1]) - 1
+
+
+def test_a_drafter_that_missed_a_step_refuses_to_go_on(model):
+    drafter = EagleDrafter(make_head(model), depth=2, topk=2, budget=3)
+    prompt = random_prompts(1, VOCAB, seed=8, min_len=8, max_len=8)[0]
+    state = state_after_prefill(model, prompt)
+    drafter.draft(state)
+    later = DraftState(tokens=torch.cat([prompt, prompt[:3]]), prompt_length=8, hidden=state.hidden, cache=state.cache,
+                       sampling=Sampling(), new_hidden=state.new_hidden[:2])
+    with pytest.raises(RuntimeError, match=r"out of step: its cache holds \d+ committed positions and 2 new ones"):
+        drafter.draft(later)
+
+
+def test_save_load_round_trip_is_strict_and_exact(model, tmp_path):
+    head = make_head(model, seed=4)
+    head.save_pretrained(tmp_path / "ck")
+    stored = json.loads((tmp_path / "ck" / "config.json").read_text())
+    assert stored["draft_type"] == "eagle" and stored["draft_vocab_size"] == 64
+    loaded = EagleHead.from_pretrained(tmp_path / "ck", model)
+    assert loaded.config == head.config
+    assert head.state_dict().keys() == loaded.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), loaded.state_dict().values()))
+    prompt = random_prompts(1, VOCAB, seed=9, min_len=8, max_len=8)[0]
+    a = EagleDrafter(head, 3, 2, 5).draft(state_after_prefill(model, prompt))
+    b = EagleDrafter(loaded, 3, 2, 5).draft(state_after_prefill(model, prompt))
+    assert a.tree == b.tree and torch.equal(a.tokens, b.tokens)
+
+    other = tiny_model("llama", vocab=128)
+    with pytest.raises(ValueError, match="trained for vocab size 96, this model has 128"):
+        EagleHead.from_pretrained(tmp_path / "ck", other)
+    bad = dict(stored, num_layers=2, decoder_config=dict(stored["decoder_config"], num_hidden_layers=2))
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="disagrees with config.json"):
+        EagleHead.from_pretrained(tmp_path / "ck", model)
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(dict(stored, surprise=1)))
+    with pytest.raises(ValueError, match=r"unknown EagleConfig keys \['surprise'\]"):
+        EagleHead.from_pretrained(tmp_path / "ck", model)
+    fields = {k: v for k, v in stored.items() if k != "selfspec_version"}
+    with pytest.raises(ValueError, match="draft_vocab_size: expected 1..96 .the base's vocabulary., found 97"):
+        EagleConfig.from_dict(dict(fields, draft_vocab_size=97))
+
+
+def test_tree_options_for_an_eagle_head(model, tmp_path):
+    make_head(model).save_pretrained(tmp_path / "ck")
+    target = Target(model)
+    assert (load_drafter(tmp_path / "ck", target).budget, load_drafter(tmp_path / "ck", target).depth) == (32, 6)
+    assert load_drafter(tmp_path / "ck", target, tree=DynamicTree(12)).budget == 12
+    chained = load_drafter(tmp_path / "ck", target, tree=Tree.chain(3))
+    assert (chained.depth, chained.topk, chained.budget) == (3, 1, 3)
+    with pytest.raises(ValueError, match="grows its own tree each step: use --tree dynamic:N"):
+        load_drafter(tmp_path / "ck", target, tree=Tree.full([2, 2]))
+    spec = registry.parse_draft(str(tmp_path / "ck"))
+    assert spec.kind == "eagle"
+    assert isinstance(registry.build_drafter(spec, target, DynamicTree(8)), EagleDrafter)
+
+
+def test_recipe_checks_the_eagle_section():
+    with pytest.raises(ValueError, match="eagle: expected num_layers, unroll"):
+        load_config(REPO / "configs/medusa_tiny.yaml", ["method=eagle", "eagle.unroll=0"])
+    cfg = load_config(REPO / "configs/eagle_smollm2.yaml")
+    assert cfg.method == "eagle" and cfg.loss.kind == "kl" and cfg.eagle.draft_vocab == 8192
+
+
+def test_train_py_trains_an_eagle_head_that_resumes_exactly_and_decodes_losslessly(tmp_path):
+    common = ["--config", "configs/medusa_tiny.yaml", "method=eagle", "loss.kind=kl", "eagle.draft_vocab=128",
+              "optim.scheduler=constant_with_warmup", "optim.epochs=100", "logging.every=1", "eval.every=0",
+              "logging.log_with=[tensorboard]", "checkpoint.every=3"]
+
+    def run(out, *extra):
+        done = subprocess.run([sys.executable, "train.py", *common, f"output_dir={out}", *extra], cwd=REPO,
+                              capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                if "loss" in r}
+
+    full = run(tmp_path / "full", "optim.max_steps=6")
+    run(tmp_path / "cut", "optim.max_steps=3")
+    resumed = run(tmp_path / "cut", "optim.max_steps=6", "checkpoint.resume_from=latest")
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(full[step], abs=1e-6), f"step {step}"
+
+    out = tmp_path / "full" / "eagle_head"
+    config = json.loads((out / "config.json").read_text())
+    assert config["recipe"]["method"] == "eagle" and config["draft_vocab_size"] == 128
+    assert len(config["top1_agreement"]) == 3 and all(0.0 <= a <= 1.0 for a in config["top1_agreement"])
+    assert list((tmp_path / "full" / "eagle").rglob("events.out.tfevents*"))  # TensorBoard, beside the head
+
+    from heads.base_model import load_base
+    from heads.config import ModelConfig
+    from selfspec.api import SpecModel
+
+    base, tokenizer = load_base(ModelConfig(name="tiny-random-llama"))
+    target = Target(base)
+    spec = SpecModel(target, tokenizer, registry.build_drafter(registry.parse_draft(str(out)), target))
+    ids = spec.encode("Hi there")
+    assert spec.generate(ids, max_new_tokens=16).tokens == reference(base, ids, 16)

@@ -1,0 +1,108 @@
+"""The hardware-aware tree budget: accepted lengths at smaller budgets read exactly off a larger draft, the verify-cost
+curve measured once and cached, the choice maximising predicted tokens/s, and --tree auto using the cached choice.
+
+The budget-N prediction is checked against really decoding with budget N: on a greedy run the accepted length of each
+step is a property of (state, tree), so the recorded big-budget run predicts the small-budget run's mean exactly when
+the two runs visit the same states; here they are compared on the first step of many prompts, where they do."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import random_prompts, tiny_model
+
+from heads.eagle import EagleConfig, EagleHead
+from heads.eagle_drafter import EagleDrafter
+from selfspec import budget, registry
+from selfspec.generate import generate
+from selfspec.target import Target
+from selfspec.tree import DynamicTree
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_model("llama", initializer_range=0.1)
+    cfg = EagleConfig.for_model(model, draft_vocab_size=VOCAB)
+    torch.manual_seed(0)
+    head = EagleHead(cfg, model.get_input_embeddings(), model.get_output_embeddings()).eval()
+    with torch.no_grad():  # a head that tends to agree with the target: start from its own features
+        head.fc.weight.zero_()
+        head.fc.weight[:, cfg.hidden_size:] = torch.eye(cfg.hidden_size) * 3
+    return model, head
+
+
+def test_accepted_at_counts_the_accepted_path_inside_the_best_nodes():
+    scores = torch.tensor([0.0, -0.1, -2.0, -0.3, -0.5])  # root, a (depth 1), b (1), a->c (2), c->d (3)
+    depths, path = (0, 1, 1, 2, 3), (0, 1, 3, 4)  # the target accepted a, c, d
+    assert budget.accepted_at(scores, depths, path, budget=4, depth=3) == 4  # all three + the bonus
+    assert budget.accepted_at(scores, depths, path, budget=2, depth=3) == 3  # a, c (b is worse than both)
+    assert budget.accepted_at(scores, depths, path, budget=1, depth=3) == 2
+    assert budget.accepted_at(scores, depths, path, budget=4, depth=1) == 2  # depth 1 keeps a only
+
+
+def test_interpolate_between_and_beyond_measured_sizes():
+    curve = {1: 10.0, 4: 13.0, 8: 21.0}
+    assert budget.interpolate(curve, 4) == 13.0
+    assert budget.interpolate(curve, 6) == 17.0
+    assert budget.interpolate(curve, 10) == 25.0
+
+
+def test_recorded_big_budget_predicts_what_a_small_budget_accepts(setup):
+    model, head = setup
+    target = Target(model)
+    prompts = random_prompts(12, VOCAB, seed=4)
+    for small in (1, 3, 6):
+        recorder = budget._Recorder(EagleDrafter(head, 4, 3, 16))
+        predicted, real = [], []
+        for p in prompts:
+            recorder.steps.clear()
+            generate(target, recorder, p, max_new_tokens=8)
+            scores, depths, path = recorder.steps[0]  # the first drafted step: the same state in both runs
+            predicted.append(budget.accepted_at(scores, depths, path, small, 4))
+            out = generate(target, EagleDrafter(head, 4, 3, small), p, max_new_tokens=8)
+            real.append(len(out.steps[1].tokens))
+        assert predicted == real, small
+    assert max(real) > 1  # the head's drafts do get accepted: the check is not about rejections only
+
+
+def test_tune_caches_costs_and_the_best_tree_for_tree_auto(setup, tmp_path, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    model, head = setup
+    target = Target(model)
+    calls = []
+    real = budget.verify_costs
+    monkeypatch.setattr(budget, "verify_costs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    curve = budget.cached_verify_costs(target, "tiny", repeats=2)
+    assert budget.cached_verify_costs(target, "tiny") == curve and len(calls) == 1  # measured once, then read
+    assert sorted(curve) == list(budget.SIZES)
+
+    head.save_pretrained(tmp_path / "eagle")
+    tuning = budget.tune(target, lambda d, n: EagleDrafter(head, d, 3, n), random_prompts(3, VOCAB, seed=5), curve,
+                         depths=(2, 4), budgets=(2, 8), max_new_tokens=12)
+    assert len(tuning.table) == 4 and tuning.best == max(tuning.table, key=lambda c: c.tokens_per_s)
+    path = budget.save_tuned(str(tmp_path / "eagle"), target, "tiny", tuning)
+    assert json.loads(path.read_text())["best"]["budget"] == tuning.best.budget
+    spec = registry.parse_draft(str(tmp_path / "eagle"))
+    tree = registry.resolve_tree("auto", spec, target, "tiny")
+    assert tree == DynamicTree(budget=tuning.best.budget, depth=tuning.best.depth)
+    drafter = registry.build_drafter(spec, target, tree)
+    assert (drafter.budget, drafter.depth) == (tuning.best.budget, tuning.best.depth)
+
+    with pytest.raises(FileNotFoundError, match="run `python infer.py tune-tree --draft"):
+        registry.resolve_tree("auto", spec, target, "another-name")
+    with pytest.raises(ValueError, match="--tree auto is for drafts whose tree budget"):
+        registry.resolve_tree("auto", registry.parse_draft("ngram"), target, "tiny")
+
+
+def test_dynamic_tree_depth_option_parses_and_limits_the_drafts(setup):
+    assert registry.parse_tree("dynamic:24,depth=3") == DynamicTree(24, depth=3)
+    with pytest.raises(ValueError, match="bad --tree"):
+        registry.parse_tree("dynamic:24,depth=0")
+    model, head = setup
+    drafter = EagleDrafter.with_tree(head, DynamicTree(10, depth=2))
+    out = generate(Target(model), drafter, random_prompts(1, VOCAB, seed=6)[0], max_new_tokens=10)
+    assert all(s.tree_size <= 11 for s in out.steps) and drafter.depth == 2
