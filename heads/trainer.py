@@ -1,10 +1,11 @@
-"""The accelerate training loop for Medusa heads on a frozen target.
+"""The accelerate training loop for drafts on a frozen target: Medusa heads, an exit head or an EAGLE head.
 
 ``train(cfg)`` reads as its steps:
 
   1. the frozen target (eval mode, no gradients, outside any DDP / DeepSpeed engine)
-  2. accelerator (CPU / GPU / DDP / DeepSpeed from ``accelerate launch``), trackers, seed, the heads
-  3. data: train / held-out rows with their dataset index (the key of the hidden-state cache)
+  2. accelerator (CPU / GPU / DDP / DeepSpeed from ``accelerate launch``), trackers, seed, the data (train / held-out
+     rows), the draft module (an EAGLE head's draft vocabulary is counted on the training rows)
+  3. loaders: rows with their dataset index (the key of the hidden-state cache)
   4. AdamW over the heads only, warm-up + schedule (transformers' ``get_scheduler``); ``accelerator.prepare``
   5. resume: ``load_state`` (heads, optimizer, scheduler, RNG, progress) and skip the batches already seen
   6. the loop: target hidden states (computed or cached) -> heads (at scored positions only) -> Medusa loss ->

@@ -211,7 +211,19 @@ def _loop_counts(target: Target, make_drafter: Callable, n: int, seed: int) -> C
     return counts
 
 
-@pytest.mark.parametrize("drafter", ["sampled-q", "random-deterministic"])
+def eagle_drafter(target: Target):
+    """An EAGLE head (random weights) on the loop world's model: a dynamic tree of 4 nodes, 2 deep, per step."""
+    from heads.eagle import EagleConfig, EagleHead
+    from heads.eagle_drafter import EagleDrafter
+
+    model = target.model
+    torch.manual_seed(7)
+    head = EagleHead(EagleConfig.for_model(model, draft_vocab_size=V_LOOP), model.get_input_embeddings(),
+                     model.get_output_embeddings())
+    return EagleDrafter(head.eval(), depth=2, topk=2, budget=4)
+
+
+@pytest.mark.parametrize("drafter", ["sampled-q", "random-deterministic", "eagle"])
 def test_loop_sampling_keeps_the_target_distribution(loop_world, drafter):
     """selfspec.generate with a depth-2 tree drafter (4 new tokens: the draft after the first is 2 levels deep):
     the joint of the first three tokens equals plain sampling from the target (process_logits of its logits)."""
@@ -220,6 +232,7 @@ def test_loop_sampling_keeps_the_target_distribution(loop_world, drafter):
     make = {
         "sampled-q": lambda: SampledTreeDrafter(TREE, q_by_depth, seed=3),
         "random-deterministic": lambda: RandomDrafter(TREE, V_LOOP, seed=3),
+        "eagle": lambda: eagle_drafter(target),
     }[drafter]
     n = 1000
     counts = _loop_counts(target, make, n, seed=1000)
