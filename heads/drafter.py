@@ -69,8 +69,10 @@ class MedusaDrafter:
             tree = self._trees[choices] = Tree.from_choices(choices)
         depth = torch.tensor([len(c) - 1 for c in choices], device=top.indices.device)  # [N - 1]
         rank = torch.tensor([c[-1] for c in choices], device=top.indices.device)  # [N - 1]
+        lp = top.values.tolist()
+        scores = torch.tensor([0.0] + [sum(lp[j][r] for j, r in enumerate(c)) for c in choices])  # [N] cumulative
         # Tree.from_choices orders nodes by (depth, path), the order best_first returns them in
-        return Draft(tree=tree, tokens=torch.cat([root, top.indices[depth, rank].to(root.device)]))
+        return Draft(tree=tree, tokens=torch.cat([root, top.indices[depth, rank].to(root.device)]), scores=scores)
 
     def update(self, draft: Draft, acceptance: Acceptance) -> None:
         return None

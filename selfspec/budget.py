@@ -11,7 +11,7 @@
                     cached per (draft, target, dtype, machine) and ``--tree auto`` uses it
 
 It needs a drafter that grows its tree by score under a budget and a depth and reports the scores (``Draft.scores``):
-the EAGLE heads. Nothing is guessed: accepted lengths come from the target's own verdicts on this machine's dtype.
+EAGLE heads, and Medusa heads with a dynamic tree. Nothing is guessed: accepted lengths come from the target's own verdicts on this machine's dtype.
 
 Shapes: N tree nodes.
 """

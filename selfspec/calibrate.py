@@ -160,7 +160,8 @@ def build_tune_parser() -> argparse.ArgumentParser:
                                 "accepted lengths at every budget come from greedy decoding of calibration prompts. "
                                 "The best is cached for --tree auto.")
     _common(p)
-    p.add_argument("--draft", required=True, help="the draft checkpoint (an EAGLE head)")
+    p.add_argument("--draft", required=True, help="the draft checkpoint (an EAGLE head, or Medusa heads: their dynamic "
+                                                  "tree)")
     p.add_argument("--depths", default="3,4,5,6,8", help="depths to try, comma-separated (default: %(default)s)")
     p.add_argument("--budgets", default="4,8,12,16,24,32,48,64", help="node budgets to try (default: %(default)s)")
     p.add_argument("--refresh-costs", action="store_true", help="measure the verify costs again")
@@ -168,8 +169,10 @@ def build_tune_parser() -> argparse.ArgumentParser:
 
 
 def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
+    from heads.drafter import MedusaDrafter
     from heads.eagle_drafter import EagleDrafter
     from selfspec import budget
+    from selfspec.tree import DynamicTree
 
     a = build_tune_parser().parse_args(argv)
     spec = registry.parse_draft(a.draft)
@@ -181,12 +184,18 @@ def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
     model, tokenizer = load_model(a.model, dtype=a.dtype, revision=a.revision, device=a.device)
     target = Target(model)
     drafter = registry.build_drafter(spec, target)
-    if not isinstance(drafter, EagleDrafter):
-        raise TypeError(f"{a.draft} built a {type(drafter).__name__}; tune-tree expected an EagleDrafter")
+    if isinstance(drafter, EagleDrafter):
+        def make(d: int, n: int):
+            return EagleDrafter(drafter.head, d, drafter.topk, n)
+    elif isinstance(drafter, MedusaDrafter):  # dynamic trees over the heads (depth <= the number of heads)
+        def make(d: int, n: int):
+            return MedusaDrafter(drafter.heads, DynamicTree(n, depth=d))
+        depths = [d for d in depths if d <= drafter.heads.config.num_heads] or [drafter.heads.config.num_heads]
+    else:
+        raise TypeError(f"{a.draft} built a {type(drafter).__name__}; tune-tree expected EAGLE or Medusa heads")
     curve = budget.cached_verify_costs(target, a.model, refresh=a.refresh_costs)
     prompts = [p.to(target.device) for p in calibration_inputs(tokenizer, a.prompts)]
-    tuning = budget.tune(target, lambda d, n: EagleDrafter(drafter.head, d, drafter.topk, n), prompts, curve, depths,
-                         budgets, a.max_new_tokens)
+    tuning = budget.tune(target, make, prompts, curve, depths, budgets, a.max_new_tokens)
     path = budget.save_tuned(a.draft, target, a.model, tuning)
     b = tuning.best
     out.write(f"{a.model} {a.dtype}, {a.prompts} calibration prompts x {a.max_new_tokens} tokens, one-token step "

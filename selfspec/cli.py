@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="candidate tree for checkpoint drafts (default: the checkpoint's own): 'chain:K', "
                         "'full:3,2,1' (children per level), JSON choices '[[0],[0,0],[1]]', a .json file of them, "
                         "'dynamic:N' or 'dynamic:N,depth=D' (Medusa and EAGLE heads: N nodes chosen each step by "
-                        "cumulative draft probability), or 'auto' (EAGLE heads: the budget and depth infer.py tune-tree "
+                        "cumulative draft probability), or 'auto' (EAGLE and Medusa heads: the budget and depth infer.py tune-tree "
                         "measured fastest on this machine)")
     p.add_argument("--prompt", default=None, help="the prompt; without it, an interactive multi-turn chat starts")
     p.add_argument("--no-chat", action="store_true",

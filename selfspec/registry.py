@@ -230,7 +230,7 @@ def resolve_tree(tree: str | Tree | DynamicTree | None, spec: DraftSpec, target:
     return parse_tree(tree) if isinstance(tree, str) else tree
 
 
-TUNABLE_KINDS = ("eagle",)
+TUNABLE_KINDS = ("eagle", "medusa")
 """drafters that grow their tree by score under a budget and a depth, and report the scores (infer.py tune-tree)."""
 
 DYNAMIC_TREE_KINDS = ("medusa", "eagle")

@@ -106,3 +106,28 @@ def test_dynamic_tree_depth_option_parses_and_limits_the_drafts(setup):
     drafter = EagleDrafter.with_tree(head, DynamicTree(10, depth=2))
     out = generate(Target(model), drafter, random_prompts(1, VOCAB, seed=6)[0], max_new_tokens=10)
     assert all(s.tree_size <= 11 for s in out.steps) and drafter.depth == 2
+
+
+def test_medusa_dynamic_trees_report_scores_that_predict_smaller_budgets():
+    """Medusa heads with a dynamic tree are tunable too: a budget-N tree is the N best paths of the same candidates."""
+    from heads.drafter import MedusaDrafter
+    from heads.medusa import MedusaConfig, MedusaHeads
+
+    model = tiny_model("llama", initializer_range=0.1)
+    heads = MedusaHeads(MedusaConfig.for_model(model, num_heads=3), model.get_output_embeddings()).eval()
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.05, generator=torch.Generator().manual_seed(p.numel()))
+    target = Target(model)
+    gained = []
+    for small in (1, 4):
+        recorder = budget._Recorder(MedusaDrafter(heads, DynamicTree(12)))
+        for p in random_prompts(8, VOCAB, seed=11):
+            recorder.steps.clear()
+            generate(target, recorder, p, max_new_tokens=8)
+            scores, depths, path = recorder.steps[0]
+            assert scores[0] == 0 and (scores[1:] <= 0).all()
+            real = generate(target, MedusaDrafter(heads, DynamicTree(small)), p, max_new_tokens=8)
+            assert budget.accepted_at(scores, depths, path, small, 3) == len(real.steps[1].tokens)
+            gained.append(len(real.steps[1].tokens))
+    assert max(gained) > 1  # some drafts are accepted: not a check on rejections only
