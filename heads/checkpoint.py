@@ -23,7 +23,7 @@ import tempfile
 import tomllib
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from huggingface_hub import ModelCardData, snapshot_download
@@ -155,6 +155,41 @@ def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
     if stored is not None and stored != tensors_sha256(tensors):
         raise ValueError(f"{file} is corrupt: its tensors do not match the sha256 stored with them; save or download it again")
     return tensors
+
+
+def read_typed_checkpoint(directory: Path, draft_type: str, what: str, from_dict: Callable[[dict], Any],
+                          build: Callable[[Any], nn.Module]) -> tuple[Any, dict[str, torch.Tensor]]:
+    """config.json (its draft_type must be ``draft_type``; parsed strictly by ``from_dict``) and model.safetensors,
+    whose tensor names and shapes must be those of ``build(config).state_dict()`` (built on the meta device).
+    ``what`` names the draft in messages ("exit head", "EAGLE head")."""
+    data = read_json_object(directory / CONFIG, f"the {what}'s config")
+    if data.get("draft_type") != draft_type:
+        raise ValueError(f"{directory / CONFIG} says draft_type {data.get('draft_type')!r}; expected {draft_type!r} "
+                         f"(an {what} checkpoint)")
+    data.pop("selfspec_version", None)
+    config = from_dict(data)
+    tensors = read_tensors(directory)
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in build(config).state_dict().items()}
+    found = {name: tuple(t.shape) for name, t in tensors.items()}
+    if found != expected:
+        wrong = {k: (expected[k], found[k]) for k in sorted(set(expected) & set(found)) if expected[k] != found[k]}
+        raise ValueError(f"{directory / WEIGHTS} disagrees with config.json: missing tensors "
+                         f"{sorted(set(expected) - set(found))[:4]}, unexpected {sorted(set(found) - set(expected))[:4]}, "
+                         f"wrong shapes (expected, found) {dict(list(wrong.items())[:4])}")
+    return config, tensors
+
+
+def check_base_sizes(config: Any, base_model: PreTrainedModel, location: str | Path, what: str,
+                     extra: tuple[tuple[str, int, int], ...] = ()) -> None:
+    """Refuse a base whose hidden or vocabulary size (or any (name, trained for, found) in ``extra``) differs from what
+    the draft ``config`` was trained for, naming the base it belongs on."""
+    hidden, vocab = base_sizes(base_model)
+    for name, want, have in (("hidden size", config.hidden_size, hidden), ("vocab size", config.vocab_size, vocab),
+                             *extra):
+        if want != have:
+            raise ValueError(f"the {what} in {location} was trained for {name} {want}, this model has {have}: it "
+                             f"belongs on {config.base_model}")
 
 
 def check_tensors(config: MedusaConfig, tensors: dict[str, torch.Tensor], where: str) -> None:

@@ -160,9 +160,14 @@ class EagleHead(nn.Module):
         embed = self._frozen[0]
         return F.embedding(tokens, embed.weight.detach()) * getattr(embed, "embed_scale", 1.0)
 
+    @property
+    def lm_weight(self) -> torch.Tensor:
+        """[V, D] the base's LM head weight (frozen, held by reference)."""
+        return self._frozen[1].weight
+
     def lm_rows(self) -> torch.Tensor:
         """[V', D] the base's LM head rows of the draft vocabulary (cached until the vocabulary or device changes)."""
-        weight = self._frozen[1].weight.detach()
+        weight = self.lm_weight.detach()
         if self._rows is None or self._rows[0] is not self.draft_tokens or self._rows[1].device != weight.device:
             self._rows = (self.draft_tokens, weight[self.draft_tokens.to(weight.device)])
         return self._rows[1]
@@ -227,15 +232,11 @@ class EagleHead(nn.Module):
                         revision: str | None = None) -> "EagleHead":
         """From a local directory or a Hub id, onto ``base_model`` (its embeddings, LM head, device and dtype).
         Strict; refuses a base of another hidden or vocabulary size."""
-        from heads.checkpoint import resolve
+        from heads.checkpoint import check_base_sizes, resolve
 
         directory = resolve(path_or_repo_id, revision)
         config, tensors = read_eagle_checkpoint(directory)
-        hidden, vocab = base_sizes(base_model)
-        for what, want, have in (("hidden size", config.hidden_size, hidden), ("vocab size", config.vocab_size, vocab)):
-            if want != have:
-                raise ValueError(f"the EAGLE head in {path_or_repo_id} was trained for {what} {want}, this model has "
-                                 f"{have}: it belongs on {config.base_model}")
+        check_base_sizes(config, base_model, path_or_repo_id, "EAGLE head")
         head = cls(config, base_model.get_input_embeddings(), base_model.get_output_embeddings())
         head.load_state_dict(tensors, strict=True)
         weight = base_model.get_output_embeddings().weight
@@ -263,26 +264,13 @@ def unroll_mask(u: int, n: int, lengths: torch.Tensor, dtype: torch.dtype, devic
 
 def read_eagle_checkpoint(directory: Path) -> tuple[EagleConfig, dict[str, torch.Tensor]]:
     """config.json and model.safetensors of an EAGLE-head checkpoint directory, checked against each other. Strict."""
-    from heads.checkpoint import read_tensors
-    from selfspec.registry import read_json_object
+    from heads.checkpoint import read_typed_checkpoint
 
-    data = read_json_object(directory / "config.json", "the EAGLE head's config")
-    if data.get("draft_type") != DRAFT_TYPE:
-        raise ValueError(f"{directory / 'config.json'} says draft_type {data.get('draft_type')!r}; "
-                         f"expected {DRAFT_TYPE!r} (an EAGLE-head checkpoint)")
-    data.pop("selfspec_version", None)
-    config = EagleConfig.from_dict(data)
-    tensors = read_tensors(directory)
-    with torch.device("meta"):
-        stub = nn.Linear(1, config.vocab_size)
-        expected = {name: tuple(t.shape) for name, t in EagleHead(config, stub, stub).state_dict().items()}
-    found = {name: tuple(t.shape) for name, t in tensors.items()}
-    if found != expected:
-        missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
-        wrong = sorted(k for k in set(expected) & set(found) if expected[k] != found[k])
-        raise ValueError(f"{directory / 'model.safetensors'} disagrees with config.json (num_layers={config.num_layers}, "
-                         f"hidden_size={config.hidden_size}, draft_vocab_size={config.draft_vocab_size}): missing "
-                         f"{missing[:4]}, unexpected {extra[:4]}, wrong shapes {wrong[:4]}")
+    def build(config: EagleConfig) -> EagleHead:
+        stub = nn.Linear(1, config.vocab_size)  # the base's embeddings and LM head are not part of the checkpoint
+        return EagleHead(config, stub, stub)
+
+    config, tensors = read_typed_checkpoint(directory, DRAFT_TYPE, "EAGLE-head", EagleConfig.from_dict, build)
     ids = tensors["draft_tokens"]
     if ids.unique().numel() != ids.numel() or int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size:
         raise ValueError(f"{directory / 'model.safetensors'}: draft_tokens must be distinct ids in [0, {config.vocab_size})")

@@ -139,17 +139,12 @@ class ExitHead(nn.Module):
     def from_pretrained(cls, path_or_repo_id: str | Path, base_model: PreTrainedModel,
                         revision: str | None = None) -> "ExitHead":
         """From a local directory or a Hub id. Strict; refuses a base of another size or depth."""
-        from heads.checkpoint import resolve
+        from heads.checkpoint import check_base_sizes, resolve
 
         directory = resolve(path_or_repo_id, revision)
         config, tensors = read_exit_checkpoint(directory)
-        hidden, vocab = base_sizes(base_model)
-        depth = len(hf.decoder_layers(base_model))
-        for what, want, have in (("hidden size", config.hidden_size, hidden), ("vocab size", config.vocab_size, vocab),
-                                 ("number of layers", config.num_hidden_layers, depth)):
-            if want != have:
-                raise ValueError(f"the exit head in {path_or_repo_id} was trained for {what} {want}, this model has "
-                                 f"{have}: it belongs on {config.base_model}")
+        depth = ("number of layers", config.num_hidden_layers, len(hf.decoder_layers(base_model)))
+        check_base_sizes(config, base_model, path_or_repo_id, "exit head", extra=(depth,))
         head = cls(config)
         head.load_state_dict(tensors, strict=True)
         weight = base_model.get_output_embeddings().weight
@@ -158,24 +153,9 @@ class ExitHead(nn.Module):
 
 def read_exit_checkpoint(directory: Path) -> tuple[ExitHeadConfig, dict[str, torch.Tensor]]:
     """config.json and model.safetensors of an exit-head checkpoint directory, checked against each other. Strict."""
-    from heads.checkpoint import read_tensors
-    from selfspec.registry import read_json_object
+    from heads.checkpoint import read_typed_checkpoint
 
-    data = read_json_object(directory / "config.json", "the exit head's config")
-    if data.get("draft_type") != DRAFT_TYPE:
-        raise ValueError(f"{directory / 'config.json'} says draft_type {data.get('draft_type')!r}; "
-                         f"expected {DRAFT_TYPE!r} (an exit-head checkpoint)")
-    data.pop("selfspec_version", None)
-    config = ExitHeadConfig.from_dict(data)
-    tensors = read_tensors(directory)
-    with torch.device("meta"):
-        expected = {name: tuple(t.shape) for name, t in ExitHead(config).state_dict().items()}
-    found = {name: tuple(t.shape) for name, t in tensors.items()}
-    if found != expected:
-        raise ValueError(f"{directory / 'model.safetensors'} disagrees with config.json (num_layers="
-                         f"{config.num_layers}, hidden_size={config.hidden_size}): expected tensors {expected}, "
-                         f"found {found}")
-    return config, tensors
+    return read_typed_checkpoint(directory, DRAFT_TYPE, "exit-head", ExitHeadConfig.from_dict, ExitHead)
 
 
 class ExitLogits(nn.Module):

@@ -374,7 +374,7 @@ def _eagle_loss(cfg: TrainConfig, head, hidden: torch.Tensor, batch: dict, ranks
     """The EAGLE head's unrolled loss of a batch (one forward of the wrapped head), or one per row."""
     inner = head.module if hasattr(head, "module") else head  # DDP / DeepSpeed wrap the head
     outs = head(hidden, batch["input_ids"], batch["lengths"], cfg.eagle.unroll)  # [U, B, n, D]
-    lm_weight = inner._frozen[1].weight
+    lm_weight = inner.lm_weight
     args = dict(kind=cfg.loss.kind, decay=cfg.loss.decay, feature_weight=cfg.eagle.feature_weight, ranks=ranks)
     if not per_row:
         return eagle_loss(outs, hidden, batch["labels"], inner, lm_weight, **args)
