@@ -7,13 +7,14 @@ It knows nothing about training (``heads`` does that) and never imports ``heads`
 from selfspec.accept import Acceptance, greedy_accept, sample_accept, typical_accept
 from selfspec.drafter import Draft, Drafter, DraftState, NoDrafter, check_tree
 from selfspec.generate import Output, Step, generate, stream
+from selfspec.merge import MergedDrafter
 from selfspec.ngram import NGramDrafter
 from selfspec.sampling import Sampling, next_token, process_logits
 from selfspec.target import Target, Verified
 from selfspec.tree import Tree
 
 __all__ = [
-    "Acceptance", "Draft", "DraftState", "Drafter", "NoDrafter", "NGramDrafter", "Output", "Sampling", "Step", "Target", "Tree",
+    "Acceptance", "Draft", "DraftState", "Drafter", "MergedDrafter", "NoDrafter", "NGramDrafter", "Output", "Sampling", "Step", "Target", "Tree",
     "Verified", "check_tree", "generate", "greedy_accept", "next_token", "process_logits", "sample_accept", "stream",
     "typical_accept",
 ]

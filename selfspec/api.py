@@ -268,7 +268,7 @@ def target_info(model: str, revision: str | None = None, trust_remote_code: bool
 def check_drafts(model: str, drafts: Sequence[registry.DraftSpec], revision: str | None = None,
                  allow_other_base: bool = False, trust_remote_code: bool = False) -> None:
     """Refuse draft checkpoints trained for another model, from the configs alone."""
-    if not any(d.location for d in drafts):
+    if not any(d.location or d.parts for d in drafts):
         return
     info = target_info(model, revision, trust_remote_code)
     for d in drafts:

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import Callable, Sequence, TextIO
@@ -48,14 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the draft: 'ngram' (prompt lookup, default; options as 'ngram:depth=8,max_nodes=24'), 'none' "
                         "(plain decoding through the same loop), 'early-exit:layer=E' (the first E layers draft; options "
                         "depth, stop_below), or a draft checkpoint (directory or Hub id: Medusa heads, an EAGLE head, an "
-                        "exit head, a layer-skip config)")
+                        "exit head, a layer-skip config); 'A+B' verifies the drafts of A and B as one tree each step, e.g. "
+                        "'runs/eagle_head+ngram' (a trained head and prompt lookup; --tree applies to A)")
     p.add_argument("--draft-revision", default=None, help="Hub revision of a --draft checkpoint")
     p.add_argument("--tree", default=None,
                    help="candidate tree for checkpoint drafts (default: the checkpoint's own): 'chain:K', "
                         "'full:3,2,1' (children per level), JSON choices '[[0],[0,0],[1]]', a .json file of them, "
                         "'dynamic:N' or 'dynamic:N,depth=D' (Medusa and EAGLE heads: N nodes chosen each step by "
                         "cumulative draft probability), or 'auto' (EAGLE and Medusa heads: the budget and depth infer.py tune-tree "
-                        "measured fastest on this machine)")
+                        "measured fastest on this machine; for --draft A+B, A's)")
     p.add_argument("--prompt", default=None, help="the prompt; without it, an interactive multi-turn chat starts")
     p.add_argument("--no-chat", action="store_true",
                    help="feed --prompt as plain text instead of wrapping it in the model's chat template")
@@ -88,9 +90,10 @@ def build_bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", type=Path, default=Path("outputs/bench"), help="where answers and the summary go")
     p.add_argument("--methods", default="plain,pld,aee,ngram",
                    help="comma-separated: plain, pld[:N] (prompt_lookup_num_tokens, default 10), aee[:E] "
-                        "(assistant_early_exit, default half the layers), none, ngram[:opts], draft checkpoints; "
-                        "DRAFT@TREE runs a draft with another --tree without commas (e.g. runs/heads@dynamic:32, "
-                        "runs/heads@chain:3, runs/heads@tree.json)")
+                        "(assistant_early_exit, default half the layers), none, ngram[:opts], draft checkpoints, A+B "
+                        "(merged drafts); DRAFT@TREE runs a draft with another --tree (e.g. runs/heads@dynamic:32, "
+                        "runs/heads@dynamic:12,depth=3, runs/heads@chain:3, runs/heads@tree.json, "
+                        "runs/eagle_head+ngram:depth=6,max_nodes=8@auto)")
     p.add_argument("--dtype", default="fp32,bf16", help="comma-separated dtypes, one target load each")
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--limit", type=int, default=None, help="answer only the first N questions")
@@ -119,8 +122,21 @@ def build_costs_parser() -> argparse.ArgumentParser:
     return p
 
 
+_OPTION = re.compile(r"[a-z_]+=[\w.\-]+(@.*)?")  # 'max_nodes=8', 'depth=3', 'max_nodes=8@auto'
+
+
 def _split(text: str) -> tuple[str, ...]:
-    return tuple(s.strip() for s in text.split(",") if s.strip())
+    """'plain,ngram:depth=6,max_nodes=8,runs/h@dynamic:12,depth=3' -> ('plain', 'ngram:depth=6,max_nodes=8',
+    'runs/h@dynamic:12,depth=3'): a bare 'key=value' piece is an option of the method before it, not a method."""
+    out: list[str] = []
+    for piece in (s.strip() for s in text.split(",")):
+        if not piece:
+            continue
+        if out and _OPTION.fullmatch(piece):
+            out[-1] += "," + piece
+        else:
+            out.append(piece)
+    return tuple(out)
 
 
 def _start(model: api.SpecModel, prompt: api.Prompt, args: argparse.Namespace) -> api.TextStream:

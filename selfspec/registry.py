@@ -10,6 +10,9 @@
   under entry-point group ``selfspec.drafters``, name X, called as ``load(path_or_repo_id, target, revision=, tree=)``.
   selfspec never imports the package that trains drafts; that package registers its loaders in its pyproject.
 
+- ``A+B`` (any number of parts)    the drafts of A and B verified as one tree each step (``merge.MergedDrafter``),
+  e.g. ``runs/eagle_head+ngram``: a trained head and prompt lookup; ``--tree`` applies to the first part
+
 ``--tree`` accepts ``chain:K``, ``full:3,2,1`` (children per level), Medusa-style JSON choices ``[[0], [0, 0], [1]]``
 or a ``.json`` file holding such a list.
 """
@@ -48,10 +51,14 @@ class DraftSpec:
     config: dict[str, Any] = field(default_factory=dict)
     """the checkpoint's config.json, or the n-gram options."""
     revision: str | None = None
+    parts: tuple["DraftSpec", ...] = ()
+    """for kind 'merged' (``A+B``): the drafts whose trees are merged, the first one taking ``--tree``."""
 
     @property
     def label(self) -> str:
-        """A short name for file names and tables: 'ngram', 'none', or the checkpoint's directory name."""
+        """A short name for file names and tables: 'ngram', 'none', the checkpoint's directory name, or 'A+B'."""
+        if self.parts:
+            return "+".join(p.label for p in self.parts)
         if self.location is None:
             return self.kind
         return Path(self.location.rstrip("/")).name or self.kind
@@ -125,6 +132,12 @@ def parse_early_exit(options: str) -> dict[str, Any]:
 
 def parse_draft(spec: str, revision: str | None = None) -> DraftSpec:
     """Parse and validate a ``--draft`` string, reading a checkpoint's config.json but no weights."""
+    if "+" in spec and not Path(spec).expanduser().exists():
+        parts = tuple(parse_draft(p, revision) for p in spec.split("+"))
+        for p in parts:
+            if p.kind in ("none", "merged"):
+                raise ValueError(f"--draft {spec!r}: a merged draft joins drafts that draft something; found {p.kind!r}")
+        return DraftSpec(kind="merged", parts=parts)
     if spec == "none":
         return DraftSpec(kind="none")
     if spec == "ngram" or spec.startswith("ngram:"):
@@ -164,6 +177,8 @@ def _norm(name: str) -> str:
 def check_base(spec: DraftSpec, model_name: str, hidden_size: int, vocab_size: int, aliases: tuple[str, ...] = (),
                allow_other_base: bool = False) -> None:
     """Refuse a checkpoint trained for another model. model_name and aliases name the target; sizes are its own."""
+    for part in spec.parts:
+        check_base(part, model_name, hidden_size, vocab_size, aliases, allow_other_base)
     if spec.location is None:
         return
     cfg = spec.config
@@ -219,7 +234,10 @@ def parse_tree(spec: str | None) -> Tree | DynamicTree | None:
 def resolve_tree(tree: str | Tree | DynamicTree | None, spec: DraftSpec, target: Target,
                  model_id: str) -> Tree | DynamicTree | None:
     """A --tree value for ``spec`` on ``target``: 'auto' is the (budget, depth) that ``infer.py tune-tree`` measured
-    fastest for this draft, target, dtype and machine (selfspec/budget.py); anything else as ``parse_tree``."""
+    fastest for this draft, target, dtype and machine (selfspec/budget.py); anything else as ``parse_tree``. For a
+    merged draft, the tree of its first part."""
+    if spec.parts:
+        return resolve_tree(tree, spec.parts[0], target, model_id)
     if tree == "auto":
         if spec.kind not in TUNABLE_KINDS:
             raise ValueError(f"--tree auto is for drafts whose tree budget infer.py tune-tree can tune "
@@ -239,6 +257,11 @@ DYNAMIC_TREE_KINDS = ("medusa", "eagle")
 
 def build_drafter(spec: DraftSpec, target: Target, tree: Tree | DynamicTree | None = None) -> Drafter:
     """Construct the drafter a DraftSpec names, for this target (loads the checkpoint's weights, if any)."""
+    if spec.parts:
+        from selfspec.merge import MergedDrafter
+
+        first, *rest = spec.parts
+        return MergedDrafter([build_drafter(first, target, tree)] + [build_drafter(p, target) for p in rest])
     if isinstance(tree, DynamicTree) and spec.kind not in DYNAMIC_TREE_KINDS:
         raise ValueError(f"--tree dynamic:{tree.budget} needs a drafter whose candidates at each depth have their own "
                          f"probabilities ({', '.join(DYNAMIC_TREE_KINDS)} heads); --draft {spec.kind} takes a fixed "

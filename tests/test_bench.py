@@ -196,6 +196,14 @@ def test_methods_parse():
         bench.parse_methods(("ngram", "ngram"), num_layers=30)
 
 
+def test_method_lists_keep_options_with_their_method():
+    from selfspec.cli import _split
+
+    assert _split("plain, ngram:depth=6,max_nodes=8,runs/h@dynamic:12,depth=3,runs/e+ngram:depth=6,max_nodes=8@auto,aee") \
+        == ("plain", "ngram:depth=6,max_nodes=8", "runs/h@dynamic:12,depth=3", "runs/e+ngram:depth=6,max_nodes=8@auto",
+            "aee")
+
+
 def test_a_draft_can_run_with_another_tree_beside_its_own(model_dir, tmp_path):
     from selfspec.models import load_model
     from selfspec.target import Target

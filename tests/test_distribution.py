@@ -27,6 +27,7 @@ import torch
 from conftest import tiny_model
 from selfspec import Acceptance, Draft, DraftState, Sampling, Target, Tree, generate, process_logits, sample_accept
 from selfspec.testing import RandomDrafter
+from selfspec.merge import MergedDrafter
 
 ALPHA = 1e-3
 LOOP_MODULE = importlib.import_module("selfspec.generate")  # the module (``selfspec.generate`` is the function)
@@ -223,7 +224,7 @@ def eagle_drafter(target: Target):
     return EagleDrafter(head.eval(), depth=2, topk=2, budget=4)
 
 
-@pytest.mark.parametrize("drafter", ["sampled-q", "random-deterministic", "eagle"])
+@pytest.mark.parametrize("drafter", ["sampled-q", "random-deterministic", "eagle", "merged"])
 def test_loop_sampling_keeps_the_target_distribution(loop_world, drafter):
     """selfspec.generate with a depth-2 tree drafter (4 new tokens: the draft after the first is 2 levels deep):
     the joint of the first three tokens equals plain sampling from the target (process_logits of its logits)."""
@@ -233,6 +234,8 @@ def test_loop_sampling_keeps_the_target_distribution(loop_world, drafter):
         "sampled-q": lambda: SampledTreeDrafter(TREE, q_by_depth, seed=3),
         "random-deterministic": lambda: RandomDrafter(TREE, V_LOOP, seed=3),
         "eagle": lambda: eagle_drafter(target),
+        # a sampled draft and a deterministic one as one tree (q dropped: every node a point mass)
+        "merged": lambda: MergedDrafter([SampledTreeDrafter(TREE, q_by_depth, seed=3), RandomDrafter(TREE, V_LOOP, seed=4)]),
     }[drafter]
     n = 1000
     counts = _loop_counts(target, make, n, seed=1000)

@@ -1,7 +1,7 @@
 """Greedy speculative decoding is token-identical to ``model.generate(do_sample=False)``.
 
 For tiny random Llama, Qwen2, Mistral, Gemma-3 (text) and GPT-2 models, over 50 prompts each, with the oracle, random
-and n-gram drafters, each as a chain and as a tree; plain decoding through the loop with NoDrafter; EOS inside an
+and n-gram drafters, each as a chain and as a tree, and all three merged into one tree; plain decoding through the loop with NoDrafter; EOS inside an
 accepted run, as a bonus token and as the very first token; max_new_tokens cutting an accepted run; a request that
 fills the model's context exactly. Each test also checks that its drafter did what it is there for (the oracle's whole
 branch is accepted, the n-gram drafter gets tokens accepted), so no case passes vacuously.
@@ -14,6 +14,7 @@ import torch
 
 from conftest import ARCHS, REPEATING, VOCAB, Recording, random_prompts, reference, tiny_model
 from selfspec import NGramDrafter, NoDrafter, Target, Tree, generate
+from selfspec.merge import MergedDrafter
 from selfspec.testing import OracleDrafter, RandomDrafter
 
 N_PROMPTS = 50
@@ -92,6 +93,17 @@ def test_ngram(case, shape):
     else:
         assert any(len(t.children[0]) > 1 for t in trees), "the n-gram drafter never proposed a branching tree"
     assert _accepted(recs) >= N_PROMPTS, f"{arch}/{shape}: only {_accepted(recs)} n-gram tokens accepted in total"
+
+
+def test_merged(case):
+    """An oracle chain merged with an n-gram trie and random side branches: one tree, still plain decoding's output."""
+    arch, target, prompts, refs = case
+    make = lambda ref: MergedDrafter([NGramDrafter(depth=4, max_nodes=8), RandomDrafter(MEDUSA, VOCAB, seed=len(ref)),
+                                      OracleDrafter(CHAIN, VOCAB, ref, seed=7)])
+    bad, recs = _run_all(target, prompts[:20], refs[:20], make)
+    assert not bad, f"{arch}: merged-draft output differs from generate on {len(bad)} prompts, first {bad[0]}"
+    for rec in recs:  # the oracle's chain sits somewhere in the merged tree and is accepted whole
+        assert all(acc.num_accepted_drafts >= CHAIN.depth for _, acc in rec.records[:-1])
 
 
 def _first_occurrence(ref: list[int], positions) -> int | None:

@@ -26,6 +26,8 @@ from heads.losses import IGNORE_INDEX
 from selfspec import registry
 from selfspec.drafter import DraftState
 from selfspec.generate import generate
+from selfspec.merge import MergedDrafter
+from selfspec.ngram import NGramDrafter
 from selfspec.sampling import Sampling
 from selfspec.target import Target
 from selfspec.tree import DynamicTree, Tree
@@ -166,6 +168,9 @@ def test_eagle_drafts_through_the_runtime_stay_token_identical_to_generate(arch)
         out = generate(target, drafter, prompt, max_new_tokens=24)
         assert out.tokens == reference(model, prompt, 24)
         assert drafter.committed == prompt.shape[0] + sum(len(s.tokens) for s in out.steps[:-1]) - 1
+    merged = MergedDrafter([EagleDrafter(head, depth=3, topk=2, budget=6), NGramDrafter(depth=4, max_nodes=6)])
+    for prompt in random_prompts(4, VOCAB, seed=8):  # an EAGLE head and prompt lookup verified as one tree
+        assert generate(target, merged, prompt, max_new_tokens=24).tokens == reference(model, prompt, 24)
 
 
 def test_a_drafter_that_missed_a_step_refuses_to_go_on(model):
