@@ -177,8 +177,8 @@ def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
     a = build_tune_parser().parse_args(argv)
     spec = registry.parse_draft(a.draft)
     if spec.parts:
-        raise ValueError(f"tune-tree tunes one draft's tree: run it on {spec.parts[0].label!r} alone (--draft "
-                         f"{a.draft.split('+')[0]}); --draft {a.draft} --tree auto then uses that tree for it")
+        raise ValueError(f"tune-tree tunes one draft's tree: run it on the checkpoint part of {a.draft!r} alone; "
+                         f"--draft {a.draft} --tree auto then uses that tree for it")
     if spec.kind not in registry.TUNABLE_KINDS:
         raise ValueError(f"tune-tree tunes drafts that grow their tree by score ({', '.join(registry.TUNABLE_KINDS)} "
                          f"heads); {a.draft} is a {spec.kind!r} draft")

@@ -122,7 +122,7 @@ def build_costs_parser() -> argparse.ArgumentParser:
     return p
 
 
-_OPTION = re.compile(r"[a-z_]+=[\w.\-]+(@.*)?")  # 'max_nodes=8', 'depth=3', 'max_nodes=8@auto'
+_OPTION = re.compile(r"[a-z_]+=[\w.\-]+([+@].*)?")  # 'max_nodes=8', 'depth=3', 'max_nodes=8@auto', 'max_nodes=8+runs/h'
 
 
 def _split(text: str) -> tuple[str, ...]:

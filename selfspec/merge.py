@@ -11,6 +11,8 @@ little more than a 12-node one (docs/BENCHMARKS.md §1).
                order, which the acceptance rules follow
     3. update  every drafter hears the verdict on its own draft, in its own node indices
 
+Optionally (``skip_after``) a costly drafter sits out the steps where a cheap one listed before it is copying a span.
+
 The merged draft is deterministic (q = None): a draft node is treated as a point mass on its token, which keeps
 sampling lossless whatever drew the candidates (``accept.sample_accept``). Drafters that verify with their own
 target (``verifier()``: early exit reuses the early layers it ran while drafting) cannot be merged.
@@ -20,6 +22,7 @@ Shapes: N nodes of the merged tree, N_k nodes of drafter k's tree.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -74,25 +77,56 @@ def restrict(accepted: Sequence[int], own: Draft) -> Acceptance:
 
 
 class MergedDrafter:
-    """``--draft A+B``: the drafts of A and B (and more) verified as one tree."""
+    """``--draft A+B``: the drafts of A and B (and more) verified as one tree.
 
-    def __init__(self, drafters: Sequence[Drafter]):
+    skip_after: a drafter sits out a step while an earlier one (in the order given) had at least this many of its own
+    tokens accepted at the previous step: when prompt lookup is copying a span, a head's guesses rarely add to it and
+    its drafting time is saved (None: every drafter drafts every step). A drafter that sat out is handed the target's
+    hidden states of every position committed since it last drafted, so a head with its own cache stays in step."""
+
+    def __init__(self, drafters: Sequence[Drafter], skip_after: int | None = None):
         if len(drafters) < 2:
             raise ValueError(f"merging needs at least two drafters, found {len(drafters)}")
+        if skip_after is not None and skip_after < 1:
+            raise ValueError(f"skip_after must be >= 1 (or None), found {skip_after}")
         for d in drafters:
             if callable(getattr(d, "verifier", None)):
                 raise ValueError(f"{type(d).__name__} verifies its drafts with its own target (it reuses the work it "
                                  "did while drafting), so it cannot share a tree with other drafters; use it alone")
-        self.drafters = list(drafters)
-        self._drafts: list[Draft] = []
+        self.drafters, self.skip_after = list(drafters), skip_after
+        self._drafts: list[Draft | None] = []
+        self._accepted = [0] * len(self.drafters)  # each drafter's own tokens accepted at the previous step
+        self._pending: list[list[torch.Tensor]] = [[] for _ in self.drafters]  # [A_j, D] held for drafters that sat out
+        self.skipped = [0] * len(self.drafters)
+        """steps each drafter sat out."""
 
     def draft(self, state: DraftState) -> Draft:
-        # 1. draft; 2. merge
-        self._drafts = [d.draft(state) for d in self.drafters]
-        return merge_drafts(self._drafts)
+        if state.new_hidden is not None and state.new_hidden.shape[0] == state.tokens.shape[0] - 1:  # a new request
+            self._accepted, self._pending = [0] * len(self.drafters), [[] for _ in self.drafters]
+        # 1. draft: each drafter, unless an earlier one is copying a span
+        self._drafts = []
+        for k, d in enumerate(self.drafters):
+            if self.skip_after is not None and any(a >= self.skip_after for a in self._accepted[:k]):
+                if state.new_hidden is not None:
+                    self._pending[k].append(state.new_hidden)
+                self._drafts.append(None)
+                self.skipped[k] += 1
+                continue
+            own = state
+            if self._pending[k] and state.new_hidden is not None:
+                own = replace(state, new_hidden=torch.cat(self._pending[k] + [state.new_hidden]))  # [A, D]
+                self._pending[k] = []
+            self._drafts.append(d.draft(own))
+        # 2. merge
+        return merge_drafts([d for d in self._drafts if d is not None])
 
     def update(self, draft: Draft, acceptance: Acceptance) -> None:
-        # 3. each drafter hears the verdict on its own draft
+        # 3. each drafter that drafted hears the verdict on its own draft
         accepted = [int(draft.tokens[i]) for i in acceptance.path[1:]] + [acceptance.bonus]
-        for d, own in zip(self.drafters, self._drafts):
-            d.update(own, restrict(accepted, own))
+        for k, (d, own) in enumerate(zip(self.drafters, self._drafts)):
+            if own is None:
+                self._accepted[k] = 0
+                continue
+            verdict = restrict(accepted, own)
+            self._accepted[k] = verdict.num_accepted_drafts
+            d.update(own, verdict)

@@ -24,18 +24,20 @@ def plot_summary(summary: Summary, path: str | Path) -> Path:
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(dtypes), 2, squeeze=False, width_ratios=(3, 1))
     width = 0.8 / max(len(methods), 1)
+    color = {m: f"C{j % 10}" for j, m in enumerate(methods)}  # one colour per method in both panels
     for row, dtype in enumerate(dtypes):
         bars, hist = axes[row]
         for j, method in enumerate(methods):
             xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(categories))]
             ys = [cell[(method, dtype, c)].speedup if (method, dtype, c) in cell else 0.0 for c in categories]
-            bars.bar(xs, ys, width=width, label=method)
+            bars.bar(xs, ys, width=width, label=method, color=color[method])
         drafted = [m for m in methods if m != "plain" and summary.accept_lengths.get(f"{m}/{dtype}")]
         if drafted:
             data = [summary.accept_lengths[f"{m}/{dtype}"] for m in drafted]
             top = max(max(d) for d in data)
             weights = [[1 / len(d)] * len(d) for d in data]  # share of the method's steps
-            hist.hist(data, bins=range(1, top + 2), weights=weights, label=drafted, align="left")
+            hist.hist(data, bins=range(1, top + 2), weights=weights, label=drafted, align="left",
+                      color=[color[m] for m in drafted])
             hist.set_xticks(range(1, top + 1))
             hist.legend(fontsize="small")
         bars.axhline(1.0, color="black", linewidth=0.8)

@@ -11,7 +11,9 @@
   selfspec never imports the package that trains drafts; that package registers its loaders in its pyproject.
 
 - ``A+B`` (any number of parts)    the drafts of A and B verified as one tree each step (``merge.MergedDrafter``),
-  e.g. ``runs/eagle_head+ngram``: a trained head and prompt lookup; ``--tree`` applies to the first part
+  e.g. ``runs/eagle_head+ngram``: a trained head and prompt lookup; ``--tree`` applies to the first checkpoint part;
+  a trailing ``+skip_after=K`` lets a part sit out the steps where an earlier part had K of its tokens accepted
+  (``ngram+runs/eagle_head+skip_after=3``: the head rests while prompt lookup is copying)
 
 ``--tree`` accepts ``chain:K``, ``full:3,2,1`` (children per level), Medusa-style JSON choices ``[[0], [0, 0], [1]]``
 or a ``.json`` file holding such a list.
@@ -20,6 +22,7 @@ or a ``.json`` file holding such a list.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -31,6 +34,7 @@ from selfspec.target import Target
 from selfspec.tree import DynamicTree, Tree
 
 ENTRY_POINT_GROUP = "selfspec.drafters"
+MERGE_OPTION = re.compile(r"skip_after=\d+")  # a trailing option of 'A+B': '+skip_after=3'  (merge.MergedDrafter)
 NGRAM_KEYS = ("max_ngram", "min_ngram", "depth", "max_nodes", "max_matches")
 EARLY_EXIT_KEYS = {"layer": int, "depth": int, "stop_below": float}
 ACCEPTED = (
@@ -58,7 +62,7 @@ class DraftSpec:
     def label(self) -> str:
         """A short name for file names and tables: 'ngram', 'none', the checkpoint's directory name, or 'A+B'."""
         if self.parts:
-            return "+".join(p.label for p in self.parts)
+            return "+".join([p.label for p in self.parts] + [f"{k}={v}" for k, v in self.config.items()])
         if self.location is None:
             return self.kind
         return Path(self.location.rstrip("/")).name or self.kind
@@ -133,11 +137,18 @@ def parse_early_exit(options: str) -> dict[str, Any]:
 def parse_draft(spec: str, revision: str | None = None) -> DraftSpec:
     """Parse and validate a ``--draft`` string, reading a checkpoint's config.json but no weights."""
     if "+" in spec and not Path(spec).expanduser().exists():
-        parts = tuple(parse_draft(p, revision) for p in spec.split("+"))
+        pieces = spec.split("+")
+        options = {}
+        while pieces and MERGE_OPTION.fullmatch(pieces[-1]):
+            key, _, value = pieces.pop().partition("=")
+            options[key] = int(value)
+        parts = tuple(parse_draft(p, revision) for p in pieces)
+        if len(parts) < 2:
+            raise ValueError(f"--draft {spec!r}: expected at least two drafts joined by '+', found {len(parts)}")
         for p in parts:
             if p.kind in ("none", "merged"):
                 raise ValueError(f"--draft {spec!r}: a merged draft joins drafts that draft something; found {p.kind!r}")
-        return DraftSpec(kind="merged", parts=parts)
+        return DraftSpec(kind="merged", parts=parts, config=options)
     if spec == "none":
         return DraftSpec(kind="none")
     if spec == "ngram" or spec.startswith("ngram:"):
@@ -237,7 +248,7 @@ def resolve_tree(tree: str | Tree | DynamicTree | None, spec: DraftSpec, target:
     fastest for this draft, target, dtype and machine (selfspec/budget.py); anything else as ``parse_tree``. For a
     merged draft, the tree of its first part."""
     if spec.parts:
-        return resolve_tree(tree, spec.parts[0], target, model_id)
+        return resolve_tree(tree, _tree_part(spec), target, model_id)
     if tree == "auto":
         if spec.kind not in TUNABLE_KINDS:
             raise ValueError(f"--tree auto is for drafts whose tree budget infer.py tune-tree can tune "
@@ -246,6 +257,11 @@ def resolve_tree(tree: str | Tree | DynamicTree | None, spec: DraftSpec, target:
 
         return load_tuned(spec.location, target, model_id)
     return parse_tree(tree) if isinstance(tree, str) else tree
+
+
+def _tree_part(spec: DraftSpec) -> DraftSpec:
+    """The part of a merged draft that --tree applies to: its first checkpoint (else its first part)."""
+    return next((p for p in spec.parts if p.location is not None), spec.parts[0])
 
 
 TUNABLE_KINDS = ("eagle", "medusa")
@@ -260,8 +276,9 @@ def build_drafter(spec: DraftSpec, target: Target, tree: Tree | DynamicTree | No
     if spec.parts:
         from selfspec.merge import MergedDrafter
 
-        first, *rest = spec.parts
-        return MergedDrafter([build_drafter(first, target, tree)] + [build_drafter(p, target) for p in rest])
+        takes_tree = _tree_part(spec)
+        return MergedDrafter([build_drafter(p, target, tree if p is takes_tree else None) for p in spec.parts],
+                             skip_after=spec.config.get("skip_after"))
     if isinstance(tree, DynamicTree) and spec.kind not in DYNAMIC_TREE_KINDS:
         raise ValueError(f"--tree dynamic:{tree.budget} needs a drafter whose candidates at each depth have their own "
                          f"probabilities ({', '.join(DYNAMIC_TREE_KINDS)} heads); --draft {spec.kind} takes a fixed "

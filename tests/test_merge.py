@@ -73,3 +73,10 @@ def test_a_plus_b_in_the_registry_and_the_bench():
         registry.build_drafter(spec, Target(model), Tree.chain(2))
     methods = parse_methods(("ngram+ngram:depth=4",), num_layers=2)
     assert [m.label for m in methods] == ["plain", "ngram+ngram"]
+    gated = registry.parse_draft("ngram+ngram:depth=4+skip_after=3")
+    assert (gated.label, gated.config) == ("ngram+ngram+skip_after=3", {"skip_after": 3})
+    assert registry.build_drafter(gated, Target(model)).skip_after == 3
+    with pytest.raises(ValueError, match="at least two drafts joined by '\\+', found 1"):
+        registry.parse_draft("ngram+skip_after=3")
+    with pytest.raises(ValueError, match="skip_after must be >= 1"):
+        registry.build_drafter(registry.parse_draft("ngram+ngram+skip_after=0"), Target(model))

@@ -173,6 +173,23 @@ def test_eagle_drafts_through_the_runtime_stay_token_identical_to_generate(arch)
         assert generate(target, merged, prompt, max_new_tokens=24).tokens == reference(model, prompt, 24)
 
 
+def test_an_eagle_head_that_sits_out_steps_of_a_merged_draft_stays_in_step():
+    """ngram+eagle with skip_after=1: the head rests whenever prompt lookup had a token accepted, and is handed every
+    hidden state committed meanwhile (else it would refuse to go on, out of step); output still plain decoding's."""
+    model = tiny_model("llama", initializer_range=0.5)  # repetitive greedy continuations: prompt lookup gets accepted
+    head = make_head(model, draft_vocab=VOCAB)
+    target = Target(model)
+    eagle = EagleDrafter(head, depth=3, topk=2, budget=6)
+    merged = MergedDrafter([NGramDrafter(depth=4, max_nodes=6), eagle], skip_after=1)
+    drafted = 0
+    for prompt in random_prompts(6, VOCAB, seed=9):
+        out = generate(target, merged, prompt, max_new_tokens=32)
+        assert out.tokens == reference(model, prompt, 32)
+        drafted = eagle.committed
+    assert merged.skipped[0] == 0 and merged.skipped[1] >= 5, merged.skipped  # the head really sat out steps
+    assert drafted > 0
+
+
 def test_a_drafter_that_missed_a_step_refuses_to_go_on(model):
     drafter = EagleDrafter(make_head(model), depth=2, topk=2, budget=3)
     prompt = random_prompts(1, VOCAB, seed=8, min_len=8, max_len=8)[0]
