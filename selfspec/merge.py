@@ -29,7 +29,7 @@ import torch
 
 from selfspec.accept import Acceptance
 from selfspec.drafter import Draft, Drafter, DraftState
-from selfspec.tree import Tree
+from selfspec.tree import TokenTrie
 
 
 def merge_drafts(drafts: Sequence[Draft]) -> Draft:
@@ -39,26 +39,14 @@ def merge_drafts(drafts: Sequence[Draft]) -> Draft:
         if int(d.tokens[0]) != root:
             raise ValueError(f"drafts to merge must share the root token: draft 0 has {root}, draft {k} has "
                              f"{int(d.tokens[0])}")
-    parents, ranks, tokens = [-1], [0], [root]
-    child: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
-    num_children = [0]
+    trie = TokenTrie(root)
     for d in drafts:
-        to_merged = [0] * len(d.tree)
+        to_merged = [0] * len(d.tree)  # draft d's node i -> its node in the trie
         ids = d.tokens.tolist()  # [N_k]
         for i in range(1, len(d.tree)):
-            p, tok = to_merged[d.tree.parents[i]], ids[i]
-            node = child.get((p, tok))
-            if node is None:
-                node = len(parents)
-                child[(p, tok)] = node
-                parents.append(p)
-                ranks.append(num_children[p])
-                num_children[p] += 1
-                num_children.append(0)
-                tokens.append(tok)
-            to_merged[i] = node
-    return Draft(tree=Tree(parents=tuple(parents), ranks=tuple(ranks)),
-                 tokens=torch.tensor(tokens, dtype=drafts[0].tokens.dtype, device=drafts[0].tokens.device))
+            to_merged[i] = trie.add(to_merged[d.tree.parents[i]], ids[i])
+    return Draft(tree=trie.tree(),
+                 tokens=torch.tensor(trie.tokens, dtype=drafts[0].tokens.dtype, device=drafts[0].tokens.device))
 
 
 def restrict(accepted: Sequence[int], own: Draft) -> Acceptance:
@@ -97,8 +85,7 @@ class MergedDrafter:
         self._drafts: list[Draft | None] = []
         self._accepted = [0] * len(self.drafters)  # each drafter's own tokens accepted at the previous step
         self._pending: list[list[torch.Tensor]] = [[] for _ in self.drafters]  # [A_j, D] held for drafters that sat out
-        self.skipped = [0] * len(self.drafters)
-        """steps each drafter sat out."""
+        self.skipped = [0] * len(self.drafters)  # steps each drafter sat out
 
     def draft(self, state: DraftState) -> Draft:
         if state.new_hidden is not None and state.new_hidden.shape[0] == state.tokens.shape[0] - 1:  # a new request

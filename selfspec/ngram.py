@@ -11,7 +11,7 @@ import torch
 
 from selfspec.accept import Acceptance
 from selfspec.drafter import Draft, DraftState
-from selfspec.tree import Tree
+from selfspec.tree import TokenTrie
 
 
 class NGramDrafter:
@@ -42,26 +42,17 @@ class NGramDrafter:
         return found
 
     def draft(self, state: DraftState) -> Draft:
-        parents, ranks, toks = [-1], [0], [int(state.tokens[-1])]
-        children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
-        n_children = [0]
+        trie = TokenTrie(int(state.tokens[-1]))
         for cont in self.continuations(state.tokens):
             node = 0
             for tok in cont:
-                nxt = children.get((node, tok))
+                nxt = trie.child(node, tok)
                 if nxt is None:
-                    if len(parents) >= self.max_nodes + 1:
+                    if len(trie) >= self.max_nodes + 1:
                         break
-                    nxt = len(parents)
-                    children[(node, tok)] = nxt
-                    parents.append(node)
-                    ranks.append(n_children[node])
-                    n_children[node] += 1
-                    n_children.append(0)
-                    toks.append(tok)
+                    nxt = trie.add(node, tok)
                 node = nxt
-        tree = Tree(parents=tuple(parents), ranks=tuple(ranks))
-        return Draft(tree=tree, tokens=torch.tensor(toks, dtype=torch.long, device=state.tokens.device))
+        return Draft(tree=trie.tree(), tokens=torch.tensor(trie.tokens, dtype=torch.long, device=state.tokens.device))
 
     def update(self, draft: Draft, acceptance: Acceptance) -> None:
         return None

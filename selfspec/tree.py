@@ -190,6 +190,37 @@ class Tree:
         return torch.tensor(rows, dtype=torch.long)
 
 
+class TokenTrie:
+    """A tree of draft tokens grown by insertion (n-gram continuations, merged drafts): one node per (parent, token),
+    siblings ranked in the order they were added, node 0 the root."""
+
+    def __init__(self, root: int):
+        self.parents, self.ranks, self.tokens = [-1], [0], [root]
+        self._child: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+        self._num_children = [0]
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    def child(self, parent: int, token: int) -> int | None:
+        return self._child.get((parent, token))
+
+    def add(self, parent: int, token: int) -> int:
+        """The node for ``token`` under ``parent``, added as its parent's last-ranked child if it is new."""
+        node = self._child.get((parent, token))
+        if node is None:
+            node = self._child[(parent, token)] = len(self.parents)
+            self.parents.append(parent)
+            self.ranks.append(self._num_children[parent])
+            self._num_children[parent] += 1
+            self._num_children.append(0)
+            self.tokens.append(token)
+        return node
+
+    def tree(self) -> Tree:
+        return Tree(parents=tuple(self.parents), ranks=tuple(self.ranks))
+
+
 @dataclass(frozen=True)
 class DynamicTree:
     """Not one tree but a rule for one per step: the ``budget`` draft nodes of highest cumulative draft probability,
