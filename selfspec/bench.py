@@ -1,11 +1,16 @@
 """Spec-Bench in one run: selfspec drafts and the peers transformers ships, per dtype, against plain ``generate``.
 
     1. validate   the question file, every method and every draft checkpoint (config.json only)   — no model yet
-    2. per dtype  load the target once; build one runner per method on that same model
-    3. warm up    every method on the first turn of the first question (not timed, not written)
-    4. answer     every turn of every question, the conversation so far under the chat template (turn 2 sees the
-                  same method's turn-1 answer); greedy; with repeats > 1 the wall time is the median
-    5. report     one Spec-Bench answer file per method and dtype, a summary table (markdown + JSON), a PNG
+    2. load       one target per dtype, all up front; one runner per method on each
+    3. warm up    every method in every dtype on the first turn of the first question (not timed, not written)
+    4. answer     question by question, every dtype and method in turn: every turn, the conversation so far under
+                  the chat template (turn 2 sees the same method's turn-1 answer); greedy; with repeats > 1 the wall
+                  time is the median
+    5. report     one Spec-Bench answer file per method and dtype, a summary table (markdown + JSON), a PNG;
+                  the files (not the PNG) are rewritten after every question, so a long run can be read as it goes
+
+Every answer is logged to out_dir as soon as it exists (``bench_log``): ``resume=True`` (``--resume``) continues an
+interrupted run where it stopped, with the same options, and redoes nothing.
 
 Methods: ``plain`` (``model.generate``, greedy), ``pld`` / ``pld:N`` (``prompt_lookup_num_tokens=N``, default 10),
 ``aee`` / ``aee:E`` (``assistant_early_exit=E``, default half the layers), ``none`` (selfspec's loop without a
@@ -28,6 +33,7 @@ from tqdm import tqdm
 
 from selfspec import registry, specbench
 from selfspec.api import Result, SpecModel, check_drafts, target_info
+from selfspec.bench_log import BenchLog, atomic_write
 from selfspec.drafter import NoDrafter
 from selfspec.models import DEFAULT_MODEL, load_model, parse_dtype
 from selfspec.plots import plot_summary
@@ -59,6 +65,8 @@ class BenchConfig:
     device: str = "cpu"
     allow_other_base: bool = False
     progress: bool = True
+    resume: bool = False
+    """continue the run logged in out_dir (bench_log); without it an out_dir holding a run is refused."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.repeats < 1 or self.warmup_tokens < 0:
@@ -171,43 +179,66 @@ def _machine() -> dict[str, Any]:
             "date": datetime.datetime.now().isoformat(timespec="seconds")}
 
 
+def _manifest(cfg: BenchConfig, questions: list[Question], methods: list[Method], dtypes: list[str]) -> dict[str, Any]:
+    """What a run measures: a resumed run must measure the same (bench_log refuses otherwise)."""
+    return {"model": cfg.model, "questions": str(cfg.questions), "question_ids": [q.question_id for q in questions],
+            "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats, "methods": [m.label for m in methods],
+            "dtypes": dtypes}
+
+
+def _report(out: Path, log: BenchLog, questions: list[Question], methods: list[Method], dtypes: list[str],
+            model_id: str, plot: bool) -> specbench.Summary | None:
+    """Answer files, summary.md / .json (and the PNG) over the questions every method has answered in every dtype."""
+    complete = [q for q in questions if all(log.has(m.label, d, q.question_id) for m in methods for d in dtypes)]
+    if not complete:
+        return None
+    runs = {(m.label, d): [log.done[(m.label, d, q.question_id)] for q in complete] for d in dtypes for m in methods}
+    for (label, dname), answers in runs.items():
+        atomic_write(out / f"{model_id}-{label.replace(':', '-')}-{dname}.jsonl", specbench.answer_lines(answers, model_id))
+    meta = {**log.manifest, "n_questions": len(complete), "of_questions": len(questions), "machine": _machine()}
+    summary = specbench.summarize(runs, meta=meta)
+    atomic_write(out / "summary.md", specbench.to_markdown(summary))
+    atomic_write(out / "summary.json", json.dumps(summary.to_json(), indent=1))
+    if plot:
+        plot_summary(summary, out / "summary.png")
+    return summary
+
+
 def run_bench(cfg: BenchConfig) -> specbench.Summary:
-    # 1. validate everything a run needs before any model is loaded
+    # 1. validate everything a run needs, and the log of the run it may resume, before any model is loaded
     questions = specbench.load_questions(cfg.questions, cfg.limit, cfg.per_category)
-    dtypes = list(dict.fromkeys(parse_dtype(d) for d in cfg.dtypes))
+    dtypes = [DTYPE_NAMES[d] for d in dict.fromkeys(parse_dtype(d) for d in cfg.dtypes)]
     methods = parse_methods(cfg.methods, target_info(cfg.model).num_layers)
     check_drafts(cfg.model, [m.draft for m in methods if m.draft is not None], allow_other_base=cfg.allow_other_base)
     model_id = Path(cfg.model.rstrip("/")).name
+    out = Path(cfg.out_dir)
+    log = BenchLog.open(out, _manifest(cfg, questions, methods, dtypes), _machine(), resume=cfg.resume)
 
-    runs: dict[tuple[str, str], list[Answer]] = {}
-    for dtype in dtypes:
-        dname = DTYPE_NAMES[dtype]
-        # 2. one target per dtype, shared by every method
-        model, tokenizer = load_model(cfg.model, dtype=dtype, device=cfg.device)
+    # 2. one target per dtype, all loaded up front, shared by every method of that dtype
+    runners: dict[str, dict[str, SpecModel]] = {}
+    for dname in dtypes:
+        model, tokenizer = load_model(cfg.model, dtype=parse_dtype(dname), device=cfg.device)
         target = Target(model)
-        runners = {m.label: _runner(m, target, tokenizer, cfg.model) for m in methods}
-        # 3. warm-up
-        if cfg.warmup_tokens:
-            warm = Question(questions[0].question_id, questions[0].category, questions[0].turns[:1])
+        runners[dname] = {m.label: _runner(m, target, tokenizer, cfg.model) for m in methods}
+    # 3. warm-up (every resumed segment too: a fresh process is cold)
+    if cfg.warmup_tokens:
+        warm = Question(questions[0].question_id, questions[0].category, questions[0].turns[:1])
+        for dname in dtypes:
             for m in methods:
-                answer_question(runners[m.label], m, warm, cfg.warmup_tokens)
-        # 4. answer, methods interleaved per question so that load on the machine hits them alike
-        for m in methods:
-            runs[(m.label, dname)] = []
-        for q in tqdm(questions, desc=f"bench {dname}", disable=not cfg.progress, unit="question"):
+                answer_question(runners[dname][m.label], m, warm, cfg.warmup_tokens)
+    # 4. answer: questions outside, every dtype and method inside, so that load on the machine hits them alike and a
+    #    run resumed on another day still compares each question's answers side by side; each answer is logged at once
+    todo = [q for q in questions if not all(log.has(m.label, d, q.question_id) for m in methods for d in dtypes)]
+    bar = tqdm(todo, desc="bench", disable=not cfg.progress, unit="question", initial=len(questions) - len(todo),
+               total=len(questions))
+    for q in bar:
+        for dname in dtypes:
             for m in methods:
-                runs[(m.label, dname)].append(answer_question(runners[m.label], m, q, cfg.max_new_tokens, cfg.repeats))
-        del runners, target, model
+                if not log.has(m.label, dname, q.question_id):
+                    log.add(m.label, dname, answer_question(runners[dname][m.label], m, q, cfg.max_new_tokens, cfg.repeats))
+        _report(out, log, questions, methods, dtypes, model_id, plot=False)  # partial results readable at any time
 
     # 5. report
-    meta = {"model": cfg.model, "questions": str(cfg.questions), "n_questions": len(questions),
-            "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats, "methods": [m.label for m in methods],
-            "machine": _machine()}
-    out = Path(cfg.out_dir)
-    for (label, dname), answers in runs.items():
-        specbench.write_answers(out / f"{model_id}-{label.replace(':', '-')}-{dname}.jsonl", answers, model_id)
-    summary = specbench.summarize(runs, meta=meta)
-    (out / "summary.md").write_text(specbench.to_markdown(summary), encoding="utf-8")
-    (out / "summary.json").write_text(json.dumps(summary.to_json(), indent=1), encoding="utf-8")
-    plot_summary(summary, out / "summary.png")
+    summary = _report(out, log, questions, methods, dtypes, model_id, plot=True)
+    assert summary is not None  # every question was answered above
     return summary

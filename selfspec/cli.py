@@ -102,6 +102,9 @@ def build_bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1, help="time every turn R times and report the median")
     p.add_argument("--warmup-tokens", type=int, default=32, help="tokens per method in the untimed warm-up (0 = none)")
     p.add_argument("--allow-other-base", action="store_true", help="see infer.py --help")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run logged in --out-dir where it stopped (same options; answers already logged "
+                        "are kept, not redone); without it an --out-dir that holds a run is refused")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -221,7 +224,7 @@ def run_bench_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
     cfg = BenchConfig(questions=a.questions, out_dir=a.out_dir, methods=_split(a.methods), dtypes=_split(a.dtype),
                       model=a.model, max_new_tokens=a.max_new_tokens, limit=a.limit, per_category=a.per_category, repeats=a.repeats,
                       warmup_tokens=a.warmup_tokens, device=a.device, allow_other_base=a.allow_other_base,
-                      progress=not a.no_progress)
+                      progress=not a.no_progress, resume=a.resume)
     summary = run_bench(cfg)
     out.write(to_markdown(summary))
     out.write(f"\nanswers, summary.md, summary.json and summary.png in {cfg.out_dir}\n")
@@ -270,6 +273,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "tune-tree": calibrate.run_tune_cli}[argv[0]]
             return run(argv[1:], sys.stdout)
         return run_decode(build_parser().parse_args(argv))
-    except (FileNotFoundError, ValueError, TypeError, ImportError) as err:
+    except (FileNotFoundError, FileExistsError, ValueError, TypeError, ImportError) as err:
         sys.stderr.write(f"error: {err}\n")
         return 2

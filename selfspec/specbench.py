@@ -99,11 +99,9 @@ def load_questions(path: str | Path, limit: int | None = None, per_category: int
     return out[:limit] if limit is not None else out
 
 
-def write_answers(path: str | Path, answers: Sequence[Answer], model_id: str) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(a.record(model_id), ensure_ascii=False) + "\n" for a in answers), encoding="utf-8")
-    return path
+def answer_lines(answers: Sequence[Answer], model_id: str) -> str:
+    """A Spec-Bench answer file's text: one line per answer, in question order."""
+    return "".join(json.dumps(a.record(model_id), ensure_ascii=False) + "\n" for a in answers)
 
 
 def first_difference(a: Answer, b: Answer) -> tuple[int, int] | None:

@@ -218,3 +218,53 @@ def test_a_draft_can_run_with_another_tree_beside_its_own(model_dir, tmp_path):
     assert bench._runner(methods[3], target, tokenizer, "m").drafter.tree == Tree.chain(2)
     with pytest.raises(ValueError, match="bad --tree 'dynamic:x'"):
         bench.parse_methods((f"{heads}@dynamic:x",), num_layers=2)
+
+
+def test_an_interrupted_run_resumes_where_it_stopped(model_dir, tmp_path, monkeypatch, capsys):
+    """Killed after 3 of 6 answers (one torn log line on top): --resume redoes nothing logged, answers the rest, and
+    its answer files equal an uninterrupted run's token for token; partial results were readable meanwhile."""
+    questions = write_questions(tmp_path / "q.jsonl", QUESTIONS)
+    argv = ["bench", "--model", str(model_dir), "--questions", str(questions), "--methods", "plain,ngram",
+            "--dtype", "fp32", "--max-new-tokens", "8", "--warmup-tokens", "0", "--no-progress"]
+    assert cli.main([*argv, "--out-dir", str(tmp_path / "whole")]) == 0
+
+    real, calls = bench.answer_question, []
+
+    def dies_at_the_fourth(runner, method, question, *args):
+        calls.append((method.label, question.question_id))
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(runner, method, question, *args)
+
+    out = tmp_path / "cut"
+    monkeypatch.setattr(bench, "answer_question", dies_at_the_fourth)
+    with pytest.raises(KeyboardInterrupt):
+        cli.main([*argv, "--out-dir", str(out)])
+    log = (out / "answers.jsonl").read_text().splitlines()
+    assert [(json.loads(x)["method"], json.loads(x)["answer"]["question_id"]) for x in log] == calls[:3]
+    partial = json.loads((out / "summary.json").read_text())
+    assert partial["meta"]["n_questions"] == 1 and partial["meta"]["of_questions"] == 3
+    with open(out / "answers.jsonl", "a") as f:
+        f.write('{"method": "ngram", "dtype": "float32", "answer": {"question_id": 1')  # a write cut short by the kill
+
+    assert cli.main([*argv, "--out-dir", str(out)]) == 2  # no --resume: refused, nothing overwritten
+    assert "already holds a bench run (3 answers logged): pass --resume" in capsys.readouterr().err
+    calls.clear()
+    assert cli.main([*argv, "--out-dir", str(out), "--resume"]) == 0
+    assert calls == [("ngram", 101), ("plain", 121), ("ngram", 121)]
+    for name in ("model-plain-float32.jsonl", "model-ngram-float32.jsonl"):
+        assert [r["choices"][0]["turns"] for r in read_jsonl(out / name)] \
+            == [r["choices"][0]["turns"] for r in read_jsonl(tmp_path / "whole" / name)]
+    manifest = json.loads((out / "run.json").read_text())
+    assert len(manifest["segments"]) == 2 and {"cpu", "date"} <= set(manifest["segments"][1])
+    assert json.loads((out / "summary.json").read_text())["meta"]["n_questions"] == 3
+
+
+def test_resume_refuses_a_run_that_measured_something_else(model_dir, tmp_path, monkeypatch, capsys):
+    questions = write_questions(tmp_path / "q.jsonl", QUESTIONS[:1])
+    argv = ["bench", "--model", str(model_dir), "--questions", str(questions), "--methods", "plain",
+            "--dtype", "fp32", "--warmup-tokens", "0", "--no-progress", "--out-dir", str(tmp_path / "out")]
+    assert cli.main([*argv, "--max-new-tokens", "4"]) == 0
+    monkeypatch.setattr(bench, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert cli.main([*argv, "--max-new-tokens", "8", "--resume"]) == 2
+    assert "max_new_tokens: the run has 4, this command 8" in capsys.readouterr().err

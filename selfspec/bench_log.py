@@ -1,0 +1,100 @@
+"""A bench run's log on disk, so a run of hours that is interrupted resumes where it was and loses nothing.
+
+    out_dir/run.json       what the run measures (model, questions, methods, dtypes, tokens, repeats) and when each
+                           segment of it ran; written atomically
+    out_dir/answers.jsonl  one line per finished (method, dtype, question): the answer with its token ids, appended and
+                           fsync'ed as soon as it exists; a line cut short by a kill is dropped on resume
+
+``BenchLog.open`` refuses to continue a log written by a run that measured something else, and to overwrite one
+unless told to resume: the answer files of a four-hour run are not lost to a typo in ``--out-dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from selfspec.specbench import Answer
+
+MANIFEST = "run.json"
+LOG = "answers.jsonl"
+SEGMENTS = "segments"  # the one manifest key that may differ between segments of one run
+
+
+def atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class BenchLog:
+    """Finished answers by (method label, dtype name, question id); ``add`` makes one durable before returning."""
+
+    def __init__(self, out_dir: Path, manifest: dict[str, Any], done: dict[tuple[str, str, Any], Answer]):
+        self.out_dir, self.manifest, self.done = out_dir, manifest, done
+
+    @classmethod
+    def open(cls, out_dir: str | Path, manifest: dict[str, Any], segment: dict[str, Any], resume: bool) -> BenchLog:
+        """Start a run's log in out_dir, or (resume=True) continue the one there. manifest: what the run measures
+        (JSON-able); segment: this invocation's machine and start time, appended to the manifest's segments."""
+        out_dir = Path(out_dir)
+        path = out_dir / MANIFEST
+        done: dict[tuple[str, str, Any], Answer] = {}
+        segments: list[dict[str, Any]] = []
+        if path.is_file():
+            old = json.loads(path.read_text(encoding="utf-8"))
+            finished = _read_log(out_dir / LOG)
+            if not resume:
+                raise FileExistsError(
+                    f"{out_dir} already holds a bench run ({len(finished)} answers logged): pass --resume to continue "
+                    f"it, or choose another --out-dir (or delete {out_dir} to start over)")
+            changed = {k: (old.get(k), manifest.get(k)) for k in {*old, *manifest} - {SEGMENTS}
+                       if old.get(k) != manifest.get(k)}
+            if changed:
+                lines = "; ".join(f"{k}: the run has {was!r}, this command {now!r}" for k, (was, now) in sorted(changed.items()))
+                raise ValueError(f"--resume: {out_dir} holds a run that measures something else ({lines}). Pass the "
+                                 f"same options to continue it, or choose another --out-dir")
+            done = finished
+            segments = old.get(SEGMENTS, [])
+        out_dir.mkdir(parents=True, exist_ok=True)
+        log = cls(out_dir, {**manifest, SEGMENTS: [*segments, segment]}, done)
+        atomic_write(path, json.dumps(log.manifest, indent=1) + "\n")
+        atomic_write(out_dir / LOG, "".join(_line(k, a) for k, a in done.items()))  # drops a torn last line
+        return log
+
+    def has(self, method: str, dtype: str, question_id: Any) -> bool:
+        return (method, dtype, question_id) in self.done
+
+    def add(self, method: str, dtype: str, answer: Answer) -> None:
+        key = (method, dtype, answer.question_id)
+        with open(self.out_dir / LOG, "a", encoding="utf-8") as f:
+            f.write(_line(key, answer))
+            f.flush()
+            os.fsync(f.fileno())
+        self.done[key] = answer
+
+
+def _line(key: tuple[str, str, Any], answer: Answer) -> str:
+    return json.dumps({"method": key[0], "dtype": key[1], "answer": asdict(answer)}, ensure_ascii=False) + "\n"
+
+
+def _read_log(path: Path) -> dict[tuple[str, str, Any], Answer]:
+    done: dict[tuple[str, str, Any], Answer] = {}
+    if not path.is_file():
+        return done
+    lines = path.read_text(encoding="utf-8").split("\n")
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if n == len(lines):  # the last line, cut short by a kill: that answer is simply redone
+                continue
+            raise ValueError(f"{path}:{n} is not JSON: the bench log is damaged; delete the line or the directory")
+        answer = Answer(**row["answer"])
+        done[(row["method"], row["dtype"], answer.question_id)] = answer
+    return done
