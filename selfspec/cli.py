@@ -225,7 +225,12 @@ def run_bench_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
                       model=a.model, max_new_tokens=a.max_new_tokens, limit=a.limit, per_category=a.per_category, repeats=a.repeats,
                       warmup_tokens=a.warmup_tokens, device=a.device, allow_other_base=a.allow_other_base,
                       progress=not a.no_progress, resume=a.resume)
-    summary = run_bench(cfg)
+    try:
+        summary = run_bench(cfg)
+    except KeyboardInterrupt:
+        sys.stderr.write(f"\ninterrupted: every finished answer is logged in {cfg.out_dir}; the same command with "
+                         f"--resume continues where this stopped\n")
+        return INTERRUPTED
     out.write(to_markdown(summary))
     out.write(f"\nanswers, summary.md, summary.json and summary.png in {cfg.out_dir}\n")
     return 0
