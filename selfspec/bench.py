@@ -24,6 +24,7 @@ import datetime
 import json
 import platform
 import statistics
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -204,6 +205,27 @@ def _report(out: Path, log: BenchLog, questions: list[Question], methods: list[M
     return summary
 
 
+def _code() -> dict[str, Any]:
+    """Which selfspec measured: the package version and, in a git checkout, the commit (and whether files differ
+    from it), so a run resumed across days shows whether every segment ran the same code."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        code: dict[str, Any] = {"selfspec": version("selfspec")}
+    except PackageNotFoundError:
+        code = {"selfspec": None}
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return code
+    if head.returncode == 0:
+        code.update(commit=head.stdout.strip(), modified=bool(dirty.stdout.strip()))
+    return code
+
+
 def run_bench(cfg: BenchConfig) -> specbench.Summary:
     # 1. validate everything a run needs, and the log of the run it may resume, before any model is loaded
     questions = specbench.load_questions(cfg.questions, cfg.limit, cfg.per_category)
@@ -212,7 +234,7 @@ def run_bench(cfg: BenchConfig) -> specbench.Summary:
     check_drafts(cfg.model, [m.draft for m in methods if m.draft is not None], allow_other_base=cfg.allow_other_base)
     model_id = Path(cfg.model.rstrip("/")).name
     out = Path(cfg.out_dir)
-    log = BenchLog.open(out, _manifest(cfg, questions, methods, dtypes), _machine(), resume=cfg.resume)
+    log = BenchLog.open(out, _manifest(cfg, questions, methods, dtypes), {**_machine(), **_code()}, resume=cfg.resume)
 
     # 2. one target per dtype, all loaded up front, shared by every method of that dtype
     runners: dict[str, dict[str, SpecModel]] = {}

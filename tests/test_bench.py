@@ -256,7 +256,7 @@ def test_an_interrupted_run_resumes_where_it_stopped(model_dir, tmp_path, monkey
         assert [r["choices"][0]["turns"] for r in read_jsonl(out / name)] \
             == [r["choices"][0]["turns"] for r in read_jsonl(tmp_path / "whole" / name)]
     manifest = json.loads((out / "run.json").read_text())
-    assert len(manifest["segments"]) == 2 and {"cpu", "date"} <= set(manifest["segments"][1])
+    assert len(manifest["segments"]) == 2 and {"cpu", "date", "selfspec", "commit"} <= set(manifest["segments"][1])
     assert json.loads((out / "summary.json").read_text())["meta"]["n_questions"] == 3
 
 
