@@ -178,6 +178,12 @@ def format_tuning(t: Tuning) -> str:
         mark = " **best**" if c == t.best else ""
         lines.append(f"| {c.depth} | {c.budget} | {c.accepted:.2f} | {c.step_ms:.1f} | {c.tokens_per_s:.1f}{mark} | "
                      f"{c.tokens_per_s / plain:.2f}× |")
+    if t.best.tokens_per_s < plain:
+        lines += ["", f"warning: no tree is predicted to beat one-token decoding here (best {t.best.tokens_per_s:.1f} "
+                      f"against {plain:.1f} tokens/s): on this machine and dtype, verifying several tokens costs more "
+                      f"than this draft gets accepted. Try another --dtype (wide verification is nearly free where "
+                      f"decoding is memory-bound, e.g. bf16 on CPUs with AMX), or decode without this draft (--draft "
+                      f"none, or ngram)"]
     return "\n".join(lines)
 
 

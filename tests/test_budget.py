@@ -131,3 +131,14 @@ def test_medusa_dynamic_trees_report_scores_that_predict_smaller_budgets():
             assert budget.accepted_at(scores, depths, path, small, 3) == len(real.steps[1].tokens)
             gained.append(len(real.steps[1].tokens))
     assert max(gained) > 1  # some drafts are accepted: not a check on rejections only
+
+
+def test_the_tuning_table_warns_when_no_tree_beats_one_token_decoding():
+    def tuning(accepted):
+        best = budget.Choice(depth=3, budget=8, accepted=accepted, step_ms=100.0)
+        return budget.Tuning(best=best, plain_ms=50.0, table=[best])
+
+    slow = budget.format_tuning(tuning(1.8))  # 18 tokens/s predicted against 20 for one-token steps
+    assert "warning: no tree is predicted to beat one-token decoding here (best 18.0 against 20.0 tokens/s)" in slow
+    assert "0.90×" in slow
+    assert "warning" not in budget.format_tuning(tuning(2.2))
