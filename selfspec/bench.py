@@ -7,7 +7,7 @@
                   the chat template (turn 2 sees the same method's turn-1 answer); greedy; with repeats > 1 the wall
                   time is the median
     5. report     one Spec-Bench answer file per method and dtype, a summary table (markdown + JSON), a PNG;
-                  the files (not the PNG) are rewritten after every question, so a long run can be read as it goes
+                  all rewritten after every question, so a long run can be read as it goes
 
 Every answer is logged to out_dir as soon as it exists (``bench_log``): ``resume=True`` (``--resume``) continues an
 interrupted run where it stopped, with the same options, and redoes nothing.
@@ -188,8 +188,8 @@ def _manifest(cfg: BenchConfig, questions: list[Question], methods: list[Method]
 
 
 def _report(out: Path, log: BenchLog, questions: list[Question], methods: list[Method], dtypes: list[str],
-            model_id: str, plot: bool) -> specbench.Summary | None:
-    """Answer files, summary.md / .json (and the PNG) over the questions every method has answered in every dtype."""
+            model_id: str) -> specbench.Summary | None:
+    """Answer files, summary.md / .json and the PNG over the questions every method has answered in every dtype."""
     complete = [q for q in questions if all(log.has(m.label, d, q.question_id) for m in methods for d in dtypes)]
     if not complete:
         return None
@@ -200,8 +200,7 @@ def _report(out: Path, log: BenchLog, questions: list[Question], methods: list[M
     summary = specbench.summarize(runs, meta=meta)
     atomic_write(out / "summary.md", specbench.to_markdown(summary))
     atomic_write(out / "summary.json", json.dumps(summary.to_json(), indent=1))
-    if plot:
-        plot_summary(summary, out / "summary.png")
+    plot_summary(summary, out / "summary.png")
     return summary
 
 
@@ -258,9 +257,9 @@ def run_bench(cfg: BenchConfig) -> specbench.Summary:
             for m in methods:
                 if not log.has(m.label, dname, q.question_id):
                     log.add(m.label, dname, answer_question(runners[dname][m.label], m, q, cfg.max_new_tokens, cfg.repeats))
-        _report(out, log, questions, methods, dtypes, model_id, plot=False)  # partial results readable at any time
+        _report(out, log, questions, methods, dtypes, model_id)  # partial results readable at any time
 
     # 5. report
-    summary = _report(out, log, questions, methods, dtypes, model_id, plot=True)
+    summary = _report(out, log, questions, methods, dtypes, model_id)
     assert summary is not None  # every question was answered above
     return summary

@@ -244,6 +244,7 @@ def test_an_interrupted_run_resumes_where_it_stopped(model_dir, tmp_path, monkey
     assert [(json.loads(x)["method"], json.loads(x)["answer"]["question_id"]) for x in log] == calls[:3]
     partial = json.loads((out / "summary.json").read_text())
     assert partial["meta"]["n_questions"] == 1 and partial["meta"]["of_questions"] == 3
+    assert (out / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with open(out / "answers.jsonl", "a") as f:
         f.write('{"method": "ngram", "dtype": "float32", "answer": {"question_id": 1')  # a write cut short by the kill
 
