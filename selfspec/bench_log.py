@@ -44,6 +44,10 @@ class BenchLog:
         path = out_dir / MANIFEST
         done: dict[tuple[str, str, Any], Answer] = {}
         segments: list[dict[str, Any]] = []
+        orphans = [p.name for p in (out_dir / LOG, out_dir / "summary.json") if p.is_file()]
+        if orphans and not path.is_file():
+            raise FileExistsError(f"{out_dir} holds {' and '.join(orphans)} of a bench run but no {MANIFEST} (a run of an "
+                                  f"older selfspec, or a damaged one): choose another --out-dir, or delete {out_dir}")
         if path.is_file():
             old = json.loads(path.read_text(encoding="utf-8"))
             finished = _read_log(out_dir / LOG)

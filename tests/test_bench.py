@@ -269,3 +269,16 @@ def test_resume_refuses_a_run_that_measured_something_else(model_dir, tmp_path, 
     monkeypatch.setattr(bench, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     assert cli.main([*argv, "--max-new-tokens", "8", "--resume"]) == 2
     assert "max_new_tokens: the run has 4, this command 8" in capsys.readouterr().err
+
+
+def test_a_directory_with_results_but_no_run_log_is_not_overwritten(model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    questions = write_questions(tmp_path / "q.jsonl", QUESTIONS[:1])
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.json").write_text("{}")
+    argv = ["bench", "--model", str(model_dir), "--questions", str(questions), "--out-dir", str(out)]
+    for extra in ([], ["--resume"]):
+        assert cli.main([*argv, *extra]) == 2
+        assert "holds summary.json of a bench run but no run.json" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["summary.json"]
