@@ -105,6 +105,58 @@ def write_checkpoint(directory: str | Path, state: dict[str, torch.Tensor], conf
     return target
 
 
+class DraftCheckpoint:
+    """``save_pretrained`` / ``push_to_hub`` / ``from_pretrained`` for a draft module stored as config.json +
+    model.safetensors + README.md (PEFT's and huggingface_hub's mixin surface), for the drafts that store a typed
+    config (Hydra heads, an EAGLE head, an exit head). A subclass has ``config`` (with ``to_dict``) and says:
+
+    - ``WHAT``: its name in messages and commit messages ("Hydra heads");
+    - ``card(location)``: its README.md;
+    - ``read_checkpoint(directory)``: (config, tensors), checked against each other;
+    - ``on_base(config, base_model)``: a new module on the base (its embeddings, LM head) before the weights load;
+    - ``base_checks(config, base_model)``: (name, trained for, found) sizes beyond hidden and vocabulary size.
+    """
+
+    WHAT = "draft"
+
+    def card(self, location: str) -> str:
+        raise NotImplementedError
+
+    @classmethod
+    def read_checkpoint(cls, directory: Path) -> tuple[Any, dict[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    @classmethod
+    def on_base(cls, config: Any, base_model: PreTrainedModel) -> nn.Module:
+        raise NotImplementedError
+
+    @classmethod
+    def base_checks(cls, config: Any, base_model: PreTrainedModel) -> tuple[tuple[str, int, int], ...]:
+        return ()
+
+    def save_pretrained(self, directory: str | Path, repo_id: str | None = None) -> Path:
+        """config.json + model.safetensors + README.md, written atomically."""
+        return write_checkpoint(directory, self.state_dict(), self.config.to_dict(), self.card(repo_id or str(directory)))
+
+    def push_to_hub(self, repo_id: str, private: bool = False, revision: str | None = None, token: str | None = None,
+                    dry_run: bool = False, commit_message: str | None = None) -> Any:
+        """Save to a temporary directory and upload it in one commit; dry_run returns the files it would upload."""
+        return push_heads(self, repo_id, private=private, revision=revision, token=token, dry_run=dry_run,
+                          commit_message=commit_message or f"Upload {self.WHAT} (selfspec)")
+
+    @classmethod
+    def from_pretrained(cls, path_or_repo_id: str | Path, base_model: PreTrainedModel, revision: str | None = None):
+        """From a local directory or a Hub id, onto ``base_model`` (its device and dtype). Strict; refuses a base of
+        another hidden or vocabulary size (or whatever ``base_checks`` names)."""
+        directory = resolve(path_or_repo_id, revision)
+        config, tensors = cls.read_checkpoint(directory)
+        check_base_sizes(config, base_model, path_or_repo_id, cls.WHAT, extra=cls.base_checks(config, base_model))
+        module = cls.on_base(config, base_model)
+        module.load_state_dict(tensors, strict=True)
+        weight = base_model.get_output_embeddings().weight
+        return module.to(device=weight.device, dtype=weight.dtype).eval()
+
+
 # --------------------------------------------------------------------------------------------------------- load
 def resolve(path_or_repo_id: str | Path, revision: str | None = None, files: tuple[str, ...] = FILES) -> Path:
     """A local checkpoint directory, or a Hub repo fetched through the Hub cache (a second load needs no network).
@@ -244,7 +296,7 @@ def checkpoint_files(directory: Path) -> list[str]:
 def publish_files(directory: Path, repo_id: str) -> dict[str, Path | bytes]:
     """What a publish of ``directory`` to ``repo_id`` uploads: config.json and model.safetensors as saved (after a
     strict check), and README.md generated from config.json for ``repo_id`` (so its usage snippet names the repo).
-    Medusa heads, exit heads (draft_type "exit-head") and EAGLE heads ("eagle") alike."""
+    Medusa heads, exit heads (draft_type "exit-head"), EAGLE heads ("eagle") and Hydra heads ("hydra") alike."""
     config_file = directory / CONFIG
     kind = read_json_object(config_file, "the checkpoint's config").get("draft_type") if config_file.is_file() else None
     if kind == "exit-head":
@@ -256,6 +308,11 @@ def publish_files(directory: Path, repo_id: str) -> dict[str, Path | bytes]:
         from heads.eagle import eagle_card, read_eagle_checkpoint
 
         card = eagle_card(read_eagle_checkpoint(directory)[0], repo_id).encode()
+        return {CONFIG: directory / CONFIG, WEIGHTS: directory / WEIGHTS, CARD: card}
+    if kind == "hydra":
+        from heads.hydra import hydra_card, read_hydra_checkpoint
+
+        card = hydra_card(read_hydra_checkpoint(directory)[0], repo_id).encode()
         return {CONFIG: directory / CONFIG, WEIGHTS: directory / WEIGHTS, CARD: card}
     checkpoint_files(directory)
     card = model_card(read_config(directory), repo_id).encode()
@@ -282,7 +339,7 @@ def push_folder(
 
 
 def push_heads(heads: Any, repo_id: str, **kwargs: Any) -> list[str] | Published:
-    """save_pretrained (Medusa heads, an exit head or an EAGLE head) into a temporary directory and push_folder it (same keyword
+    """save_pretrained (Medusa or Hydra heads, an exit head or an EAGLE head) into a temporary directory and push_folder it (same keyword
     arguments)."""
     with tempfile.TemporaryDirectory(prefix="selfspec-push-") as tmp:
         directory = heads.save_pretrained(Path(tmp) / "heads", repo_id=repo_id)

@@ -116,7 +116,7 @@ class LoggingConfig:
     every: int = 10
     """log training metrics every this many optimizer steps."""
     project: str | None = None
-    """tracker project / run name (null: the method: "medusa", "exit" or "eagle"; TensorBoard writes to
+    """tracker project / run name (null: the method: "medusa", "hydra", "exit" or "eagle"; TensorBoard writes to
     <output_dir>/<project>)."""
     progress_bar: bool = True
     """show a tqdm progress bar on the main process."""
@@ -190,11 +190,12 @@ class TrainConfig:
     """force CPU (null: CPU when no GPU is present, unless DeepSpeed is in use)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """the frozen target."""
-    method: Literal["medusa", "exit_head", "eagle"] = "medusa"
-    """what is trained on the frozen target: Medusa heads (section heads), an early-exit head (section exit) or an
-    EAGLE-style sequential head (section eagle)."""
+    method: Literal["medusa", "hydra", "exit_head", "eagle"] = "medusa"
+    """what is trained on the frozen target: Medusa heads (section heads), Hydra heads (Medusa heads that also read
+    the tokens drafted before them; section heads, heads/hydra.py), an early-exit head (section exit) or an EAGLE-style
+    sequential head (section eagle)."""
     heads: HeadsConfig = field(default_factory=HeadsConfig)
-    """the Medusa heads being trained (method medusa)."""
+    """the Medusa or Hydra heads being trained (method medusa / hydra; Hydra heads use the shared LM head)."""
     exit: ExitConfig = field(default_factory=ExitConfig)
     """the exit head being trained (method exit_head; heads/exit_head.py)."""
     eagle: EagleSection = field(default_factory=EagleSection)
@@ -240,6 +241,9 @@ class TrainConfig:
             raise ValueError(f"optim.betas: expected two numbers, found {self.optim.betas}")
         if not 0.0 < self.loss.decay <= 1.0:
             raise ValueError(f"loss.decay: expected a value in (0, 1], found {self.loss.decay}")
+        if self.method == "hydra" and self.heads.projection != "shared":
+            raise ValueError(f"heads.projection: Hydra heads read the base's own LM head (shared), found "
+                             f"{self.heads.projection!r}; set heads.projection=shared")
         if self.method == "exit_head":
             if self.exit.layer is None or self.exit.layer < 1:
                 raise ValueError(f"exit.layer: method exit_head needs the exit layer E >= 1 (drafting runs layers "

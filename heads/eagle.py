@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModel, PreTrainedModel
 
+from heads.checkpoint import DraftCheckpoint
 from heads.medusa import _type_ok, base_name, base_sizes, strict_keys
 
 DRAFT_TYPE = "eagle"
@@ -122,12 +123,14 @@ def decoder_config(model: PreTrainedModel, num_layers: int) -> dict:
     return json.loads(json.dumps(out))  # as config.json will hold it (string keys, lists)
 
 
-class EagleHead(nn.Module):
+class EagleHead(nn.Module, DraftCheckpoint):
     """fc + a ``num_layers``-layer decoder of the base's architecture + the draft vocabulary's token ids.
 
     ``forward`` is the training unroll (one call, so DDP / DeepSpeed see a single forward); ``step`` is one drafting
     call over the head's own KV cache; ``logits`` reads the target's LM head on the draft vocabulary.
     """
+
+    WHAT = "EAGLE head"
 
     def __init__(self, config: EagleConfig, embed: nn.Module, lm_head: nn.Module):
         super().__init__()
@@ -212,35 +215,17 @@ class EagleHead(nn.Module):
             feats = torch.cat([features[:, :1], out[:, :-1]], dim=1)  # pair i reads the prediction made at i - 1
         return torch.stack(outs)
 
-    # -------------------------------------------------------------------------------------------------- storage
-    def save_pretrained(self, directory: str | Path, repo_id: str | None = None) -> Path:
-        """config.json + model.safetensors + README.md, written atomically."""
-        from heads.checkpoint import write_checkpoint
-
-        return write_checkpoint(directory, self.state_dict(), self.config.to_dict(), eagle_card(self.config, repo_id or str(directory)))
-
-    def push_to_hub(self, repo_id: str, private: bool = False, revision: str | None = None, token: str | None = None,
-                    dry_run: bool = False, commit_message: str = "Upload an EAGLE-style draft head (selfspec)") -> Any:
-        """Save to a temporary directory and upload it in one commit; dry_run returns the files it would upload."""
-        from heads.checkpoint import push_heads
-
-        return push_heads(self, repo_id, private=private, revision=revision, token=token, dry_run=dry_run,
-                          commit_message=commit_message)
+    # --------------------------------------------------------------------- storage (heads.checkpoint.DraftCheckpoint)
+    def card(self, location: str) -> str:
+        return eagle_card(self.config, location)
 
     @classmethod
-    def from_pretrained(cls, path_or_repo_id: str | Path, base_model: PreTrainedModel,
-                        revision: str | None = None) -> "EagleHead":
-        """From a local directory or a Hub id, onto ``base_model`` (its embeddings, LM head, device and dtype).
-        Strict; refuses a base of another hidden or vocabulary size."""
-        from heads.checkpoint import check_base_sizes, resolve
+    def read_checkpoint(cls, directory: Path) -> tuple[EagleConfig, dict[str, torch.Tensor]]:
+        return read_eagle_checkpoint(directory)
 
-        directory = resolve(path_or_repo_id, revision)
-        config, tensors = read_eagle_checkpoint(directory)
-        check_base_sizes(config, base_model, path_or_repo_id, "EAGLE head")
-        head = cls(config, base_model.get_input_embeddings(), base_model.get_output_embeddings())
-        head.load_state_dict(tensors, strict=True)
-        weight = base_model.get_output_embeddings().weight
-        return head.to(device=weight.device, dtype=weight.dtype).eval()
+    @classmethod
+    def on_base(cls, config: EagleConfig, base_model: PreTrainedModel) -> "EagleHead":
+        return cls(config, base_model.get_input_embeddings(), base_model.get_output_embeddings())
 
 
 def unroll_mask(u: int, n: int, lengths: torch.Tensor, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from heads.checkpoint import DraftCheckpoint
 from heads.medusa import ResBlock, _frozen_linear, _type_ok, base_name, base_sizes, strict_keys
 from selfspec import hf
 from selfspec.tree import Tree
@@ -106,8 +107,10 @@ def final_norm(model: PreTrainedModel) -> nn.Module:
                     f"ln_f), found none among {[n for n, _ in decoder.named_children()]}")
 
 
-class ExitHead(nn.Module):
+class ExitHead(nn.Module, DraftCheckpoint):
     """hidden [..., D] (layer E's input) -> [..., D] for the final norm; the identity until trained."""
+
+    WHAT = "exit head"
 
     def __init__(self, config: ExitHeadConfig):
         super().__init__()
@@ -120,35 +123,21 @@ class ExitHead(nn.Module):
             x = block(x.to(block.linear.weight.dtype))
         return x
 
-    def save_pretrained(self, directory: str | Path, repo_id: str | None = None) -> Path:
-        """config.json + model.safetensors + README.md, written atomically."""
-        from heads.checkpoint import write_checkpoint
-
-        card = exit_card(self.config, repo_id or str(directory))
-        return write_checkpoint(directory, self.state_dict(), self.config.to_dict(), card)
-
-    def push_to_hub(self, repo_id: str, private: bool = False, revision: str | None = None, token: str | None = None,
-                    dry_run: bool = False, commit_message: str = "Upload an exit head (selfspec)") -> Any:
-        """Save to a temporary directory and upload it in one commit; dry_run returns the files it would upload."""
-        from heads.checkpoint import push_heads
-
-        return push_heads(self, repo_id, private=private, revision=revision, token=token, dry_run=dry_run,
-                          commit_message=commit_message)
+    # --------------------------------------------------------------------- storage (heads.checkpoint.DraftCheckpoint)
+    def card(self, location: str) -> str:
+        return exit_card(self.config, location)
 
     @classmethod
-    def from_pretrained(cls, path_or_repo_id: str | Path, base_model: PreTrainedModel,
-                        revision: str | None = None) -> "ExitHead":
-        """From a local directory or a Hub id. Strict; refuses a base of another size or depth."""
-        from heads.checkpoint import check_base_sizes, resolve
+    def read_checkpoint(cls, directory: Path) -> tuple[ExitHeadConfig, dict[str, torch.Tensor]]:
+        return read_exit_checkpoint(directory)
 
-        directory = resolve(path_or_repo_id, revision)
-        config, tensors = read_exit_checkpoint(directory)
-        depth = ("number of layers", config.num_hidden_layers, len(hf.decoder_layers(base_model)))
-        check_base_sizes(config, base_model, path_or_repo_id, "exit head", extra=(depth,))
-        head = cls(config)
-        head.load_state_dict(tensors, strict=True)
-        weight = base_model.get_output_embeddings().weight
-        return head.to(device=weight.device, dtype=weight.dtype).eval()
+    @classmethod
+    def on_base(cls, config: ExitHeadConfig, base_model: PreTrainedModel) -> "ExitHead":
+        return cls(config)
+
+    @classmethod
+    def base_checks(cls, config: ExitHeadConfig, base_model: PreTrainedModel) -> tuple[tuple[str, int, int], ...]:
+        return (("number of layers", config.num_hidden_layers, len(hf.decoder_layers(base_model))),)
 
 
 def read_exit_checkpoint(directory: Path) -> tuple[ExitHeadConfig, dict[str, torch.Tensor]]:

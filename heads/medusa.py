@@ -58,8 +58,9 @@ def _type_ok(value: Any, expected: str) -> bool:
 
 
 @dataclass
-class MedusaConfig:
-    """Everything needed to rebuild the heads on top of their base model; stored as config.json. Strict."""
+class HeadsConfigIO:
+    """The base a heads config belongs to (its required fields, first in config.json), and from_dict (strict) /
+    to_dict / for_model (Medusa heads, Hydra heads)."""
 
     base_model: str
     """the base model's name or path the heads were trained for (e.g. "smollm2-135m-instruct")."""
@@ -69,6 +70,31 @@ class MedusaConfig:
     """D of the base model."""
     vocab_size: int
     """V of the base model's LM head."""
+
+    @classmethod
+    def from_dict(cls, data: dict):
+        """Strict: unknown keys and missing required keys raise, saying which."""
+        return cls(**strict_keys(cls, data, {"base_model", "base_revision", "hidden_size", "vocab_size"}))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def for_model(cls, model: PreTrainedModel, base_model: str | None = None, **kwargs: Any):
+        """A config for heads on ``model``: hidden and vocab size read from it; other fields from kwargs.
+
+        base_model defaults to the model's Hub id, or the name of its local directory (never a machine's full path):
+        the built-in default loads from ``.../smollm2-135m-instruct`` and is named ``smollm2-135m-instruct``.
+        """
+        hidden, vocab = base_sizes(model)
+        kwargs.setdefault("base_revision", None)
+        return cls(base_model=base_name(model, base_model), hidden_size=hidden, vocab_size=vocab, **kwargs)
+
+
+@dataclass
+class MedusaConfig(HeadsConfigIO):
+    """Everything needed to rebuild the heads on top of their base model; stored as config.json. Strict."""
+
     num_heads: int = 4
     """K: head k predicts token t+1+k."""
     num_layers: int = 1
@@ -123,25 +149,6 @@ class MedusaConfig:
                 )
             if any(not 0.0 <= a <= 1.0 for row in self.head_accuracy for a in row):
                 raise ValueError("MedusaConfig.head_accuracy: expected probabilities in [0, 1]")
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "MedusaConfig":
-        """Strict: unknown keys and missing required keys raise, saying which."""
-        return cls(**strict_keys(cls, data, {"base_model", "base_revision", "hidden_size", "vocab_size"}))
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def for_model(cls, model: PreTrainedModel, base_model: str | None = None, **kwargs: Any) -> "MedusaConfig":
-        """A config for heads on ``model``: hidden and vocab size read from it; other fields from kwargs.
-
-        base_model defaults to the model's Hub id, or the name of its local directory (never a machine's full path):
-        the built-in default loads from ``.../smollm2-135m-instruct`` and is named ``smollm2-135m-instruct``.
-        """
-        hidden, vocab = base_sizes(model)
-        kwargs.setdefault("base_revision", None)
-        return cls(base_model=base_name(model, base_model), hidden_size=hidden, vocab_size=vocab, **kwargs)
 
 
 def strict_keys(cls: type, data: dict, required: set[str]) -> dict:

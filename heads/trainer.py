@@ -1,4 +1,4 @@
-"""The accelerate training loop for drafts on a frozen target: Medusa heads, an exit head or an EAGLE head.
+"""The accelerate training loop for drafts on a frozen target: Medusa or Hydra heads, an exit head or an EAGLE head.
 
 ``train(cfg)`` reads as its steps:
 
@@ -44,6 +44,7 @@ from heads.data import build_datasets
 from heads.eagle import EagleConfig, EagleHead
 from heads.eagle_loss import draft_vocabulary, eagle_loss
 from heads.exit_head import ExitHead, ExitHeadConfig, ExitLogits, final_norm
+from heads.hydra import HydraConfig, HydraHeads, following
 from heads.losses import IGNORE_INDEX, gather_scored, scored_loss
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.hidden_cache import TargetStates, make_caches
@@ -157,7 +158,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     set_seed(cfg.seed)
     out_dir, ckpt_root = Path(cfg.output_dir), Path(cfg.output_dir) / "checkpoints"
     if cfg.logging.log_with:
-        project = cfg.logging.project or {"medusa": "medusa", "exit_head": "exit", "eagle": "eagle"}[cfg.method]
+        project = cfg.logging.project or {"medusa": "medusa", "hydra": "hydra", "exit_head": "exit", "eagle": "eagle"}[cfg.method]
         accelerator.init_trackers(project, config=_flat(to_dict(cfg)))
     model.to(accelerator.device)
     with accelerator.main_process_first():
@@ -283,6 +284,8 @@ def train(cfg: TrainConfig) -> TrainResult:
         log.warning("no held-out rows (data.eval_fraction=0): the heads are saved without measured accuracy or tree")
     if cfg.method == "medusa":
         heads_dir = save_final(accelerator, heads, mcfg, model, accuracy, cfg.tree.budget, out_dir / "heads")
+    elif cfg.method == "hydra":
+        heads_dir = save_final(accelerator, heads, mcfg, model, accuracy, cfg.tree.budget, out_dir / "hydra_heads")
     elif cfg.method == "eagle":
         heads_dir = save_eagle(accelerator, heads, mcfg, model, accuracy, out_dir / "eagle_head")
     else:
@@ -306,9 +309,10 @@ def check_publish(cfg: TrainConfig) -> None:
 
 def outputs(cfg: TrainConfig) -> tuple[int, int, int | None]:
     """(K predictions per position, the first one's look-ahead, the target layer whose input they read) of the
-    method: Medusa heads predict t+2..t+1+K from the final hidden state; an exit head predicts t+1 from layer E's input;
-    an EAGLE head predicts t+2 at each of its unrolled steps, from the final hidden states (heads/eagle_loss.py)."""
-    if cfg.method == "medusa":
+    method: Medusa and Hydra heads predict t+2..t+1+K from the final hidden state (Hydra heads also read tokens
+    t+1..t+k); an exit head predicts t+1 from layer E's input; an EAGLE head predicts t+2 at each of its unrolled
+    steps, from the final hidden states (heads/eagle_loss.py)."""
+    if cfg.method in ("medusa", "hydra"):
         return cfg.heads.num_heads, 1, None
     if cfg.method == "eagle":
         return cfg.eagle.unroll, 1, None
@@ -316,7 +320,7 @@ def outputs(cfg: TrainConfig) -> tuple[int, int, int | None]:
 
 
 def build_drafts(cfg: TrainConfig, model, train_rows=None,
-                 tokenizer=None) -> tuple[torch.nn.Module, MedusaConfig | ExitHeadConfig | EagleConfig]:
+                 tokenizer=None) -> tuple[torch.nn.Module, MedusaConfig | HydraConfig | ExitHeadConfig | EagleConfig]:
     """The module trained on the frozen target and its config: Medusa heads and an exit head map hidden [N, D] to
     logits [K, N, V]; an EAGLE head unrolls over whole rows (EagleHead.forward), its draft vocabulary counted on
     ``train_rows``."""
@@ -331,6 +335,10 @@ def build_drafts(cfg: TrainConfig, model, train_rows=None,
             eos = tuple(t for t in (getattr(tokenizer, "eos_token_id", None),) if t is not None)
             head.set_draft_tokens(draft_vocabulary(train_rows, ecfg.draft_vocab_size, ecfg.vocab_size, eos))
         return head, ecfg
+    if cfg.method == "hydra":
+        hcfg = HydraConfig.for_model(model, base_model=cfg.model.name, base_revision=cfg.model.revision,
+                                     num_heads=cfg.heads.num_heads, num_layers=cfg.heads.num_layers, recipe=to_dict(cfg))
+        return HydraHeads(hcfg, model.get_input_embeddings(), lm_head), hcfg
     if cfg.method == "medusa":
         mcfg = MedusaConfig.for_model(
             model, base_model=cfg.model.name, base_revision=cfg.model.revision, num_heads=cfg.heads.num_heads,
@@ -358,7 +366,10 @@ def heads_loss(cfg: TrainConfig, heads, states, batch: dict, split: str, ranks: 
     scored, targets, shifted = gather_scored(batch["labels"], K, target_logits, first)  # [B, T], [K, N]
     if cfg.method == "exit_head" and shifted is not None:  # an exit head is scored on agreeing with the target itself
         targets = torch.where(targets == IGNORE_INDEX, targets, shifted[0].argmax(-1)[None])
-    logits = heads(hidden[scored])  # [K, N, V]
+    if cfg.method == "hydra":  # each head also reads the tokens after t (teacher forcing)
+        logits = heads(hidden[scored], following(batch["input_ids"], scored, K))  # [K, N, V]
+    else:
+        logits = heads(hidden[scored])  # [K, N, V]
     if not per_row:
         return scored_loss(logits, targets, cfg.loss.decay, cfg.loss.kind, shifted, ranks)
     row_of = scored.nonzero()[:, 0]  # [N]
@@ -433,15 +444,22 @@ def save_eagle(accelerator: Accelerator, head, ecfg: EagleConfig, model, accurac
 
 
 def save_final(
-    accelerator: Accelerator, heads, mcfg: MedusaConfig, model, accuracy, budget: int, directory: Path
+    accelerator: Accelerator, heads, mcfg: MedusaConfig | HydraConfig, model, accuracy, budget: int, directory: Path
 ) -> Path:
-    """Heads with the measured accuracy and the tree built from it -> save_pretrained, on the main process only."""
+    """Medusa or Hydra heads with the measured accuracy and the tree built from it -> save_pretrained, on the main
+    process only. (Hydra heads' accuracy is measured with the true tokens on the path, which is what the tree search
+    assumes: a node is only reached when every token above it was accepted.)"""
     state = accelerator.get_state_dict(heads)  # every process takes part (DeepSpeed gathers partitioned weights)
     if accelerator.is_main_process:
         tree = best_choices(accuracy, budget) if accuracy is not None else None
-        final = MedusaHeads(replace(mcfg, tree=tree, head_accuracy=accuracy), model.get_output_embeddings())
+        final_cfg = replace(mcfg, tree=tree, head_accuracy=accuracy)
+        if isinstance(mcfg, HydraConfig):
+            final = HydraHeads(final_cfg, model.get_input_embeddings(), model.get_output_embeddings())
+        else:
+            final = MedusaHeads(final_cfg, model.get_output_embeddings())
         final.load_state_dict({k: v.float() for k, v in state.items()})
         final.save_pretrained(directory)
         log.info("saved the heads to %s (tree of %d nodes from measured accuracy)", directory, len(tree or []))
     accelerator.wait_for_everyone()
     return directory
+

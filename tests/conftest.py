@@ -12,6 +12,11 @@ OpenMP thread makes every forward several times slower.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import (
@@ -141,3 +146,51 @@ class Recording:
 def tiny_models() -> dict[str, PreTrainedModel]:
     """One tiny model per architecture (with repeating greedy continuations), built once per session."""
     return {arch: tiny_model(arch, initializer_range=REPEATING) for arch in ARCHS}
+
+
+def train_losses(out: Path, args: list[str]) -> dict[int, float]:
+    """Run ``python train.py *args output_dir=out`` in the repository; the logged loss per step of metrics.jsonl."""
+    done = subprocess.run([sys.executable, "train.py", *args, f"output_dir={out}"], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
+
+
+def state_after_prefill(model: PreTrainedModel, prompt: torch.Tensor) -> DraftState:
+    """The DraftState a drafter sees at the first step of ``prompt`` (its last token the root, the rest prefilled)."""
+    from selfspec.sampling import Sampling
+    from selfspec.target import Target
+
+    target = Target(model)
+    cache = target.new_cache()
+    pre = target.prefill(prompt[:-1], cache)
+    return DraftState(tokens=prompt, prompt_length=len(prompt), hidden=pre.hidden[-1], cache=cache,
+                      sampling=Sampling(), new_hidden=pre.hidden)
+
+
+def decode_with_tiny_draft(checkpoint: Path, max_new_tokens: int = 16):
+    """Load a draft checkpoint trained by the tiny recipe (configs/medusa_tiny.yaml) through the registry onto the
+    tiny target, decode a chat prompt with it and assert the tokens are plain greedy ``generate``'s; the SpecModel."""
+    from heads.base_model import load_base
+    from heads.config import ModelConfig
+    from selfspec import registry
+    from selfspec.api import SpecModel
+    from selfspec.target import Target
+
+    base, tokenizer = load_base(ModelConfig(name="tiny-random-llama"))
+    target = Target(base)
+    spec = SpecModel(target, tokenizer, registry.build_drafter(registry.parse_draft(str(checkpoint)), target))
+    ids = spec.encode("Hi there")
+    assert spec.generate(ids, max_new_tokens=max_new_tokens).tokens == reference(base, ids, max_new_tokens)
+    return spec
+
+
+def train_and_check_resume(tmp_path: Path, args: list[str]) -> Path:
+    """train.py with ``args`` for 6 optimizer steps in one run, and for 3 then resumed to 6 in another: the resumed
+    run's losses at steps 4-6 equal the uninterrupted run's. Returns the uninterrupted run's output directory."""
+    full = train_losses(tmp_path / "full", [*args, "optim.max_steps=6"])
+    train_losses(tmp_path / "cut", [*args, "optim.max_steps=3"])
+    resumed = train_losses(tmp_path / "cut", [*args, "optim.max_steps=6", "checkpoint.resume_from=latest"])
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(full[step], abs=1e-6), f"step {step}"
+    return tmp_path / "full"

@@ -224,7 +224,23 @@ def eagle_drafter(target: Target):
     return EagleDrafter(head.eval(), depth=2, topk=2, budget=4)
 
 
-@pytest.mark.parametrize("drafter", ["sampled-q", "random-deterministic", "eagle", "merged"])
+def hydra_drafter(target: Target):
+    """Hydra heads (random weights) on the loop world's model, drafting a 3-node tree 2 deep whose depth-2 node
+    depends on the depth-1 token above it."""
+    from heads.hydra import HydraConfig, HydraHeads
+    from heads.hydra_drafter import HydraDrafter
+
+    model = target.model
+    heads = HydraHeads(HydraConfig.for_model(model, num_heads=2), model.get_input_embeddings(),
+                       model.get_output_embeddings())
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return HydraDrafter(heads.eval(), [[0], [1], [0, 0]])
+
+
+@pytest.mark.parametrize("drafter", ["sampled-q", "random-deterministic", "eagle", "hydra", "merged"])
 def test_loop_sampling_keeps_the_target_distribution(loop_world, drafter):
     """selfspec.generate with a depth-2 tree drafter (4 new tokens: the draft after the first is 2 levels deep):
     the joint of the first three tokens equals plain sampling from the target (process_logits of its logits)."""
@@ -234,6 +250,7 @@ def test_loop_sampling_keeps_the_target_distribution(loop_world, drafter):
         "sampled-q": lambda: SampledTreeDrafter(TREE, q_by_depth, seed=3),
         "random-deterministic": lambda: RandomDrafter(TREE, V_LOOP, seed=3),
         "eagle": lambda: eagle_drafter(target),
+        "hydra": lambda: hydra_drafter(target),
         # a sampled draft and a deterministic one as one tree (q dropped: every node a point mass)
         "merged": lambda: MergedDrafter([SampledTreeDrafter(TREE, q_by_depth, seed=3), RandomDrafter(TREE, V_LOOP, seed=4)]),
     }[drafter]

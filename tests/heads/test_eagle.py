@@ -8,14 +8,13 @@ losslessness; what training buys is measured on SmolLM2 in docs/BENCHMARKS.md.""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import datasets
 import pytest
 import torch
-from conftest import random_prompts, reference, tiny_model
+from conftest import (decode_with_tiny_draft, random_prompts, reference, state_after_prefill, tiny_model,
+                      train_and_check_resume)
 from transformers import DynamicCache
 
 from heads.config import load_config
@@ -116,14 +115,6 @@ def test_draft_vocabulary_is_the_most_frequent_training_tokens_with_the_end_of_t
     assert draft_vocabulary(rows, 3, 12, always=(11,)).tolist() == [5, 9, 11]
     with pytest.raises(ValueError, match="expected a size in 1..12, found 13"):
         draft_vocabulary(rows, 13, 12)
-
-
-def state_after_prefill(model, prompt):
-    target = Target(model)
-    cache = target.new_cache()
-    pre = target.prefill(prompt[:-1], cache)
-    return DraftState(tokens=prompt, prompt_length=len(prompt), hidden=pre.hidden[-1], cache=cache,
-                      sampling=Sampling(), new_hidden=pre.hidden)
 
 
 def test_chain_drafting_is_the_heads_greedy_path(model):
@@ -256,31 +247,10 @@ def test_train_py_trains_an_eagle_head_that_resumes_exactly_and_decodes_lossless
               "optim.scheduler=constant_with_warmup", "optim.epochs=100", "logging.every=1", "eval.every=0",
               "logging.log_with=[tensorboard]", "checkpoint.every=3"]
 
-    def run(out, *extra):
-        done = subprocess.run([sys.executable, "train.py", *common, f"output_dir={out}", *extra], cwd=REPO,
-                              capture_output=True, text=True, timeout=240)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-                if "loss" in r}
-
-    full = run(tmp_path / "full", "optim.max_steps=6")
-    run(tmp_path / "cut", "optim.max_steps=3")
-    resumed = run(tmp_path / "cut", "optim.max_steps=6", "checkpoint.resume_from=latest")
-    for step in (4, 5, 6):
-        assert resumed[step] == pytest.approx(full[step], abs=1e-6), f"step {step}"
-
+    train_and_check_resume(tmp_path, common)
     out = tmp_path / "full" / "eagle_head"
     config = json.loads((out / "config.json").read_text())
     assert config["recipe"]["method"] == "eagle" and config["draft_vocab_size"] == 128
     assert len(config["top1_agreement"]) == 3 and all(0.0 <= a <= 1.0 for a in config["top1_agreement"])
     assert list((tmp_path / "full" / "eagle").rglob("events.out.tfevents*"))  # TensorBoard, beside the head
-
-    from heads.base_model import load_base
-    from heads.config import ModelConfig
-    from selfspec.api import SpecModel
-
-    base, tokenizer = load_base(ModelConfig(name="tiny-random-llama"))
-    target = Target(base)
-    spec = SpecModel(target, tokenizer, registry.build_drafter(registry.parse_draft(str(out)), target))
-    ids = spec.encode("Hi there")
-    assert spec.generate(ids, max_new_tokens=16).tokens == reference(base, ids, 16)
+    decode_with_tiny_draft(out)

@@ -14,15 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_prompts, reference, tiny_model
+from conftest import decode_with_tiny_draft, random_prompts, reference, tiny_model
 from test_layerskip import VOCAB, four_layer
 
-from heads.base_model import final_hidden, layer_and_final_hidden, load_base
-from heads.config import ModelConfig, load_config
+from heads.base_model import final_hidden, layer_and_final_hidden
+from heads.config import load_config
 from heads.exit_head import ExitHead, ExitHeadConfig, ExitLogits, final_norm, load_drafter
 from heads.losses import gather_scored, head_targets
-from selfspec import registry
-from selfspec.api import SpecModel
 from selfspec.early_exit import EarlyExitDrafter, EarlyExitTarget
 from selfspec.generate import generate
 from selfspec.target import Target
@@ -138,9 +136,5 @@ def test_train_py_trains_an_exit_head_that_drafts_through_selfspec_load(tmp_path
     final = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"final"' in line]
     assert final and final[-1]["eval_top1"] == [config["top1_agreement"]]
 
-    base, tokenizer = load_base(ModelConfig(name="tiny-random-llama"))
-    target = Target(base)
-    spec = SpecModel(target, tokenizer, registry.build_drafter(registry.parse_draft(str(out / "exit_head")), target))
+    spec = decode_with_tiny_draft(out / "exit_head", max_new_tokens=12)
     assert isinstance(spec.target, EarlyExitTarget)  # the drafter's own verifier, reusing the early layers
-    ids = spec.encode("Hi there")
-    assert spec.generate(ids, max_new_tokens=12).tokens == reference(base, ids, 12)
