@@ -102,28 +102,11 @@ class EagleDrafter:
             layer = self._children(head, out, expand, tok, parent, score, depth, feat, d=d)
 
         # 3. rerank: the budget best nodes, parents before children (a child never scores above its parent)
-        kept: list[int] = []
-        keep = {0}
-        for i in sorted(range(1, len(tok)), key=lambda i: (-score[i], depth[i], i)):
-            if parent[i] in keep:
-                kept.append(i)
-                keep.add(i)
-                if len(kept) == self.budget:
-                    break
-
         # 4. the tree: by depth, siblings best first
-        kept.sort(key=lambda i: (depth[i], -score[i], i))
-        index = {0: 0}
-        parents, ranks, seen = [-1], [0], {}
-        for i in kept:
-            index[i] = len(parents)
-            p = index[parent[i]]
-            parents.append(p)
-            ranks.append(seen.get(p, 0))
-            seen[p] = ranks[-1] + 1
+        tree, kept = Tree.best_scored(parent, score, depth, self.budget)
         draft_tokens = torch.tensor([tok[0]] + [tok[i] for i in kept], dtype=tokens.dtype, device=device)
         scores = torch.tensor([0.0] + [score[i] for i in kept])
-        return Draft(tree=Tree(parents=tuple(parents), ranks=tuple(ranks)), tokens=draft_tokens, scores=scores)
+        return Draft(tree=tree, tokens=draft_tokens, scores=scores)
 
     def _children(self, head: EagleHead, out: torch.Tensor, nodes: list[int], tok, parent, score, depth, feat,
                   d: int) -> list[int]:

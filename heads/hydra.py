@@ -179,7 +179,8 @@ print(model.generate("Hello!", max_new_tokens=64).text)
 
 def load_drafter(path_or_repo_id: str | Path, target, revision: str | None = None, tree=None):
     """The ``hydra`` entry point of ``selfspec.drafters``: the heads on ``target`` as a HydraDrafter. tree: None (the
-    checkpoint's tree, or a chain of every head's top-1 without one) or a static tree / choices."""
+    checkpoint's tree, or a chain of every head's top-1 without one), a static tree / choices, or a DynamicTree
+    (grown each step from the heads' probabilities)."""
     from heads.hydra_drafter import HydraDrafter
 
     heads = HydraHeads.from_pretrained(path_or_repo_id, target.model, revision=revision)

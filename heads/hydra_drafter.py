@@ -6,8 +6,14 @@ head d reads the path above the node, so every node of depth d - 1 that has chil
     depth 1:  h_t, [root]                 ─ head 1 ─▶ top-R candidates: the root's children
     depth 2:  h_t, [root, x]  for each x  ─ head 2 ─▶ top-R candidates: x's children   ...
 
+With a ``DynamicTree`` (``--tree dynamic:N``, or ``auto``: the budget ``infer.py tune-tree`` measured fastest) the tree
+is grown each step as EAGLE-2 grows it: depth by depth, the ``max_rank`` best nodes of the newest depth (by cumulative
+draft log-probability) each offer their ``max_rank`` best children; then the ``budget`` best nodes are kept
+(``Tree.best_scored``).
+
 Drafts are deterministic (q = None): greedy acceptance is exact, and ``sample_accept`` treats each node as a point mass,
-which keeps sampling lossless too. The tree is the checkpoint's, built from measured accuracy (heads.tree_search).
+which keeps sampling lossless too. The static tree is the checkpoint's, built from measured accuracy
+(heads.tree_search).
 
 Shapes: N tree nodes, Q nodes expanded at a depth, d depth, D hidden size, V vocabulary.
 """
@@ -26,11 +32,12 @@ from selfspec.tree import DynamicTree, Tree
 
 class HydraDrafter:
     def __init__(self, heads: HydraHeads, tree: Tree | DynamicTree | Sequence[Sequence[int]]):
-        if isinstance(tree, DynamicTree):
-            raise ValueError("Hydra heads draft the static tree built from their measured accuracy (or one you give: "
-                             "chain:K, full:..., choices); --tree dynamic:N is for Medusa and EAGLE heads")
-        tree = tree if isinstance(tree, Tree) else Tree.from_choices(tree)
         self.heads = heads.eval()
+        self.dynamic = tree if isinstance(tree, DynamicTree) else None
+        if self.dynamic is not None:
+            self.depth = min(self.dynamic.depth or heads.config.num_heads, heads.config.num_heads)
+            return
+        tree = tree if isinstance(tree, Tree) else Tree.from_choices(tree)
         self.tree = check_tree(tree, max_depth=heads.config.num_heads, max_topk=heads.config.vocab_size,
                                drafter="Hydra heads")
         # per depth d: the nodes of depth d - 1 that have children, their paths from the root, and for each node of
@@ -54,6 +61,8 @@ class HydraDrafter:
 
     @torch.inference_mode()
     def draft(self, state: DraftState) -> Draft:
+        if self.dynamic is not None:
+            return self._draft_dynamic(state)
         root = state.tokens[-1:]  # [1]
         tokens = root.new_zeros(len(self.tree))  # [N]
         tokens[0] = root[0]
@@ -63,6 +72,30 @@ class HydraDrafter:
             top = logits.topk(topk, dim=-1).indices  # [Q, R]
             tokens[nodes.to(tokens.device)] = top[rows.to(top.device), ranks.to(top.device)].to(tokens.device)
         return Draft(tree=self.tree, tokens=tokens)
+
+    def _draft_dynamic(self, state: DraftState) -> Draft:
+        """1. expand the best nodes of the newest depth, one batched head call per depth; 2. keep the budget best."""
+        root, k = state.tokens[-1], self.dynamic.max_rank
+        tok, parent, score, depth, path = [int(root)], [-1], [0.0], [0], [[int(root)]]
+        layer = [0]
+        for d in range(1, self.depth + 1):
+            expand = sorted(layer, key=lambda i: -score[i])[:k]
+            hidden = state.hidden.reshape(1, -1).expand(len(expand), -1)  # [Q, D]
+            paths = torch.tensor([path[i] for i in expand], device=root.device)  # [Q, d]
+            logp = torch.log_softmax(self.heads.head_logits(hidden, paths, d).float(), dim=-1)  # [Q, V]
+            top = logp.topk(k, dim=-1)
+            layer = []
+            for q, node in enumerate(expand):
+                for token, value in zip(top.indices[q].tolist(), top.values[q].tolist()):
+                    layer.append(len(tok))
+                    tok.append(token)
+                    parent.append(node)
+                    score.append(score[node] + value)
+                    depth.append(d)
+                    path.append(path[node] + [token])
+        tree, kept = Tree.best_scored(parent, score, depth, self.dynamic.budget)
+        tokens = torch.tensor([tok[0]] + [tok[i] for i in kept], dtype=state.tokens.dtype, device=root.device)
+        return Draft(tree=tree, tokens=tokens, scores=torch.tensor([0.0] + [score[i] for i in kept]))
 
     def update(self, draft: Draft, acceptance: Acceptance) -> None:
         return None

@@ -171,6 +171,7 @@ def build_tune_parser() -> argparse.ArgumentParser:
 def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
     from heads.drafter import MedusaDrafter
     from heads.eagle_drafter import EagleDrafter
+    from heads.hydra_drafter import HydraDrafter
     from selfspec import budget
     from selfspec.tree import DynamicTree
 
@@ -190,12 +191,14 @@ def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
     if isinstance(drafter, EagleDrafter):
         def make(d: int, n: int):
             return EagleDrafter(drafter.head, d, drafter.topk, n)
-    elif isinstance(drafter, MedusaDrafter):  # dynamic trees over the heads (depth <= the number of heads)
+    elif isinstance(drafter, (MedusaDrafter, HydraDrafter)):  # dynamic trees over the heads (depth <= their number)
+        kind = type(drafter)
+
         def make(d: int, n: int):
-            return MedusaDrafter(drafter.heads, DynamicTree(n, depth=d))
+            return kind(drafter.heads, DynamicTree(n, depth=d))
         depths = [d for d in depths if d <= drafter.heads.config.num_heads] or [drafter.heads.config.num_heads]
     else:
-        raise TypeError(f"{a.draft} built a {type(drafter).__name__}; tune-tree expected EAGLE or Medusa heads")
+        raise TypeError(f"{a.draft} built a {type(drafter).__name__}; tune-tree expected EAGLE, Medusa or Hydra heads")
     curve = budget.cached_verify_costs(target, a.model, refresh=a.refresh_costs)
     prompts = [p.to(target.device) for p in calibration_inputs(tokenizer, a.prompts)]
     tuning = budget.tune(target, make, prompts, curve, depths, budgets, a.max_new_tokens)

@@ -264,10 +264,10 @@ def _tree_part(spec: DraftSpec) -> DraftSpec:
     return next((p for p in spec.parts if p.location is not None), spec.parts[0])
 
 
-TUNABLE_KINDS = ("eagle", "medusa")
+TUNABLE_KINDS = ("eagle", "medusa", "hydra")
 """drafters that grow their tree by score under a budget and a depth, and report the scores (infer.py tune-tree)."""
 
-DYNAMIC_TREE_KINDS = ("medusa", "eagle")
+DYNAMIC_TREE_KINDS = ("medusa", "eagle", "hydra")
 """drafters that grow a tree per step from their candidates' probabilities (--tree dynamic:N)."""
 
 

@@ -103,6 +103,33 @@ class Tree:
         return tuple(sorted(chosen, key=lambda c: (len(c), c)))
 
     @classmethod
+    def best_scored(cls, parent: Sequence[int], score: Sequence[float], depth: Sequence[int],
+                    budget: int) -> tuple["Tree", list[int]]:
+        """EAGLE-2's rerank, for candidates grown by a drafter whose guesses depend on the path above them (EAGLE and
+        Hydra heads): node i (0 the root) has ``parent[i]``, cumulative draft log-probability ``score[i]`` and
+        ``depth[i]``. Keeps the ``budget`` best-scored nodes whose parent is kept (a child never scores above its
+        parent), lays them out by depth, siblings best first, and returns the tree and the kept nodes in its order
+        (tree node j + 1 is candidate kept[j])."""
+        kept: list[int] = []
+        keep = {0}
+        for i in sorted(range(1, len(parent)), key=lambda i: (-score[i], depth[i], i)):
+            if parent[i] in keep:
+                kept.append(i)
+                keep.add(i)
+                if len(kept) == budget:
+                    break
+        kept.sort(key=lambda i: (depth[i], -score[i], i))
+        index = {0: 0}
+        parents, ranks, seen = [-1], [0], {}
+        for i in kept:
+            index[i] = len(parents)
+            p = index[parent[i]]
+            parents.append(p)
+            ranks.append(seen.get(p, 0))
+            seen[p] = ranks[-1] + 1
+        return cls(parents=tuple(parents), ranks=tuple(ranks)), kept
+
+    @classmethod
     def full(cls, topk: Sequence[int]) -> "Tree":
         """Every combination: topk[d] children under every node at depth d (a full k-ary tree per level)."""
         choices: list[tuple[int, ...]] = [()]

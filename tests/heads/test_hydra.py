@@ -106,14 +106,35 @@ def test_drafting_fills_each_node_with_its_heads_candidate_given_the_path(model)
     assert not torch.allclose(*under)  # the same rank under another parent is another guess (unlike Medusa heads)
 
 
+def test_a_dynamic_tree_keeps_the_budget_best_nodes_each_a_top_candidate_of_its_head_given_its_path(model):
+    heads = make_heads(model, seed=7)
+    prompt = random_prompts(1, VOCAB, seed=8, min_len=9, max_len=9)[0]
+    state = state_after_prefill(model, prompt)
+    draft = HydraDrafter(heads, DynamicTree(10, max_rank=3)).draft(state)
+    tree, tokens = draft.tree, draft.tokens.tolist()
+    assert len(tree) == 11 and tree.depth >= 2 and not tree.is_chain
+    for i in range(1, len(tree)):
+        path = [tokens[j] for j in tree.path_to(i)[:-1]]
+        with torch.no_grad():
+            logp = torch.log_softmax(heads.head_logits(state.hidden[None], torch.tensor([path]), len(path))[0], -1)
+        assert tokens[i] in logp.topk(3).indices.tolist()
+        want = float(draft.scores[tree.parents[i]]) + float(logp[tokens[i]])
+        assert float(draft.scores[i]) == pytest.approx(want, abs=1e-5)
+        assert draft.scores[i] <= draft.scores[tree.parents[i]]
+    chain = HydraDrafter(heads, DynamicTree(3, max_rank=1)).draft(state)
+    assert chain.tree == Tree.chain(3)  # one candidate per depth: the heads' greedy path
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "gpt2"])
 def test_hydra_drafts_through_the_runtime_stay_token_identical_to_generate(arch):
     model = tiny_model(arch, initializer_range=0.1)
     heads = make_heads(model, seed=4)
     target = Target(model)
     drafter = HydraDrafter(heads, Tree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]))
+    dynamic = HydraDrafter(heads, DynamicTree(9, max_rank=3))
     for prompt in random_prompts(5, VOCAB, seed=5):
         assert generate(target, drafter, prompt, max_new_tokens=24).tokens == reference(model, prompt, 24)
+        assert generate(target, dynamic, prompt, max_new_tokens=24).tokens == reference(model, prompt, 24)
 
 
 def test_save_load_round_trip_is_strict_and_exact(model, tmp_path):
@@ -150,10 +171,8 @@ def test_the_registry_loads_hydra_heads_with_their_tree(model, tmp_path):
     assert spec.kind == "hydra"
     assert registry.build_drafter(spec, target).tree == Tree.from_choices([[0], [1], [0, 0]])
     assert registry.build_drafter(spec, target, Tree.chain(2)).tree == Tree.chain(2)
-    with pytest.raises(ValueError, match="--tree dynamic:8 needs a drafter whose candidates"):
-        registry.build_drafter(spec, target, DynamicTree(8))
-    with pytest.raises(ValueError, match="static tree built from their measured accuracy"):
-        load_drafter(tmp_path / "ck", target, tree=DynamicTree(8))
+    assert registry.build_drafter(spec, target, DynamicTree(8)).dynamic == DynamicTree(8)
+    assert load_drafter(tmp_path / "ck", target, tree=DynamicTree(8, depth=5)).depth == 3  # no deeper than the heads
     with pytest.raises(ValueError, match="4 levels deep but the Hydra heads drafts at most 3"):
         registry.build_drafter(spec, target, Tree.chain(4))
 
