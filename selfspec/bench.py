@@ -25,6 +25,8 @@ import json
 import platform
 import statistics
 import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -252,12 +254,17 @@ def run_bench(cfg: BenchConfig) -> specbench.Summary:
     todo = [q for q in questions if not all(log.has(m.label, d, q.question_id) for m in methods for d in dtypes)]
     bar = tqdm(todo, desc="bench", disable=not cfg.progress, unit="question", initial=len(questions) - len(todo),
                total=len(questions))
-    for q in bar:
+    started = time.perf_counter()
+    for n, q in enumerate(bar, start=len(questions) - len(todo) + 1):
         for dname in dtypes:
             for m in methods:
                 if not log.has(m.label, dname, q.question_id):
                     log.add(m.label, dname, answer_question(runners[dname][m.label], m, q, cfg.max_new_tokens, cfg.repeats))
         _report(out, log, questions, methods, dtypes, model_id)  # partial results readable at any time
+        if not cfg.progress:  # a line per question instead of a bar (logs of runs under nohup)
+            minutes = (time.perf_counter() - started) / 60
+            print(f"bench: question {q.question_id} ({q.category}) answered, {n}/{len(questions)}; {minutes:.1f} min "
+                  f"in this segment", file=sys.stderr, flush=True)
 
     # 5. report
     summary = _report(out, log, questions, methods, dtypes, model_id)

@@ -253,6 +253,8 @@ def test_an_interrupted_run_resumes_where_it_stopped(model_dir, tmp_path, monkey
     calls.clear()
     assert cli.main([*argv, "--out-dir", str(out), "--resume"]) == 0
     assert calls == [("ngram", 101), ("plain", 121), ("ngram", 121)]
+    err = capsys.readouterr().err  # --no-progress: a line per question, counted over the whole run
+    assert "bench: question 101 (reasoning) answered, 2/3" in err and "question 121 (coding) answered, 3/3" in err
     for name in ("model-plain-float32.jsonl", "model-ngram-float32.jsonl"):
         assert [r["choices"][0]["turns"] for r in read_jsonl(out / name)] \
             == [r["choices"][0]["turns"] for r in read_jsonl(tmp_path / "whole" / name)]
