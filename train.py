@@ -1,4 +1,4 @@
-"""Train draft heads (Medusa heads or an early-exit head) on a frozen causal LM.
+"""Train drafts on a frozen causal LM: Medusa heads, Hydra heads, an EAGLE-style head or an early-exit head (method=...).
 
     python train.py --config configs/medusa_smollm2.yaml [key=value ...]
     accelerate launch [--config_file configs/accelerate/<setup>.yaml] train.py --config ... [key=value ...]

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", default="ngram",
                    help="the draft: 'ngram' (prompt lookup, default; options as 'ngram:depth=8,max_nodes=24'), 'none' "
                         "(plain decoding through the same loop), 'early-exit:layer=E' (the first E layers draft; options "
-                        "depth, stop_below), or a draft checkpoint (directory or Hub id: Medusa heads, an EAGLE head, an "
+                        "depth, stop_below), or a draft checkpoint (directory or Hub id: Medusa or Hydra heads, an EAGLE head, an "
                         "exit head, a layer-skip config); 'A+B' verifies the drafts of A and B as one tree each step, e.g. "
                         "'runs/eagle_head+ngram' (a trained head and prompt lookup; --tree applies to A)")
     p.add_argument("--draft-revision", default=None, help="Hub revision of a --draft checkpoint")
