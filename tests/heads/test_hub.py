@@ -283,3 +283,25 @@ def test_eagle_head_push_to_hub_round_trip(chat, hub):
     assert b'draft="tester/eagle"' in hub.files("tester/eagle", "main")["README.md"]
     drafter = load_drafter("tester/eagle", Target(model))
     assert drafter.budget == head.config.budget
+
+
+def test_hydra_heads_push_to_hub_round_trip(chat, hub, tmp_path):
+    """Hydra heads published over the Hub API (the same commit path as every draft) and loaded back by id, tree and
+    all; a saved directory is checked and carded as Hydra heads by push_folder (python -m heads.publish)."""
+    from heads.checkpoint import push_folder
+    from heads.hydra import HydraConfig, HydraHeads, load_drafter
+    from selfspec.target import Target
+
+    model, tokenizer = chat
+    torch.manual_seed(0)
+    heads = HydraHeads(HydraConfig.for_model(model, base_model="tiny-chat", num_heads=2, tree=[[0], [1], [0, 0]]),
+                       model.get_input_embeddings(), model.get_output_embeddings())
+    published = heads.push_to_hub("tester/hydra")
+    assert published.changed and sorted(published.files) == ["README.md", "config.json", "model.safetensors"]
+    loaded = HydraHeads.from_pretrained("tester/hydra", model)
+    assert loaded.config == heads.config
+    assert all(torch.equal(a, b) for a, b in zip(heads.state_dict().values(), loaded.state_dict().values()))
+    assert b'draft="tester/hydra"' in hub.files("tester/hydra", "main")["README.md"]
+    assert len(load_drafter("tester/hydra", Target(model)).tree) == 4
+    saved = heads.save_pretrained(tmp_path / "hydra-local")
+    assert push_folder(saved, "tester/hydra-2", dry_run=True) == ["config.json", "model.safetensors", "README.md"]
