@@ -191,6 +191,9 @@ def run_decode(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
                      trust_remote_code=args.trust_remote_code)
     label = f"[selfspec {args.draft}]"
     if args.prompt is not None:
+        if args.compare:  # untimed warm-up of both paths, so neither timing pays for first-call set-up
+            model.generate(args.prompt, max_new_tokens=2, chat=not args.no_chat)
+            model.generate_plain(args.prompt, max_new_tokens=2, chat=not args.no_chat)
         stream = _reply(model, args.prompt, args, out, err, label)
         if stream is None:
             return INTERRUPTED
