@@ -15,6 +15,7 @@ model.safetensors and a model card written for the repo in one Hub commit (heads
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.metadata
 import json
 import os
@@ -293,26 +294,24 @@ def checkpoint_files(directory: Path) -> list[str]:
     return [name for name in FILES if (directory / name).is_file()]
 
 
+TYPED_DRAFTS = {
+    "exit-head": ("heads.exit_head", "read_exit_checkpoint", "exit_card"),
+    "eagle": ("heads.eagle", "read_eagle_checkpoint", "eagle_card"),
+    "hydra": ("heads.hydra", "read_hydra_checkpoint", "hydra_card"),
+}
+"""draft_type -> (module, strict reader, model card) of the drafts stored with a typed config (DraftCheckpoint)."""
+
+
 def publish_files(directory: Path, repo_id: str) -> dict[str, Path | bytes]:
     """What a publish of ``directory`` to ``repo_id`` uploads: config.json and model.safetensors as saved (after a
     strict check), and README.md generated from config.json for ``repo_id`` (so its usage snippet names the repo).
     Medusa heads, exit heads (draft_type "exit-head"), EAGLE heads ("eagle") and Hydra heads ("hydra") alike."""
     config_file = directory / CONFIG
     kind = read_json_object(config_file, "the checkpoint's config").get("draft_type") if config_file.is_file() else None
-    if kind == "exit-head":
-        from heads.exit_head import exit_card, read_exit_checkpoint
-
-        card = exit_card(read_exit_checkpoint(directory)[0], repo_id).encode()
-        return {CONFIG: directory / CONFIG, WEIGHTS: directory / WEIGHTS, CARD: card}
-    if kind == "eagle":
-        from heads.eagle import eagle_card, read_eagle_checkpoint
-
-        card = eagle_card(read_eagle_checkpoint(directory)[0], repo_id).encode()
-        return {CONFIG: directory / CONFIG, WEIGHTS: directory / WEIGHTS, CARD: card}
-    if kind == "hydra":
-        from heads.hydra import hydra_card, read_hydra_checkpoint
-
-        card = hydra_card(read_hydra_checkpoint(directory)[0], repo_id).encode()
+    if kind in TYPED_DRAFTS:  # read strictly (config against tensors), then carded for the repo
+        module = importlib.import_module(TYPED_DRAFTS[kind][0])
+        read, card_for = getattr(module, TYPED_DRAFTS[kind][1]), getattr(module, TYPED_DRAFTS[kind][2])
+        card = card_for(read(directory)[0], repo_id).encode()
         return {CONFIG: directory / CONFIG, WEIGHTS: directory / WEIGHTS, CARD: card}
     checkpoint_files(directory)
     card = model_card(read_config(directory), repo_id).encode()

@@ -198,7 +198,7 @@ def _report(out: Path, log: BenchLog, questions: list[Question], methods: list[M
     runs = {(m.label, d): [log.done[(m.label, d, q.question_id)] for q in complete] for d in dtypes for m in methods}
     for (label, dname), answers in runs.items():
         atomic_write(out / f"{model_id}-{label.replace(':', '-')}-{dname}.jsonl", specbench.answer_lines(answers, model_id))
-    meta = {**log.manifest, "n_questions": len(complete), "of_questions": len(questions), "machine": _machine()}
+    meta = {**log.manifest, "n_questions": len(complete), "of_questions": len(questions)}  # machines: in segments
     summary = specbench.summarize(runs, meta=meta)
     atomic_write(out / "summary.md", specbench.to_markdown(summary))
     atomic_write(out / "summary.json", json.dumps(summary.to_json(), indent=1))
@@ -254,19 +254,20 @@ def run_bench(cfg: BenchConfig) -> specbench.Summary:
     todo = [q for q in questions if not all(log.has(m.label, d, q.question_id) for m in methods for d in dtypes)]
     bar = tqdm(todo, desc="bench", disable=not cfg.progress, unit="question", initial=len(questions) - len(todo),
                total=len(questions))
-    started = time.perf_counter()
+    started, summary = time.perf_counter(), None
     for n, q in enumerate(bar, start=len(questions) - len(todo) + 1):
         for dname in dtypes:
             for m in methods:
                 if not log.has(m.label, dname, q.question_id):
                     log.add(m.label, dname, answer_question(runners[dname][m.label], m, q, cfg.max_new_tokens, cfg.repeats))
-        _report(out, log, questions, methods, dtypes, model_id)  # partial results readable at any time
+        summary = _report(out, log, questions, methods, dtypes, model_id)  # partial results readable at any time
         if not cfg.progress:  # a line per question instead of a bar (logs of runs under nohup)
             minutes = (time.perf_counter() - started) / 60
             print(f"bench: question {q.question_id} ({q.category}) answered, {n}/{len(questions)}; {minutes:.1f} min "
                   f"in this segment", file=sys.stderr, flush=True)
 
-    # 5. report
-    summary = _report(out, log, questions, methods, dtypes, model_id)
+    # 5. report (already written after the last question; a resumed run with nothing left writes it here)
+    if summary is None:
+        summary = _report(out, log, questions, methods, dtypes, model_id)
     assert summary is not None  # every question was answered above
     return summary
