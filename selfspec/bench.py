@@ -121,18 +121,24 @@ def parse_methods(specs: tuple[str, ...], num_layers: int, revision: str | None 
                 raise ValueError(f"method {spec!r}: the exit layer must be below the target's {num_layers} layers")
             methods.append(Method(spec, hf_kwargs={"assistant_early_exit": exit_layer}))
         else:
-            draft_spec, _, tree = spec.partition("@")  # 'DRAFT@TREE': the same draft with another tree
-            if tree and tree != "auto":
-                registry.parse_tree(tree)  # a bad tree fails here, before any model loads
-            draft = registry.parse_draft(draft_spec, revision=revision)
-            label = draft.label if draft.location or draft.parts else draft_spec
-            methods.append(Method(f"{label}@{tree}" if tree else label, draft=draft, tree=tree or None))
+            methods.append(draft_method(spec, revision))
     labels = [m.label for m in methods]
     if len(set(labels)) != len(labels):
         raise ValueError(f"two methods share a name: {labels}; give checkpoint directories distinct names")
     if "plain" not in labels:
         methods.insert(0, Method("plain", hf_kwargs={}))  # every speed-up is measured against it
     return sorted(methods, key=lambda m: m.label != "plain")
+
+
+def draft_method(spec: str, revision: str | None = None) -> Method:
+    """A selfspec draft as a bench method: 'DRAFT' or 'DRAFT@TREE' (the same draft with another tree), validated and
+    labelled (config.json read, no weights)."""
+    draft_spec, _, tree = spec.partition("@")
+    if tree and tree != "auto":
+        registry.parse_tree(tree)  # a bad tree fails here, before any model loads
+    draft = registry.parse_draft(draft_spec, revision=revision)
+    label = draft.label if draft.location or draft.parts else draft_spec
+    return Method(f"{label}@{tree}" if tree else label, draft=draft, tree=tree or None)
 
 
 def _runner(method: Method, target: Target, tokenizer: Any, model_name: str) -> SpecModel:

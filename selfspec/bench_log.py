@@ -81,6 +81,11 @@ class BenchLog:
         self.done[key] = answer
 
 
+def read_answers(out_dir: str | Path) -> dict[tuple[str, str, Any], Answer]:
+    """A run's logged answers by (method label, dtype name, question id)."""
+    return _read_log(Path(out_dir) / LOG)
+
+
 def _line(key: tuple[str, str, Any], answer: Answer) -> str:
     return json.dumps({"method": key[0], "dtype": key[1], "answer": asdict(answer)}, ensure_ascii=False) + "\n"
 

@@ -5,6 +5,7 @@
     python infer.py                                          # interactive chat (multi-turn, the chat template)
     python infer.py bench --limit 12 --dtype fp32,bf16       # Spec-Bench answers, table and plot
     python infer.py costs                                    # verify-forward time against tree size
+    python infer.py fit-policy --bench-dir D --arms A,B --out P   # a per-request draft policy (--draft P)
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                "  infer.py costs ...   verify-forward time against tree size on this machine (infer.py costs --help)\n"
                "  infer.py sweep-exit ...   early exit's accepted tokens and speed per exit layer (--help)\n"
                "  infer.py search-skip ...  search the layers to skip, save a layer-skip draft (--help)\n"
-               "  infer.py tune-tree ...    the tree budget and depth fastest on this machine for a draft (--help)",
+               "  infer.py tune-tree ...    the tree budget and depth fastest on this machine for a draft (--help)\n"
+               "  infer.py fit-policy ...   learn which draft decodes each request fastest, from a bench run (--help)",
     )
     _model_args(p)
     p.add_argument("--draft", default="ngram",
@@ -274,6 +276,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_bench_cli(argv[1:])
         if argv[:1] == ["costs"]:
             return run_costs_cli(argv[1:])
+        if argv[:1] == ["fit-policy"]:
+            from selfspec import policy_fit
+
+            return policy_fit.run_cli(argv[1:], sys.stdout)
         if argv[:1] in (["sweep-exit"], ["search-skip"], ["tune-tree"]):
             from selfspec import calibrate
 

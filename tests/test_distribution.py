@@ -240,7 +240,21 @@ def hydra_drafter(target: Target):
     return HydraDrafter(heads.eval(), [[0], [1], [0, 0]])
 
 
-@pytest.mark.parametrize("drafter", ["sampled-q", "random-deterministic", "eagle", "hydra", "merged"])
+def policy_drafter(target: Target, arms: list):
+    """A per-request policy (selfspec/policy.py) whose rule picks the last of ``arms`` for this prompt."""
+    from selfspec.policy import Policy, PolicyDrafter, Ridge
+
+    f, a = 2 * target.hidden_size + 1, len(arms)
+    bias = torch.zeros(a, dtype=torch.float64)
+    bias[-1] = 1.0
+    ridge = Ridge(mean=torch.zeros(f, dtype=torch.float64), scale=torch.ones(f, dtype=torch.float64),
+                  weights=torch.zeros(f, a, dtype=torch.float64), bias=bias)
+    policy = Policy(arms=tuple(f"arm{i}" for i in range(a)), ridge=ridge, base_model="tiny",
+                    hidden_size=target.hidden_size, vocab_size=V_LOOP, dtype="float32")
+    return PolicyDrafter(policy, arms)
+
+
+@pytest.mark.parametrize("drafter", ["sampled-q", "random-deterministic", "eagle", "hydra", "merged", "policy"])
 def test_loop_sampling_keeps_the_target_distribution(loop_world, drafter):
     """selfspec.generate with a depth-2 tree drafter (4 new tokens: the draft after the first is 2 levels deep):
     the joint of the first three tokens equals plain sampling from the target (process_logits of its logits)."""
@@ -253,6 +267,8 @@ def test_loop_sampling_keeps_the_target_distribution(loop_world, drafter):
         "hydra": lambda: hydra_drafter(target),
         # a sampled draft and a deterministic one as one tree (q dropped: every node a point mass)
         "merged": lambda: MergedDrafter([SampledTreeDrafter(TREE, q_by_depth, seed=3), RandomDrafter(TREE, V_LOOP, seed=4)]),
+        # a per-request policy handing every request to its sampled (q-carrying) EAGLE arm
+        "policy": lambda: policy_drafter(target, [RandomDrafter(TREE, V_LOOP, seed=4), eagle_drafter(target)]),
     }[drafter]
     n = 1000
     counts = _loop_counts(target, make, n, seed=1000)
