@@ -32,7 +32,7 @@ from transformers import PreTrainedModel
 from heads.checkpoint import DraftCheckpoint
 from heads.medusa import ResBlock, _frozen_linear, _type_ok, base_name, base_sizes, strict_keys
 from selfspec import hf
-from selfspec.tree import Tree
+from selfspec.tree import DynamicTree, Tree
 
 DRAFT_TYPE = "exit-head"
 
@@ -184,13 +184,13 @@ print(model.generate("Hello!", max_new_tokens=64).text)
 
 
 def load_drafter(path_or_repo_id: str | Path, target, revision: str | None = None,
-                 tree: Tree | Sequence[Sequence[int]] | None = None):
+                 tree: Tree | DynamicTree | Sequence[Sequence[int]] | None = None):
     """The ``early-exit`` entry point of ``selfspec.drafters``: the exit head on ``target``, as an EarlyExitDrafter
     (a chain of the stored depth unless ``tree`` is given)."""
     from selfspec.early_exit import EarlyExitDrafter
 
     head = ExitHead.from_pretrained(path_or_repo_id, target.model, revision=revision)
-    if tree is not None and not isinstance(tree, Tree):
+    if tree is not None and not isinstance(tree, (Tree, DynamicTree)):
         tree = Tree.from_choices(tree)
     c = head.config
     return EarlyExitDrafter(target, c.exit_layer, depth=c.draft_depth, tree=tree, stop_below=c.stop_below,

@@ -25,6 +25,7 @@ from selfspec import hf, registry
 from selfspec.drafter import NoDrafter, verifier_for
 from selfspec.early_exit import EarlyExitDrafter, check_exit_layer
 from selfspec.generate import generate
+from selfspec.layerskip import PartialModelDrafter
 from selfspec.layerskip_search import Measurement, calibration_inputs, measure, search_skip_layers
 from selfspec.models import DEFAULT_MODEL, load_model
 from selfspec.target import Target
@@ -160,8 +161,8 @@ def build_tune_parser() -> argparse.ArgumentParser:
                                 "accepted lengths at every budget come from greedy decoding of calibration prompts. "
                                 "The best is cached for --tree auto.")
     _common(p)
-    p.add_argument("--draft", required=True, help="the draft checkpoint (an EAGLE head, or Medusa heads: their dynamic "
-                                                  "tree)")
+    p.add_argument("--draft", required=True, help="the draft checkpoint whose dynamic tree to tune: an EAGLE head, "
+                                                  "Medusa or Hydra heads, an exit head or a layer-skip config")
     p.add_argument("--depths", default="3,4,5,6,8", help="depths to try, comma-separated (default: %(default)s)")
     p.add_argument("--budgets", default="4,8,12,16,24,32,48,64", help="node budgets to try (default: %(default)s)")
     p.add_argument("--refresh-costs", action="store_true", help="measure the verify costs again")
@@ -197,8 +198,12 @@ def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
         def make(d: int, n: int):
             return kind(drafter.heads, DynamicTree(n, depth=d))
         depths = [d for d in depths if d <= drafter.heads.config.num_heads] or [drafter.heads.config.num_heads]
+    elif isinstance(drafter, PartialModelDrafter):  # an exit head or a skip set: the target's own layers grow the tree
+        def make(d: int, n: int):
+            return PartialModelDrafter(target, drafter.replace, DynamicTree(n, depth=d), drafter.stop_below)
     else:
-        raise TypeError(f"{a.draft} built a {type(drafter).__name__}; tune-tree expected EAGLE, Medusa or Hydra heads")
+        raise TypeError(f"{a.draft} built a {type(drafter).__name__}; tune-tree expected EAGLE, Medusa or Hydra heads, "
+                        "an exit head or a layer-skip draft")
     curve = budget.cached_verify_costs(target, a.model, refresh=a.refresh_costs)
     prompts = [p.to(target.device) for p in calibration_inputs(tokenizer, a.prompts)]
     tuning = budget.tune(target, make, prompts, curve, depths, budgets, a.max_new_tokens)

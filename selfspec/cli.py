@@ -57,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree", default=None,
                    help="candidate tree for checkpoint drafts (default: the checkpoint's own): 'chain:K', "
                         "'full:3,2,1' (children per level), JSON choices '[[0],[0,0],[1]]', a .json file of them, "
-                        "'dynamic:N' or 'dynamic:N,depth=D' (Medusa, Hydra and EAGLE heads: N nodes chosen each step by "
-                        "cumulative draft probability), or 'auto' (EAGLE, Medusa and Hydra heads: the budget and depth infer.py tune-tree "
+                        "'dynamic:N' or 'dynamic:N,depth=D' (heads, early exit, exit heads, layer skipping: N nodes chosen each "
+                        "step by cumulative draft probability), or 'auto' (EAGLE, Medusa and Hydra heads: the budget and depth infer.py tune-tree "
                         "measured fastest on this machine; for --draft A+B, A's)")
     p.add_argument("--prompt", default=None, help="the prompt; without it, an interactive multi-turn chat starts")
     p.add_argument("--no-chat", action="store_true",

@@ -6,7 +6,7 @@
 
 An exit head (optional, trained elsewhere) maps layer E's input hidden state [.., D] to a hidden state [.., D] that
 the final norm and LM head read; without one, layer E's input goes to them directly. Drafting uses the
-confidence stop and the static tree of ``PartialModelDrafter`` (a chain by default).
+confidence stop and the static or dynamic tree of ``PartialModelDrafter`` (a chain by default).
 
 KV reuse: the first E layers see the same inputs in drafting and in verification, so the KV entries and layer-E inputs
 drafting computes are the ones a full forward computes. ``EarlyExitDrafter`` keeps them (``EarlyWork``) and leaves the
@@ -28,9 +28,9 @@ from transformers import Cache
 
 from selfspec import hf
 from selfspec.drafter import Draft, DraftState
-from selfspec.layerskip import PartialModelDrafter
+from selfspec.layerskip import PartialModelDrafter, draft_tree
 from selfspec.target import Target, Verified
-from selfspec.tree import Tree
+from selfspec.tree import DynamicTree, Tree
 
 
 def check_exit_layer(exit_layer: int, num_layers: int) -> int:
@@ -58,20 +58,17 @@ class EarlyWork:
 
 
 class EarlyExitDrafter(PartialModelDrafter):
-    """Drafts with layers 0..exit_layer-1 (+ exit_head), a chain of ``depth`` tokens or the given static tree."""
+    """Drafts with layers 0..exit_layer-1 (+ exit_head): a chain of ``depth`` tokens, the given static tree, or a
+    dynamic tree (verified by the full forward: only chains reuse the early layers' work)."""
 
-    def __init__(self, target: Target, exit_layer: int, depth: int = 4, tree: Tree | None = None,
+    def __init__(self, target: Target, exit_layer: int, depth: int = 4, tree: Tree | DynamicTree | None = None,
                  stop_below: float = 0.0, exit_head: torch.nn.Module | None = None):
         num_layers = len(hf.decoder_layers(target.model))
         self.exit_layer = check_exit_layer(exit_layer, num_layers)
         replace: dict[int, torch.nn.Module] = {i: hf.Passthrough() for i in range(exit_layer, num_layers)}
         if exit_head is not None:
             replace[exit_layer] = hf.Apply(exit_head)
-        if tree is None:
-            if depth < 1:
-                raise ValueError(f"depth (draft tokens per step) must be >= 1, found {depth}")
-            tree = Tree.chain(depth)
-        super().__init__(target, replace, tree, stop_below)
+        super().__init__(target, replace, draft_tree(tree, depth), stop_below)
         self.exit_head = exit_head
         self.last_work: EarlyWork | None = None
         """the early layers' work of the last chain draft (None after a tree draft, or once a verify took it)."""
@@ -84,7 +81,7 @@ class EarlyExitDrafter(PartialModelDrafter):
     def draft(self, state: DraftState) -> Draft:
         start = state.tokens.shape[0] - 1
         self.last_work = None
-        chain = self.tree == Tree.chain(self.tree.depth)
+        chain = self.tree is not None and self.tree == Tree.chain(self.tree.depth)  # dynamic trees: the full verify
         try:
             with hf.captured_output(hf.decoder_layers(self.model)[self.exit_layer - 1]) as outputs:
                 draft, fed = self.grow(state)

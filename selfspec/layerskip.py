@@ -5,10 +5,12 @@ target's own cache: the kept layers append KV entries for the drafted tokens, th
 After drafting every layer is truncated back to the start length, so the verifier finds the cache as it left it.
 
 Drafting fills a static tree level by level (a chain by default): all nodes of depth d that have children are fed in
-one forward with a tree mask, and their children get the draft's top-(rank + 1) tokens. Drafting stops early (the
-deeper levels are dropped) when no node of a level has a top-1 draft probability of at least ``stop_below``
-(confidence-based early stop, as in Kangaroo and SWIFT). Drafts are deterministic (q = None), hence lossless under both
-greedy and sampled acceptance.
+one forward with a tree mask, and their children get the draft's top-(rank + 1) tokens. Or it grows a dynamic tree
+(``DynamicTree``, EAGLE-2's rule): depth by depth the ``max_rank`` best nodes of the newest depth, by cumulative draft
+log-probability, are fed in one forward and each offers its ``max_rank`` best children; the ``budget`` best nodes of
+all are kept. Drafting stops early (the deeper levels are dropped) when no node of a level has a top-1 draft
+probability of at least ``stop_below`` (confidence-based early stop, as in Kangaroo and SWIFT). Drafts are
+deterministic (q = None), hence lossless under both greedy and sampled acceptance.
 
 Shapes: S cached length (the prefix, root excluded), N tree nodes, F nodes fed so far, E nodes fed in one forward,
 V vocabulary.
@@ -27,7 +29,7 @@ from selfspec import hf
 from selfspec.accept import Acceptance
 from selfspec.drafter import Draft, DraftState
 from selfspec.target import Target
-from selfspec.tree import Tree
+from selfspec.tree import DynamicTree, Tree
 
 
 def check_skip_layers(skip_layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
@@ -51,22 +53,43 @@ def check_stop_below(stop_below: float) -> float:
     return float(stop_below)
 
 
+def draft_tree(tree: Tree | DynamicTree | None, depth: int) -> Tree | DynamicTree:
+    """A partial-model drafter's tree: None -> a chain of ``depth``; a DynamicTree without a depth -> ``depth`` deep."""
+    if tree is None or isinstance(tree, DynamicTree):
+        if depth < 1:
+            raise ValueError(f"depth (draft tokens per step) must be >= 1, found {depth}")
+    if tree is None:
+        return Tree.chain(depth)
+    if isinstance(tree, DynamicTree) and tree.depth is None:
+        return DynamicTree(tree.budget, tree.max_rank, depth)
+    return tree
+
+
 class PartialModelDrafter:
-    """Drafts a static tree with the target's forward, some decoder layers replaced (skipped, or an exit head).
+    """Drafts a static or dynamic tree with the target's forward, some decoder layers replaced (skipped, or an exit
+    head).
 
     replace: decoder layer index -> module standing in for it (``hf.Passthrough`` to skip it).
+    tree: a static Tree, or a DynamicTree (with its depth) grown each step.
     """
 
-    def __init__(self, target: Target, replace: Mapping[int, torch.nn.Module], tree: Tree, stop_below: float = 0.0):
-        if tree.depth < 1:
-            raise ValueError(f"the draft tree must be at least one level deep, found depth {tree.depth}")
+    def __init__(self, target: Target, replace: Mapping[int, torch.nn.Module], tree: Tree | DynamicTree,
+                 stop_below: float = 0.0):
         self.target, self.model = target, target.model
         self.num_layers = len(hf.decoder_layers(self.model))
         self.replace = dict(replace)
-        self.tree = tree
         self.stop_below = check_stop_below(stop_below)
-        self._levels = [[i for i, d in enumerate(tree.depths) if d == depth and tree.children[i]] for depth in range(tree.depth)]
-        self._width = [max((tree.ranks[c] + 1 for i in level for c in tree.children[i]), default=1) for level in self._levels]
+        self.dynamic: DynamicTree | None = tree if isinstance(tree, DynamicTree) else None
+        self.tree: Tree | None = None if isinstance(tree, DynamicTree) else tree
+        """the static tree (None when a dynamic one is grown)."""
+        if self.dynamic is not None and self.dynamic.depth is None:
+            raise ValueError("a dynamic tree for a partial-model drafter needs its depth (layerskip.draft_tree)")
+        if self.tree is not None and self.tree.depth < 1:
+            raise ValueError(f"the draft tree must be at least one level deep, found depth {self.tree.depth}")
+        levels = range(self.tree.depth) if self.tree is not None else ()
+        self._levels = [[i for i, d in enumerate(self.tree.depths) if d == depth and self.tree.children[i]] for depth in levels]
+        self._width = [max((self.tree.ranks[c] + 1 for i in level for c in self.tree.children[i]), default=1)
+                       for level in self._levels]
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
         """tokens [E], positions [E], mask [1, 1, E, S + F + E] -> draft logits [E, V] (the cache grows by E)."""
@@ -74,18 +97,26 @@ class PartialModelDrafter:
             logits, _ = hf.forward_partial(self.model, tokens, positions, mask, cache)
         return logits
 
-    def grow(self, state: DraftState) -> tuple[Draft, list[int]]:
-        """Fill the tree level by level; returns the draft and the nodes fed, in cache order.
-
-        The kept layers' cache then holds S + len(fed) entries; the caller must truncate it (``draft`` does).
-        """
-        cache, tree = state.cache, self.tree
+    def _start(self, state: DraftState) -> int:
         start = state.tokens.shape[0] - 1
-        lengths = hf.layer_lengths(cache)
+        lengths = hf.layer_lengths(state.cache)
         if any(n != start for n in lengths):
             raise RuntimeError(
                 f"the target's cache should hold the {start} tokens before the root in every layer; found per-layer lengths {lengths}"
             )
+        return start
+
+    def grow(self, state: DraftState) -> tuple[Draft, list[int]]:
+        """Fill the tree level by level (or grow the dynamic one); returns the draft and the nodes fed, in cache order
+        (for a dynamic tree: candidate indices, not draft nodes).
+
+        The kept layers' cache then holds S + len(fed) entries; the caller must truncate it (``draft`` does).
+        """
+        if self.dynamic is not None:
+            return self._grow_dynamic(state, self.dynamic)
+        cache, tree = state.cache, self.tree
+        assert tree is not None
+        start = self._start(state)
         device = state.tokens.device
         dtype = next(self.model.parameters()).dtype
         tokens = torch.zeros(len(tree), dtype=torch.long, device=device)  # [N]
@@ -114,6 +145,46 @@ class PartialModelDrafter:
                     tokens[child] = top.indices[j, tree.ranks[child]]
         return Draft(tree=tree, tokens=tokens).truncated(kept_depth), fed
 
+    def _grow_dynamic(self, state: DraftState, dyn: DynamicTree) -> tuple[Draft, list[int]]:
+        """EAGLE-2 over the partial model: candidates 0 (the root), 1, ... with their parent, token, cumulative draft
+        log-probability and depth; each depth feeds the best ``max_rank`` candidates of the newest depth in one forward
+        (each attends to the prefix, its fed ancestors and itself), then ``Tree.best_scored`` keeps ``budget``."""
+        assert dyn.depth is not None  # __init__ resolved it
+        start, device = self._start(state), state.tokens.device
+        dtype = next(self.model.parameters()).dtype
+        k = dyn.max_rank  # not capped by the budget: the candidates do not depend on it (what budget tuning replays)
+        tok, parent, score, depth = [int(state.tokens[-1])], [-1], [0.0], [0]
+        fed: list[int] = []  # candidates in cache order
+        frontier = [0]
+        for d in range(dyn.depth):
+            slot = {c: start + j for j, c in enumerate(fed + frontier)}  # candidate -> its cache position
+            allowed = torch.zeros(len(frontier), start + len(slot), dtype=torch.bool)  # [E, S + F + E]
+            allowed[:, :start] = True
+            for row, c in enumerate(frontier):
+                while c >= 0:
+                    allowed[row, slot[c]] = True
+                    c = parent[c]
+            ids = torch.tensor([tok[c] for c in frontier], device=device)  # [E]
+            positions = torch.full((len(frontier),), start + d, device=device)  # [E]
+            logits = self._forward(ids, positions, hf.additive_mask(allowed.to(device), dtype), state.cache)  # [E, V]
+            fed.extend(frontier)
+            top = logits.float().log_softmax(-1).topk(k, dim=-1)  # values, indices [E, k]
+            if float(top.values[:, 0].max().exp()) < self.stop_below:
+                break
+            values, indices = top.values.tolist(), top.indices.tolist()
+            layer = []
+            for row, c in enumerate(frontier):
+                for r in range(k):
+                    layer.append(len(tok))
+                    tok.append(indices[row][r])
+                    parent.append(c)
+                    score.append(score[c] + values[row][r])
+                    depth.append(d + 1)
+            frontier = sorted(layer, key=lambda c: -score[c])[:k]
+        tree, kept = Tree.best_scored(parent, score, depth, dyn.budget)
+        tokens = torch.tensor([tok[0]] + [tok[c] for c in kept], dtype=state.tokens.dtype, device=device)  # [N]
+        return Draft(tree=tree, tokens=tokens, scores=torch.tensor([0.0] + [score[c] for c in kept])), fed
+
     @torch.inference_mode()
     def draft(self, state: DraftState) -> Draft:
         start = state.tokens.shape[0] - 1
@@ -128,17 +199,14 @@ class PartialModelDrafter:
 
 
 class LayerSkipDrafter(PartialModelDrafter):
-    """Drafts with the target minus ``skip_layers``; a chain of ``depth`` tokens, or the given static tree."""
+    """Drafts with the target minus ``skip_layers``: a chain of ``depth`` tokens, the given static tree, or a dynamic
+    tree (``depth`` deep unless it says otherwise)."""
 
-    def __init__(self, target: Target, skip_layers: Sequence[int], depth: int = 4, tree: Tree | None = None,
-                 stop_below: float = 0.0):
+    def __init__(self, target: Target, skip_layers: Sequence[int], depth: int = 4,
+                 tree: Tree | DynamicTree | None = None, stop_below: float = 0.0):
         num_layers = len(hf.decoder_layers(target.model))
         self.skip_layers = check_skip_layers(skip_layers, num_layers)
-        if tree is None:
-            if depth < 1:
-                raise ValueError(f"depth (draft tokens per step) must be >= 1, found {depth}")
-            tree = Tree.chain(depth)
-        super().__init__(target, {i: hf.Passthrough() for i in self.skip_layers}, tree, stop_below)
+        super().__init__(target, {i: hf.Passthrough() for i in self.skip_layers}, draft_tree(tree, depth), stop_below)
 
 
 # ------------------------------------------------------------------------------------------------ config checkpoint
@@ -232,9 +300,10 @@ class LayerSkipConfig:
 
 def load_drafter(
     path_or_repo_id: str | Path, target: Target, revision: str | None = None,
-    tree: Tree | Sequence[Sequence[int]] | None = None,
+    tree: Tree | DynamicTree | Sequence[Sequence[int]] | None = None,
 ) -> LayerSkipDrafter:
-    """The drafter a layer-skip checkpoint describes, on ``target``; tree=None drafts a chain of its draft_depth."""
+    """The drafter a layer-skip checkpoint describes, on ``target``; tree=None drafts a chain of its draft_depth, a
+    DynamicTree grows one each step (its depth defaulting to draft_depth)."""
     config = LayerSkipConfig.load(path_or_repo_id, revision)
     layers = len(hf.decoder_layers(target.model))
     if layers != config.num_hidden_layers:
@@ -242,6 +311,6 @@ def load_drafter(
             f"this skip set was searched on {config.base_model} with {config.num_hidden_layers} layers, but the target "
             f"has {layers}: pass the model it was searched on, or search a skip set for this one"
         )
-    if tree is not None and not isinstance(tree, Tree):
+    if tree is not None and not isinstance(tree, (Tree, DynamicTree)):
         tree = Tree.from_choices(tree)
     return LayerSkipDrafter(target, config.skip_layers, depth=config.draft_depth, tree=tree, stop_below=config.stop_below)

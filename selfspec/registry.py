@@ -252,7 +252,7 @@ def resolve_tree(tree: str | Tree | DynamicTree | None, spec: DraftSpec, target:
     if tree == "auto":
         if spec.kind not in TUNABLE_KINDS:
             raise ValueError(f"--tree auto is for drafts whose tree budget infer.py tune-tree can tune "
-                             f"({', '.join(TUNABLE_KINDS)} heads); --draft {spec.kind} takes a --tree of its own")
+                             f"({', '.join(TUNABLE_KINDS)}); --draft {spec.kind} takes a --tree of its own")
         from selfspec.budget import load_tuned
 
         return load_tuned(spec.location, target, model_id)
@@ -264,10 +264,10 @@ def _tree_part(spec: DraftSpec) -> DraftSpec:
     return next((p for p in spec.parts if p.location is not None), spec.parts[0])
 
 
-TUNABLE_KINDS = ("eagle", "medusa", "hydra")
+TUNABLE_KINDS = ("eagle", "medusa", "hydra", "exit-head", "layerskip")
 """drafters that grow their tree by score under a budget and a depth, and report the scores (infer.py tune-tree)."""
 
-DYNAMIC_TREE_KINDS = ("medusa", "eagle", "hydra")
+DYNAMIC_TREE_KINDS = ("medusa", "eagle", "hydra", "early-exit", "exit-head", "layerskip")
 """drafters that grow a tree per step from their candidates' probabilities (--tree dynamic:N)."""
 
 
@@ -279,15 +279,15 @@ def build_drafter(spec: DraftSpec, target: Target, tree: Tree | DynamicTree | No
         takes_tree = _tree_part(spec)
         return MergedDrafter([build_drafter(p, target, tree if p is takes_tree else None) for p in spec.parts],
                              skip_after=spec.config.get("skip_after"))
-    if isinstance(tree, DynamicTree) and spec.kind not in DYNAMIC_TREE_KINDS:
-        raise ValueError(f"--tree dynamic:{tree.budget} needs a drafter whose candidates at each depth have their own "
-                         f"probabilities ({', '.join(DYNAMIC_TREE_KINDS)} heads); --draft {spec.kind} takes a fixed "
-                         "tree such as chain:4")
     if spec.kind in ("none", "ngram"):
         if tree is not None:
             hint = "ngram grows its own trie: size it with 'ngram:depth=8,max_nodes=24'" if spec.kind == "ngram" else ""
             raise ValueError(f"--tree does not apply to --draft {spec.kind}; {hint or 'it drafts nothing'}")
         return NoDrafter() if spec.kind == "none" else NGramDrafter(**spec.config)
+    if isinstance(tree, DynamicTree) and spec.kind not in DYNAMIC_TREE_KINDS:
+        raise ValueError(f"--tree dynamic:{tree.budget} needs a drafter whose candidates at each depth have their own "
+                         f"probabilities ({', '.join(DYNAMIC_TREE_KINDS)}); --draft {spec.kind} takes a fixed "
+                         "tree such as chain:4")
     if spec.kind == "early-exit":
         from selfspec.early_exit import EarlyExitDrafter
 

@@ -17,6 +17,7 @@ from heads.eagle import EagleConfig, EagleHead
 from heads.eagle_drafter import EagleDrafter
 from selfspec import budget, registry
 from selfspec.generate import generate
+from selfspec.layerskip import LayerSkipDrafter
 from selfspec.target import Target
 from selfspec.tree import DynamicTree
 
@@ -51,22 +52,29 @@ def test_interpolate_between_and_beyond_measured_sizes():
     assert budget.interpolate(curve, 10) == 25.0
 
 
-def test_recorded_big_budget_predicts_what_a_small_budget_accepts(setup):
+@pytest.mark.parametrize("kind", ["eagle", "layerskip"])
+def test_recorded_big_budget_predicts_what_a_small_budget_accepts(setup, kind):
     model, head = setup
     target = Target(model)
+    if kind == "eagle":
+        def make(n: int):
+            return EagleDrafter(head, 4, 3, n)
+    else:  # the target minus its second layer, growing its own tree
+        def make(n: int):
+            return LayerSkipDrafter(target, (1,), tree=DynamicTree(n, max_rank=3, depth=4))
     prompts = random_prompts(12, VOCAB, seed=4)
     for small in (1, 3, 6):
-        recorder = budget._Recorder(EagleDrafter(head, 4, 3, 16))
+        recorder = budget._Recorder(make(16))
         predicted, real = [], []
         for p in prompts:
             recorder.steps.clear()
             generate(target, recorder, p, max_new_tokens=8)
             scores, depths, path = recorder.steps[0]  # the first drafted step: the same state in both runs
             predicted.append(budget.accepted_at(scores, depths, path, small, 4))
-            out = generate(target, EagleDrafter(head, 4, 3, small), p, max_new_tokens=8)
+            out = generate(target, make(small), p, max_new_tokens=8)
             real.append(len(out.steps[1].tokens))
         assert predicted == real, small
-    assert max(real) > 1  # the head's drafts do get accepted: the check is not about rejections only
+    assert max(real) > 1  # the drafts do get accepted: the check is not about rejections only
 
 
 def test_tune_caches_costs_and_the_best_tree_for_tree_auto(setup, tmp_path, monkeypatch):
@@ -142,3 +150,21 @@ def test_the_tuning_table_warns_when_no_tree_beats_one_token_decoding():
     assert "warning: no tree is predicted to beat one-token decoding here (best 18.0 against 20.0 tokens/s)" in slow
     assert "0.90×" in slow
     assert "warning" not in budget.format_tuning(tuning(2.2))
+
+
+def test_tune_tree_tunes_a_layer_skip_draft_for_tree_auto(model_dir, tmp_path, monkeypatch, capsys):
+    """infer.py tune-tree on a layer-skip checkpoint of the tiny chat model: the target's own layers grow the tree, the
+    best (budget, depth) is cached, and --tree auto then builds that dynamic tree."""
+    from selfspec import api, cli
+    from selfspec.layerskip import LayerSkipConfig
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    ckpt = tmp_path / "skip"
+    LayerSkipConfig(base_model="model", num_hidden_layers=2, skip_layers=(1,), draft_depth=3).save(ckpt)
+    assert cli.main(["tune-tree", "--model", str(model_dir), "--draft", str(ckpt), "--dtype", "fp32", "--depths", "2,3",
+                     "--budgets", "2,6", "--prompts", "2", "--max-new-tokens", "8"]) == 0
+    printed = capsys.readouterr().out
+    best = json.loads(next((tmp_path / "cache").rglob("tree-*.json")).read_text())["best"]
+    assert f"best: --tree dynamic:{best['budget']},depth={best['depth']}" in printed
+    drafter = api.load(str(model_dir), draft=str(ckpt), tree="auto").drafter
+    assert drafter.dynamic == DynamicTree(best["budget"], depth=best["depth"])

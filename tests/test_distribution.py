@@ -28,6 +28,8 @@ from conftest import tiny_model
 from selfspec import Acceptance, Draft, DraftState, Sampling, Target, Tree, generate, process_logits, sample_accept
 from selfspec.testing import RandomDrafter
 from selfspec.merge import MergedDrafter
+from selfspec.layerskip import LayerSkipDrafter
+from selfspec.tree import DynamicTree
 
 ALPHA = 1e-3
 LOOP_MODULE = importlib.import_module("selfspec.generate")  # the module (``selfspec.generate`` is the function)
@@ -254,7 +256,8 @@ def policy_drafter(target: Target, arms: list):
     return PolicyDrafter(policy, arms)
 
 
-@pytest.mark.parametrize("drafter", ["sampled-q", "random-deterministic", "eagle", "hydra", "merged", "policy"])
+@pytest.mark.parametrize("drafter", ["sampled-q", "random-deterministic", "eagle", "hydra", "merged", "policy",
+                                     "layerskip-dynamic"])
 def test_loop_sampling_keeps_the_target_distribution(loop_world, drafter):
     """selfspec.generate with a depth-2 tree drafter (4 new tokens: the draft after the first is 2 levels deep):
     the joint of the first three tokens equals plain sampling from the target (process_logits of its logits)."""
@@ -269,6 +272,8 @@ def test_loop_sampling_keeps_the_target_distribution(loop_world, drafter):
         "merged": lambda: MergedDrafter([SampledTreeDrafter(TREE, q_by_depth, seed=3), RandomDrafter(TREE, V_LOOP, seed=4)]),
         # a per-request policy handing every request to its sampled (q-carrying) EAGLE arm
         "policy": lambda: policy_drafter(target, [RandomDrafter(TREE, V_LOOP, seed=4), eagle_drafter(target)]),
+        # the target minus its second layer, growing a 4-node tree 2 deep each step by its own probabilities
+        "layerskip-dynamic": lambda: LayerSkipDrafter(target, (1,), tree=DynamicTree(4, max_rank=2, depth=2)),
     }[drafter]
     n = 1000
     counts = _loop_counts(target, make, n, seed=1000)

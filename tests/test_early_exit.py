@@ -13,7 +13,7 @@ from selfspec import hf
 from selfspec.early_exit import EarlyExitDrafter, EarlyExitTarget
 from selfspec.generate import generate
 from selfspec.target import Target
-from selfspec.tree import Tree
+from selfspec.tree import DynamicTree, Tree
 
 EXIT = 2  # layers 2 and 3 of the test models are weak: drafts from layer 2 are mostly right
 
@@ -123,16 +123,18 @@ def test_greedy_decoding_with_and_without_reuse_is_token_identical_to_generate(m
         EarlyExitDrafter(target, 1, depth=3, stop_below=0.3),
         EarlyExitDrafter(target, 3, depth=5, exit_head=near_identity(32)),
         EarlyExitDrafter(target, EXIT, tree=Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])),
+        EarlyExitDrafter(target, 3, tree=DynamicTree(6, max_rank=2), exit_head=near_identity(32)),  # 4 deep, grown
     ]
     gained = []
-    for i, prompt in enumerate(random_prompts(8, VOCAB, seed=12)):
+    for i, prompt in enumerate(random_prompts(10, VOCAB, seed=12)):
         drafter = drafters[i % len(drafters)]
         want = reference(model, prompt, 24)
         assert generate(target, drafter, prompt, 24).tokens == want, f"prompt {i} without reuse"
         fast = EarlyExitTarget(drafter)
         out = generate(fast, drafter, prompt, 24)
         assert out.tokens == want, f"prompt {i} with reuse"
-        assert (fast.reused > 0) == (drafter.tree == Tree.chain(drafter.tree.depth))  # trees: full verification
+        chain = drafter.tree is not None and drafter.tree == Tree.chain(drafter.tree.depth)
+        assert (fast.reused > 0) == chain  # trees, static or dynamic: full verification
         gained.append(out.mean_accepted)
     assert max(gained) > 2.0  # long accepted runs were exercised
 

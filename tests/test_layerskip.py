@@ -17,7 +17,7 @@ from selfspec.layerskip import LayerSkipConfig, LayerSkipDrafter, load_drafter
 from selfspec.layerskip_search import Measurement, search_skip_layers
 from selfspec.sampling import Sampling
 from selfspec.target import Target
-from selfspec.tree import Tree
+from selfspec.tree import DynamicTree, Tree
 
 LAYERS, VOCAB = 4, 96
 WEAK = (1, 2)  # layers whose output is scaled down: skipping them keeps most drafts right (runs of accepted tokens)
@@ -110,6 +110,51 @@ def test_tree_nodes_are_the_drafts_top_k_under_their_parent(models):
             assert int(draft.tokens[node]) == int(draft.tokens[tree.children[tree.parents[node]][1]])
 
 
+def test_a_dynamic_tree_of_rank_one_is_the_chain(models):
+    model = models["llama"]
+    target = Target(model)
+    for seed in range(3):
+        state = prefilled(target, random_prompts(1, VOCAB, seed=seed)[0])
+        chain = LayerSkipDrafter(target, (1,), depth=4).draft(state)
+        grown = LayerSkipDrafter(target, (1,), tree=DynamicTree(4, max_rank=1, depth=4)).draft(state)
+        assert grown.tree == chain.tree == Tree.chain(4)
+        assert torch.equal(grown.tokens, chain.tokens)
+        assert hf.layer_lengths(state.cache) == [state.tokens.shape[0] - 1] * LAYERS
+
+
+@torch.inference_mode()
+def skipped_logprobs(model, seq: torch.Tensor, skip: tuple[int, ...], start: int) -> torch.Tensor:
+    """[V] the skipped model's next-token log-probabilities after seq, over the full model's cache of seq[:start]."""
+    target = Target(model)
+    cache = target.new_cache()
+    target.prefill(seq[:start], cache)
+    k = seq.shape[0] - start
+    allowed = torch.cat([torch.ones(k, start, dtype=torch.bool), torch.ones(k, k, dtype=torch.bool).tril()], dim=1)
+    with hf.replaced_layers(model, {i: hf.Passthrough() for i in skip}):
+        logits, _ = hf.forward_partial(model, seq[start:], torch.arange(start, seq.shape[0]),
+                                       hf.additive_mask(allowed, torch.float32), cache)
+    return logits[-1].float().log_softmax(-1)
+
+
+def test_dynamic_tree_nodes_are_top_k_under_their_path_with_cumulative_scores(models):
+    model = models["llama"]
+    target = Target(model)
+    state = prefilled(target, random_prompts(2, VOCAB, seed=5)[1])
+    draft = LayerSkipDrafter(target, (2,), tree=DynamicTree(9, max_rank=3, depth=3)).draft(state)
+    tree, start = draft.tree, state.tokens.shape[0] - 1
+    assert len(tree) == 10 and tree.depth == 3 and draft.q is None
+    assert any(tree.ranks[i] > 0 for i in range(1, 10)) and any(d == 3 for d in tree.depths)  # wide and deep
+    for node in range(1, len(tree)):
+        path = tree.path_to(node)[:-1]  # the parent's path from the root
+        logp = skipped_logprobs(model, torch.cat([state.tokens[:-1], draft.tokens[path]]), (2,), start)
+        token = int(draft.tokens[node])
+        assert token in logp.topk(3).indices.tolist(), f"node {node}"
+        parent = tree.parents[node]
+        assert float(draft.scores[node]) == pytest.approx(float(draft.scores[parent]) + float(logp[token]), abs=1e-4)
+        assert float(draft.scores[node]) <= float(draft.scores[parent])
+    assert hf.layer_lengths(state.cache) == [start] * LAYERS
+
+
 def test_confidence_stop_drops_the_levels_below_the_threshold(models):
     model = models["llama"]
     target = Target(model)
@@ -134,9 +179,11 @@ def test_greedy_decoding_is_token_identical_to_generate(models, arch):
         LayerSkipDrafter(target, (1, 2), depth=5, stop_below=0.3),
         LayerSkipDrafter(target, (3,), tree=Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])),
         LayerSkipDrafter(target, (0,), depth=3),  # skips a strong layer: nearly every draft is rejected
+        LayerSkipDrafter(target, (1,), tree=DynamicTree(8, max_rank=3, depth=4)),  # grown each step
+        LayerSkipDrafter(target, (1, 2), depth=4, tree=DynamicTree(5, max_rank=2), stop_below=0.3),
     ]
     gained = []
-    for i, prompt in enumerate(random_prompts(8, VOCAB, seed=11)):
+    for i, prompt in enumerate(random_prompts(12, VOCAB, seed=11)):
         out = generate(target, drafters[i % len(drafters)], prompt, 24)
         assert out.tokens == reference(model, prompt, 24), f"prompt {i}"
         gained.append(out.mean_accepted)

@@ -130,8 +130,10 @@ def test_tree_with_ngram_or_none_is_refused(model_dir):
     with pytest.raises(ValueError, match="--tree does not apply to --draft ngram.*ngram:depth=8"):
         api.load(str(model_dir), draft="ngram", tree="chain:3")
     assert isinstance(api.load(str(model_dir), draft="none").drafter, NoDrafter)
-    with pytest.raises(ValueError, match="--tree dynamic:8 needs a drafter whose candidates .* --draft early-exit"):
-        api.load(str(model_dir), draft="early-exit:layer=1", tree="dynamic:8")
+    with pytest.raises(ValueError, match="--tree does not apply to --draft ngram"):
+        api.load(str(model_dir), draft="ngram", tree="dynamic:8")
+    grown = api.load(str(model_dir), draft="early-exit:layer=1", tree="dynamic:8").drafter  # depth: the drafter's 4
+    assert (grown.dynamic, grown.tree) == (DynamicTree(8, depth=4), None)
 
 
 def test_loader_that_returns_no_drafter_is_refused(model_dir, tmp_path, monkeypatch):
