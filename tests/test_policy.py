@@ -11,7 +11,6 @@ import pytest
 import torch
 from conftest import Recording, random_prompts, reference, tiny_model
 
-import tiny_chat_model
 from selfspec import cli, policy_fit
 from selfspec.generate import generate
 from selfspec.ngram import NGramDrafter
