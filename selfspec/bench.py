@@ -125,8 +125,8 @@ def parse_methods(specs: tuple[str, ...], num_layers: int, revision: str | None 
             if tree and tree != "auto":
                 registry.parse_tree(tree)  # a bad tree fails here, before any model loads
             draft = registry.parse_draft(draft_spec, revision=revision)
-            label = draft.label if draft.location or draft.parts else draft_spec
-            methods.append(Method(f"{label}@{tree}" if tree else label, draft=draft, tree=tree or None))
+            label = f"{draft.label}@{tree}" if tree else draft.label
+            methods.append(Method(label, draft=draft, tree=tree or None))
     labels = [m.label for m in methods]
     if len(set(labels)) != len(labels):
         raise ValueError(f"two methods share a name: {labels}; give checkpoint directories distinct names")
