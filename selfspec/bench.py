@@ -137,8 +137,7 @@ def draft_method(spec: str, revision: str | None = None) -> Method:
     if tree and tree != "auto":
         registry.parse_tree(tree)  # a bad tree fails here, before any model loads
     draft = registry.parse_draft(draft_spec, revision=revision)
-    label = draft.label if draft.location or draft.parts else draft_spec
-    return Method(f"{label}@{tree}" if tree else label, draft=draft, tree=tree or None)
+    return Method(f"{draft.label}@{tree}" if tree else draft.label, draft=draft, tree=tree or None)
 
 
 def _runner(method: Method, target: Target, tokenizer: Any, model_name: str) -> SpecModel:

@@ -60,11 +60,13 @@ class DraftSpec:
 
     @property
     def label(self) -> str:
-        """A short name for file names and tables: 'ngram', 'none', the checkpoint's directory name, or 'A+B'."""
+        """A short name for file names and tables: 'none', 'ngram' or 'ngram:depth=6' (the options as given, so two
+        configurations never share a name), the checkpoint's directory name, or 'A+B' of the parts' labels."""
         if self.parts:
             return "+".join([p.label for p in self.parts] + [f"{k}={v}" for k, v in self.config.items()])
         if self.location is None:
-            return self.kind
+            options = ",".join(f"{k}={v}" for k, v in self.config.items())
+            return f"{self.kind}:{options}" if options else self.kind
         return Path(self.location.rstrip("/")).name or self.kind
 
 

@@ -194,6 +194,8 @@ def test_methods_parse():
         bench.parse_methods(("aee:30",), num_layers=30)
     with pytest.raises(ValueError, match="two methods share a name"):
         bench.parse_methods(("ngram", "ngram"), num_layers=30)
+    merged = bench.parse_methods(("ngram:depth=6+ngram", "ngram:depth=4+ngram"), num_layers=30)  # options tell them apart
+    assert [m.label for m in merged] == ["plain", "ngram:depth=6+ngram", "ngram:depth=4+ngram"]
 
 
 def test_method_lists_keep_options_with_their_method():

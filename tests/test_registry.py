@@ -32,7 +32,11 @@ def checkpoint(tmp_path, **config):
 def test_builtin_specs():
     assert registry.parse_draft("none").kind == "none"
     spec = registry.parse_draft("ngram:depth=4,max_nodes=9")
-    assert (spec.kind, spec.config, spec.label) == ("ngram", {"depth": 4, "max_nodes": 9}, "ngram")
+    assert (spec.kind, spec.config, spec.label) == ("ngram", {"depth": 4, "max_nodes": 9}, "ngram:depth=4,max_nodes=9")
+    assert registry.parse_draft("ngram").label == "ngram"
+    assert registry.parse_draft("early-exit:layer=15,depth=4").label == "early-exit:layer=15,depth=4"
+    merged = registry.parse_draft("ngram:depth=6+early-exit:layer=3+skip_after=2")
+    assert merged.label == "ngram:depth=6+early-exit:layer=3+skip_after=2"  # a part keeps its options in the name
     with pytest.raises(ValueError, match="bad n-gram option 'width=3'.*depth, max_nodes"):
         registry.parse_draft("ngram:width=3")
     with pytest.raises(ValueError, match="must be an integer, found 'x'"):
