@@ -61,7 +61,8 @@ def test_merged_drafter_updates_each_part_and_refuses_what_it_cannot_merge():
 
 def test_a_plus_b_in_the_registry_and_the_bench():
     spec = registry.parse_draft("ngram+ngram:depth=4,max_nodes=9")
-    assert (spec.kind, spec.label, [p.config for p in spec.parts]) == ("merged", "ngram+ngram", [{}, {"depth": 4, "max_nodes": 9}])
+    assert (spec.kind, spec.label, [p.config for p in spec.parts]) == ("merged", "ngram+ngram:depth=4,max_nodes=9",
+                                                                            [{}, {"depth": 4, "max_nodes": 9}])
     model = tiny_model("llama")
     drafter = registry.build_drafter(spec, Target(model))
     assert isinstance(drafter, MergedDrafter) and [d.depth for d in drafter.drafters] == [8, 4]
@@ -72,9 +73,9 @@ def test_a_plus_b_in_the_registry_and_the_bench():
     with pytest.raises(ValueError, match="--tree does not apply to --draft ngram"):  # the tree goes to the first part
         registry.build_drafter(spec, Target(model), Tree.chain(2))
     methods = parse_methods(("ngram+ngram:depth=4",), num_layers=2)
-    assert [m.label for m in methods] == ["plain", "ngram+ngram"]
+    assert [m.label for m in methods] == ["plain", "ngram+ngram:depth=4"]
     gated = registry.parse_draft("ngram+ngram:depth=4+skip_after=3")
-    assert (gated.label, gated.config) == ("ngram+ngram+skip_after=3", {"skip_after": 3})
+    assert (gated.label, gated.config) == ("ngram+ngram:depth=4+skip_after=3", {"skip_after": 3})
     assert registry.build_drafter(gated, Target(model)).skip_after == 3
     with pytest.raises(ValueError, match="at least two drafts joined by '\\+', found 1"):
         registry.parse_draft("ngram+skip_after=3")
