@@ -61,7 +61,7 @@ class EagleDrafter:
             raise ValueError("the EAGLE drafter needs DraftState.new_hidden (the target's hidden states of the newly "
                              "committed positions); selfspec.generate provides it")
         A = new.shape[0]
-        if self.cache is None or A == T - 1:  # a new request: the first draft sees the whole prompt
+        if self.cache is None or state.starts_request:  # the first draft sees the whole prompt
             self.cache, self.committed = DynamicCache(config=self.head.decoder.config), 0
         elif self.committed + A != T - 1:
             raise RuntimeError(f"the EAGLE drafter is out of step: its cache holds {self.committed} committed positions "

@@ -39,6 +39,12 @@ class DraftState:
     (the whole prompt at the first draft of a request; ``hidden`` is new_hidden[-1]): what a sequential draft head
     with its own cache (heads/eagle_drafter.py) extends it with. None when the caller does not track it."""
 
+    @property
+    def starts_request(self) -> bool:
+        """The first draft of a request: new_hidden covers the whole text before the root (the prompt). False when
+        the caller does not track new_hidden."""
+        return self.new_hidden is not None and self.new_hidden.shape[0] == self.tokens.shape[0] - 1
+
 
 @dataclass(frozen=True)
 class Draft:

@@ -55,14 +55,11 @@ def check_stop_below(stop_below: float) -> float:
 
 def draft_tree(tree: Tree | DynamicTree | None, depth: int) -> Tree | DynamicTree:
     """A partial-model drafter's tree: None -> a chain of ``depth``; a DynamicTree without a depth -> ``depth`` deep."""
-    if tree is None or isinstance(tree, DynamicTree):
-        if depth < 1:
-            raise ValueError(f"depth (draft tokens per step) must be >= 1, found {depth}")
-    if tree is None:
-        return Tree.chain(depth)
-    if isinstance(tree, DynamicTree) and tree.depth is None:
-        return DynamicTree(tree.budget, tree.max_rank, depth)
-    return tree
+    if isinstance(tree, Tree) or (tree is not None and tree.depth is not None):
+        return tree
+    if depth < 1:
+        raise ValueError(f"depth (draft tokens per step) must be >= 1, found {depth}")
+    return Tree.chain(depth) if tree is None else DynamicTree(tree.budget, tree.max_rank, depth)
 
 
 class PartialModelDrafter:

@@ -88,7 +88,7 @@ class MergedDrafter:
         self.skipped = [0] * len(self.drafters)  # steps each drafter sat out
 
     def draft(self, state: DraftState) -> Draft:
-        if state.new_hidden is not None and state.new_hidden.shape[0] == state.tokens.shape[0] - 1:  # a new request
+        if state.starts_request:
             self._accepted, self._pending = [0] * len(self.drafters), [[] for _ in self.drafters]
         # 1. draft: each drafter, unless an earlier one is copying a span
         self._drafts = []

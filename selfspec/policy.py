@@ -33,7 +33,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from selfspec.accept import Acceptance
+from selfspec.bench_log import atomic_write
 from selfspec.drafter import Draft, Drafter, DraftState
+from selfspec.registry import read_json_object
 
 DRAFT_TYPE = "policy"
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
@@ -173,19 +175,19 @@ class Policy:
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         tensors = {name: getattr(self.ridge, name).contiguous() for name in TENSORS}
-        _replace(out / WEIGHTS, lambda p: save_file(tensors, str(p)))
+        tmp = out / f".{WEIGHTS}.tmp"
+        save_file(tensors, str(tmp))
+        os.replace(tmp, out / WEIGHTS)
         config = {"draft_type": DRAFT_TYPE, "arms": list(self.arms), "base_model": self.base_model,
                   "hidden_size": self.hidden_size, "vocab_size": self.vocab_size, "dtype": self.dtype,
                   "measured": self.measured}
-        _replace(out / CONFIG, lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
+        atomic_write(out / CONFIG, json.dumps(config, indent=2) + "\n")
         return out
 
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> "Policy":
         """Strict: unknown or missing config keys, wrong types, missing or misshapen tensors, a corrupt file: all
         raise, saying what was expected and what was found."""
-        from selfspec.registry import read_json_object
-
         path = Path(directory).expanduser()
         if not (path / CONFIG).is_file():
             raise FileNotFoundError(f"{path} has no {CONFIG}: expected a policy directory from infer.py fit-policy")
@@ -214,12 +216,6 @@ class Policy:
                    measured=config["measured"])
 
 
-def _replace(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 # ------------------------------------------------------------------------------------------------ the drafter
 class PolicyDrafter:
     """Decodes each request with the arm the policy picks from its prefill; ``chosen[a]`` counts requests per arm."""
@@ -236,7 +232,8 @@ class PolicyDrafter:
         self.chosen = [0] * len(self.drafters)
 
     def draft(self, state: DraftState) -> Draft:
-        if state.new_hidden is not None and state.new_hidden.shape[0] == state.tokens.shape[0] - 1:  # a new request
+        if state.starts_request:
+            assert state.new_hidden is not None
             self.arm = self.policy.choose(state.new_hidden)
             self.chosen[self.arm] += 1
         return self.drafters[self.arm].draft(state)
