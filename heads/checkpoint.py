@@ -282,7 +282,7 @@ def load_heads(path_or_repo_id: str | Path, base_model: PreTrainedModel, revisio
     lm_head = base_model.get_output_embeddings()
     heads = MedusaHeads(config, lm_head)
     heads.load_state_dict(tensors, strict=True)
-    dtypes = {t.dtype for t in tensors.values()}
+    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}  # not the draft vocabulary's token ids
     return heads.to(device=lm_head.weight.device, dtype=dtypes.pop() if len(dtypes) == 1 else None).eval()
 
 
@@ -396,6 +396,9 @@ def model_card(config: MedusaConfig, location: str) -> str:
         lines += ["", f"`{json.dumps(config.tree)}`"]
     else:
         lines.append("No tree stored: selfspec drafts a chain of the heads' top-1 candidates.")
+    if config.draft_vocab_size is not None:
+        lines += ["", f"Drafts come from a draft vocabulary of the {config.draft_vocab_size} tokens most frequent in the "
+                      f"training data (of {config.vocab_size}); the base verifies every one."]
     if config.mean_accepted is not None:
         lines += ["", f"Measured mean accepted tokens per step: {config.mean_accepted:.2f}."]
     if config.recipe:

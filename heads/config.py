@@ -53,6 +53,9 @@ class HeadsConfig:
     """LoRA rank when projection == "lora"."""
     lora_alpha: float = 32.0
     """LoRA scaling numerator (delta scaled by lora_alpha / lora_rank)."""
+    draft_vocab: int = 8192
+    """V': at inference the heads draft only from the V' tokens most frequent in the training data, reading that many
+    LM-head rows instead of all (heads/draft_vocab.py); 0 or >= the vocabulary: every token."""
 
 
 @dataclass
@@ -231,7 +234,8 @@ class TrainConfig:
             if value < 1:
                 raise ValueError(f"{name}: expected a value >= 1, found {value}")
         non_negative = {"eval.every": self.eval.every, "checkpoint.every": self.checkpoint.every,
-                        "optim.warmup_steps": self.optim.warmup_steps, "heads.num_layers": self.heads.num_layers}
+                        "optim.warmup_steps": self.optim.warmup_steps, "heads.num_layers": self.heads.num_layers,
+                        "heads.draft_vocab": self.heads.draft_vocab}
         for name, value in non_negative.items():
             if value < 0:
                 raise ValueError(f"{name}: expected a value >= 0, found {value}")

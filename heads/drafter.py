@@ -10,7 +10,8 @@ head d's rank-rd candidate, computed once per step from the target's hidden stat
 Drafts are deterministic (q = None): greedy acceptance is exact, and selfspec's ``sample_accept`` treats each node as
 a point mass, which keeps sampling lossless too.
 
-Shapes: K heads, R ranks used by the tree, N tree nodes, V vocabulary, D hidden size.
+Shapes: K heads, R ranks used by the tree, N tree nodes, V vocabulary, V' draft vocabulary (heads/draft_vocab.py), D
+hidden size.
 """
 
 from __future__ import annotations
@@ -51,15 +52,16 @@ class MedusaDrafter:
         if len(self.tree) == 1:
             return Draft(tree=self.tree, tokens=root.clone())
         used = int(self._depth.max()) + 1
-        logits = torch.stack([self.heads.head_logits(state.hidden, k) for k in range(used)])  # [K', V]
-        cand = logits.topk(self.topk, dim=-1).indices  # [K', R]
+        logits = self.heads.draft_logits(state.hidden, used)  # [K', V']
+        cand = self.heads.draft_vocab.base_ids(logits.topk(self.topk, dim=-1).indices)  # [K', R] token ids
         nodes = cand[self._depth.to(cand.device), self._rank.to(cand.device)]  # [N - 1]
         return Draft(tree=self.tree, tokens=torch.cat([root, nodes.to(root.device)]))
 
     def _draft_dynamic(self, state: DraftState) -> Draft:
         """1. every head's top-R log-probabilities; 2. the best-first rank paths under the budget; 3. their tokens."""
         root = state.tokens[-1:]  # [1]
-        logits = self.heads(state.hidden).float()[: self.dynamic.depth]  # [K, V] (K <= the tree's depth)
+        used = min(self.dynamic.depth or len(self.heads.heads), len(self.heads.heads))
+        logits = self.heads.draft_logits(state.hidden, used).float()  # [K, V'] (K <= the tree's depth)
         top = torch.log_softmax(logits, dim=-1).topk(self.dynamic.max_rank, dim=-1)  # [K, R] values and indices
         choices = Tree.best_first(top.values.cpu(), self.dynamic.budget)
         tree = self._trees.get(choices)
@@ -72,7 +74,8 @@ class MedusaDrafter:
         lp = top.values.tolist()
         scores = torch.tensor([0.0] + [sum(lp[j][r] for j, r in enumerate(c)) for c in choices])  # [N] cumulative
         # Tree.from_choices orders nodes by (depth, path), the order best_first returns them in
-        return Draft(tree=tree, tokens=torch.cat([root, top.indices[depth, rank].to(root.device)]), scores=scores)
+        nodes = self.heads.draft_vocab.base_ids(top.indices[depth, rank])  # [N - 1] token ids
+        return Draft(tree=tree, tokens=torch.cat([root, nodes.to(root.device)]), scores=scores)
 
     def update(self, draft: Draft, acceptance: Acceptance) -> None:
         return None

@@ -38,6 +38,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, PreTrainedModel
 
 from heads.checkpoint import DraftCheckpoint
+from heads.draft_vocab import check_draft_tokens
 from heads.medusa import _type_ok, base_name, base_sizes, strict_keys
 
 DRAFT_TYPE = "eagle"
@@ -148,13 +149,7 @@ class EagleHead(nn.Module, DraftCheckpoint):
     # ----------------------------------------------------------------------------------------------------- pieces
     def set_draft_tokens(self, tokens: torch.Tensor) -> None:
         """The draft vocabulary: V' distinct token ids of the base."""
-        tokens = torch.as_tensor(tokens, dtype=torch.long).flatten()
-        if tokens.shape != (self.config.draft_vocab_size,) or tokens.unique().numel() != tokens.numel():
-            raise ValueError(f"expected {self.config.draft_vocab_size} distinct token ids, found {tuple(tokens.shape)} "
-                             f"with {tokens.unique().numel()} distinct")
-        if int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size:
-            raise ValueError(f"draft token ids must lie in [0, {self.config.vocab_size}), found {int(tokens.min())}.."
-                             f"{int(tokens.max())}")
+        tokens = check_draft_tokens(tokens, self.config.draft_vocab_size, self.config.vocab_size)
         self.draft_tokens.copy_(tokens.to(self.draft_tokens.device))
         self._rows = None
 

@@ -1,4 +1,4 @@
-"""The EAGLE head's training loss over its unrolled drafting steps, and the draft vocabulary it is read on.
+"""The EAGLE head's training loss over its unrolled drafting steps, read on its draft vocabulary (heads/draft_vocab.py).
 
 The index shift, once. Pair i of a row is (f_i, x_{i+1}): the target's final hidden state at position i and the token
 that followed. The head's output at pair i is its prediction of f_{i+1}, the LM head's input for token x_{i+2}:
@@ -22,25 +22,10 @@ V' draft vocabulary, R ranks.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from heads.losses import IGNORE_INDEX, MedusaLoss, head_weights
-
-
-def draft_vocabulary(rows, size: int, vocab_size: int, always: tuple[int, ...] = ()) -> torch.Tensor:
-    """The ``size`` token ids most frequent among the training tokens (labels != -100) of ``rows`` (a datasets.Dataset
-    with a "labels" column), with ``always`` (e.g. end-of-turn tokens) included; ties by smaller id. Sorted, long [V']."""
-    if not 1 <= size <= vocab_size:
-        raise ValueError(f"draft vocabulary: expected a size in 1..{vocab_size}, found {size}")
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    for batch in rows.iter(batch_size=1024):
-        flat = np.fromiter((t for row in batch["labels"] for t in row if t != IGNORE_INDEX), dtype=np.int64)
-        counts += np.bincount(flat, minlength=vocab_size)[:vocab_size]
-    counts[list(always)] = counts.max() + 1
-    order = np.lexsort((np.arange(vocab_size), -counts))  # most frequent first, then smaller id
-    return torch.from_numpy(np.sort(order[:size])).long()
 
 
 def eagle_loss(

@@ -32,6 +32,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from heads.checkpoint import DraftCheckpoint, read_typed_checkpoint
+from heads.draft_vocab import DraftVocab
 from heads.medusa import HeadsConfigIO, ResBlock, _frozen_linear, _type_ok, check_lm_head
 from selfspec.tree import Tree
 
@@ -51,6 +52,8 @@ class HydraConfig(HeadsConfigIO):
     the head's candidate of that rank given the path above it."""
     head_accuracy: list[list[float]] | None = None
     """[K][r]: measured probability that head k's rank-r candidate is the right token, the path above it right."""
+    draft_vocab_size: int | None = None
+    """V': the heads draft only from these most frequent training tokens (heads/draft_vocab.py); None: every token."""
     recipe: dict | None = None
     draft_type: str = DRAFT_TYPE
 
@@ -65,6 +68,9 @@ class HydraConfig(HeadsConfigIO):
                 raise ValueError(f"HydraConfig.{name}: expected >= 1, found {getattr(self, name)}")
         if self.num_layers < 0:
             raise ValueError(f"HydraConfig.num_layers: expected >= 0, found {self.num_layers}")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"HydraConfig.draft_vocab_size: expected 1..{self.vocab_size} (the vocabulary) or None, "
+                             f"found {self.draft_vocab_size}")
         if self.tree is not None and Tree.from_choices(self.tree).depth > self.num_heads:
             raise ValueError(f"HydraConfig.tree is {Tree.from_choices(self.tree).depth} levels deep; {self.num_heads} "
                              f"heads draft at most {self.num_heads}")
@@ -105,6 +111,7 @@ class HydraHeads(nn.Module, DraftCheckpoint):
         self._frozen = (embed, lm_head)  # a tuple: not registered, never in state_dict or the optimizer
         self.heads = nn.ModuleList([HydraHead(k, config.hidden_size, config.num_layers)
                                     for k in range(1, config.num_heads + 1)])
+        self.draft_vocab = DraftVocab(config.draft_vocab_size, config.vocab_size)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [...] -> the base's input embeddings [..., D], frozen."""
@@ -116,6 +123,10 @@ class HydraHeads(nn.Module, DraftCheckpoint):
         reads x_{t+1}, the root, and predicts x_{t+2})."""
         features = self.heads[k - 1].features(hidden, self.embed(path[:, :k]))
         return _frozen_linear(self._frozen[1], features)
+
+    def draft_logits(self, hidden: torch.Tensor, path: torch.Tensor, k: int) -> torch.Tensor:
+        """As ``head_logits``, on the draft vocabulary: [N, V'] (``draft_vocab.base_ids`` maps a column to its token)."""
+        return self.draft_vocab.linear(self._frozen[1], self.heads[k - 1].features(hidden, self.embed(path[:, :k])))
 
     def forward(self, hidden: torch.Tensor, following: torch.Tensor) -> torch.Tensor:
         """hidden [N, D], following [N, K] (tokens t+1..t+K, from ``following``) -> logits [K, N, V]."""
@@ -157,6 +168,8 @@ def hydra_card(config: HydraConfig, location: str) -> str:
     accuracy = ("not measured" if config.head_accuracy is None
                 else ", ".join(f"{row[0]:.3f}" for row in config.head_accuracy) + " (heads 1, 2, ...)")
     tree = f"{len(config.tree)} nodes, built from the measured accuracy" if config.tree else "none stored (a chain)"
+    vocab = ("" if config.draft_vocab_size is None else f" Drafts come from the {config.draft_vocab_size} tokens most "
+             f"frequent in the training data.")
     return f"""---
 library_name: selfspec
 base_model: {config.base_model}
@@ -167,7 +180,7 @@ tags: [speculative-decoding, hydra, selfspec]
 {config.num_heads} Hydra heads ({config.num_layers} residual block(s) each over the base's final hidden state and the
 embeddings of the tokens drafted before them; the base's LM head, frozen). Head k predicts the token k steps beyond the
 base's next token; the base verifies every draft tree in one forward, so greedy output is the base's own. Top-1
-accuracy on held-out data: {accuracy}. Tree: {tree}.
+accuracy on held-out data: {accuracy}. Tree: {tree}.{vocab}
 
 ```python
 from selfspec.api import load

@@ -15,7 +15,7 @@ Drafts are deterministic (q = None): greedy acceptance is exact, and ``sample_ac
 which keeps sampling lossless too. The static tree is the checkpoint's, built from measured accuracy
 (heads.tree_search).
 
-Shapes: N tree nodes, Q nodes expanded at a depth, d depth, D hidden size, V vocabulary.
+Shapes: N tree nodes, Q nodes expanded at a depth, d depth, D hidden size, V vocabulary, V' draft vocabulary.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ class HydraDrafter:
         tokens[0] = root[0]
         for d, (paths, nodes, rows, ranks, topk) in enumerate(self._levels, start=1):
             hidden = state.hidden.reshape(1, -1).expand(paths.shape[0], -1)  # [Q, D]
-            logits = self.heads.head_logits(hidden, tokens[paths.to(tokens.device)], d)  # [Q, V]
-            top = logits.topk(topk, dim=-1).indices  # [Q, R]
+            logits = self.heads.draft_logits(hidden, tokens[paths.to(tokens.device)], d)  # [Q, V']
+            top = self.heads.draft_vocab.base_ids(logits.topk(topk, dim=-1).indices)  # [Q, R] token ids
             tokens[nodes.to(tokens.device)] = top[rows.to(top.device), ranks.to(top.device)].to(tokens.device)
         return Draft(tree=self.tree, tokens=tokens)
 
@@ -82,11 +82,12 @@ class HydraDrafter:
             expand = sorted(layer, key=lambda i: -score[i])[:k]
             hidden = state.hidden.reshape(1, -1).expand(len(expand), -1)  # [Q, D]
             paths = torch.tensor([path[i] for i in expand], device=root.device)  # [Q, d]
-            logp = torch.log_softmax(self.heads.head_logits(hidden, paths, d).float(), dim=-1)  # [Q, V]
+            logp = torch.log_softmax(self.heads.draft_logits(hidden, paths, d).float(), dim=-1)  # [Q, V']
             top = logp.topk(k, dim=-1)
+            ids = self.heads.draft_vocab.base_ids(top.indices)  # [Q, k] token ids
             layer = []
             for q, node in enumerate(expand):
-                for token, value in zip(top.indices[q].tolist(), top.values[q].tolist()):
+                for token, value in zip(ids[q].tolist(), top.values[q].tolist()):
                     layer.append(len(tok))
                     tok.append(token)
                     parent.append(node)

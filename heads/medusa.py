@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+from heads.draft_vocab import DraftVocab
 from selfspec.tree import Tree
 
 PROJECTIONS = ("shared", "own", "lora")
@@ -111,6 +112,8 @@ class MedusaConfig(HeadsConfigIO):
     """[K][r]: measured probability that head k's rank-r candidate is the right token."""
     mean_accepted: float | None = None
     """mean accepted tokens per target forward, measured by a benchmark with ``tree`` (None until measured)."""
+    draft_vocab_size: int | None = None
+    """V': the heads draft only from these most frequent training tokens (heads/draft_vocab.py); None: every token."""
     draft_type: str = "medusa"
     """written to config.json; selfspec's drafter registry dispatches on it."""
     recipe: dict | None = None
@@ -125,6 +128,9 @@ class MedusaConfig(HeadsConfigIO):
         for name in ("hidden_size", "vocab_size", "num_heads", "lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"MedusaConfig.{name} must be >= 1, found {getattr(self, name)}")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"MedusaConfig.draft_vocab_size: expected 1..{self.vocab_size} (the vocabulary) or None, "
+                             f"found {self.draft_vocab_size}")
         if self.num_layers < 0:
             raise ValueError(f"MedusaConfig.num_layers must be >= 0, found {self.num_layers}")
         if self.projection not in PROJECTIONS:
@@ -267,6 +273,7 @@ class MedusaHeads(nn.Module):
         self.config = config
         self._lm_head = (lm_head,)  # a tuple: not a registered submodule (see the module docstring)
         self.heads = nn.ModuleList([MedusaHead(config, lm_head) for _ in range(config.num_heads)])
+        self.draft_vocab = DraftVocab(config.draft_vocab_size, config.vocab_size)
 
     @property
     def lm_head(self) -> nn.Module:
@@ -285,6 +292,14 @@ class MedusaHeads(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., D]: the base's final hidden state (after its final norm) -> logits [K, ..., V]."""
         return torch.stack([self.head_logits(hidden, k) for k in range(len(self.heads))])
+
+    def draft_logits(self, hidden: torch.Tensor, num: int) -> torch.Tensor:
+        """hidden [D] -> logits [num, V'] of heads 1..num on the draft vocabulary (``draft_vocab.base_ids`` maps a
+        column to its token). With the shared LM head, one matmul for all heads over V' rows: drafting's main cost."""
+        if self.config.projection == "shared":
+            features = torch.stack([self.heads[k].features(hidden) for k in range(num)])  # [num, D]
+            return self.draft_vocab.linear(self.lm_head, features)
+        return self.draft_vocab.restrict(torch.stack([self.head_logits(hidden, k) for k in range(num)]))
 
     # ------------------------------------------------------------------------------------ checkpoints (checkpoint.py)
     def save_pretrained(self, directory: str | Path, repo_id: str | None = None) -> Path:

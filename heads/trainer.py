@@ -42,7 +42,8 @@ from heads.config import TrainConfig, to_dict
 from heads.checkpoint import push_folder
 from heads.data import build_datasets
 from heads.eagle import EagleConfig, EagleHead
-from heads.eagle_loss import draft_vocabulary, eagle_loss
+from heads.draft_vocab import draft_vocabulary
+from heads.eagle_loss import eagle_loss
 from heads.exit_head import ExitHead, ExitHeadConfig, ExitLogits, final_norm
 from heads.hydra import HydraConfig, HydraHeads, following
 from heads.losses import IGNORE_INDEX, gather_scored, scored_loss
@@ -322,8 +323,8 @@ def outputs(cfg: TrainConfig) -> tuple[int, int, int | None]:
 def build_drafts(cfg: TrainConfig, model, train_rows=None,
                  tokenizer=None) -> tuple[torch.nn.Module, MedusaConfig | HydraConfig | ExitHeadConfig | EagleConfig]:
     """The module trained on the frozen target and its config: Medusa heads and an exit head map hidden [N, D] to
-    logits [K, N, V]; an EAGLE head unrolls over whole rows (EagleHead.forward), its draft vocabulary counted on
-    ``train_rows``."""
+    logits [K, N, V]; an EAGLE head unrolls over whole rows (EagleHead.forward). The draft vocabulary of an EAGLE head
+    and of Medusa / Hydra heads is counted on ``train_rows``."""
     lm_head = model.get_output_embeddings()
     if cfg.method == "eagle":
         e = cfg.eagle
@@ -337,21 +338,34 @@ def build_drafts(cfg: TrainConfig, model, train_rows=None,
         return head, ecfg
     if cfg.method == "hydra":
         hcfg = HydraConfig.for_model(model, base_model=cfg.model.name, base_revision=cfg.model.revision,
-                                     num_heads=cfg.heads.num_heads, num_layers=cfg.heads.num_layers, recipe=to_dict(cfg))
-        return HydraHeads(hcfg, model.get_input_embeddings(), lm_head), hcfg
-    if cfg.method == "medusa":
+                                     num_heads=cfg.heads.num_heads, num_layers=cfg.heads.num_layers,
+                                     draft_vocab_size=heads_draft_vocab(cfg, lm_head), recipe=to_dict(cfg))
+        heads = HydraHeads(hcfg, model.get_input_embeddings(), lm_head)
+    elif cfg.method == "medusa":
         mcfg = MedusaConfig.for_model(
             model, base_model=cfg.model.name, base_revision=cfg.model.revision, num_heads=cfg.heads.num_heads,
             num_layers=cfg.heads.num_layers, projection=cfg.heads.projection, lora_rank=cfg.heads.lora_rank,
-            lora_alpha=cfg.heads.lora_alpha, recipe=to_dict(cfg),
+            lora_alpha=cfg.heads.lora_alpha, draft_vocab_size=heads_draft_vocab(cfg, lm_head), recipe=to_dict(cfg),
         )
-        return MedusaHeads(mcfg, lm_head), mcfg
-    ecfg = ExitHeadConfig.for_model(
-        model, cfg.exit.layer, base_model=cfg.model.name, base_revision=cfg.model.revision,
-        num_layers=cfg.exit.num_layers, draft_depth=cfg.exit.draft_depth, stop_below=cfg.exit.stop_below,
-        recipe=to_dict(cfg),
-    )
-    return ExitLogits(ExitHead(ecfg), final_norm(model), lm_head), ecfg
+        heads, hcfg = MedusaHeads(mcfg, lm_head), mcfg
+    else:
+        ecfg = ExitHeadConfig.for_model(
+            model, cfg.exit.layer, base_model=cfg.model.name, base_revision=cfg.model.revision,
+            num_layers=cfg.exit.num_layers, draft_depth=cfg.exit.draft_depth, stop_below=cfg.exit.stop_below,
+            recipe=to_dict(cfg),
+        )
+        return ExitLogits(ExitHead(ecfg), final_norm(model), lm_head), ecfg
+    if hcfg.draft_vocab_size is not None and train_rows is not None:
+        eos = tuple(t for t in (getattr(tokenizer, "eos_token_id", None),) if t is not None)
+        heads.draft_vocab.set(draft_vocabulary(train_rows, hcfg.draft_vocab_size, hcfg.vocab_size, eos))
+    return heads, hcfg
+
+
+def heads_draft_vocab(cfg: TrainConfig, lm_head) -> int | None:
+    """The draft vocabulary size of Medusa / Hydra heads: heads.draft_vocab, or None (every token) for 0 or a
+    vocabulary no larger than it."""
+    V = int(lm_head.weight.shape[0])
+    return cfg.heads.draft_vocab if 0 < cfg.heads.draft_vocab < V else None
 
 
 def heads_loss(cfg: TrainConfig, heads, states, batch: dict, split: str, ranks: int, per_row: bool = False):

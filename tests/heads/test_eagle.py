@@ -20,7 +20,8 @@ from transformers import DynamicCache
 from heads.config import load_config
 from heads.eagle import EagleConfig, EagleHead, load_drafter, unroll_mask
 from heads.eagle_drafter import EagleDrafter
-from heads.eagle_loss import draft_vocabulary, eagle_loss
+from heads.draft_vocab import draft_vocabulary
+from heads.eagle_loss import eagle_loss
 from heads.losses import IGNORE_INDEX
 from selfspec import registry
 from selfspec.drafter import DraftState

@@ -184,12 +184,13 @@ def test_recipe_refuses_hydra_heads_with_their_own_projection():
 
 def test_train_py_trains_hydra_heads_that_resume_exactly_and_decode_losslessly(tmp_path):
     common = ["--config", "configs/medusa_tiny.yaml", "method=hydra", "optim.scheduler=constant_with_warmup",
-              "optim.epochs=100", "logging.every=1", "eval.every=0", "checkpoint.every=3"]
+              "optim.epochs=100", "logging.every=1", "eval.every=0", "checkpoint.every=3", "heads.draft_vocab=40"]
 
     train_and_check_resume(tmp_path, common)
     out = tmp_path / "full" / "hydra_heads"
     config = json.loads((out / "config.json").read_text())
     assert config["draft_type"] == "hydra" and config["recipe"]["method"] == "hydra"
+    assert config["draft_vocab_size"] == 40  # the 40 most frequent training tokens (heads/draft_vocab.py)
     assert len(config["head_accuracy"]) == 3 and all(0.0 <= a <= 1.0 for row in config["head_accuracy"] for a in row)
     assert 1 <= len(config["tree"]) <= 8  # tree.budget of the tiny recipe, from the measured accuracy
     decode_with_tiny_draft(out)

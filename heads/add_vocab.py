@@ -1,0 +1,80 @@
+"""Give Medusa or Hydra heads trained without one a draft vocabulary (heads/draft_vocab.py), counted on their data.
+
+    python -m heads.add_vocab runs/medusa-smollm2/heads --size 8192 [--out DIR]
+
+The V' tokens most frequent among the training tokens of the data the checkpoint's recipe names (``recipe.data``:
+the same conversations, chat template and assistant-only labels; ``--source`` for other data), end-of-turn always
+included. Only the vocabulary is added: the heads' weights, tree and measured accuracy are unchanged, and the
+checkpoint is rewritten atomically (in place or to --out). Heads trained now store one themselves (heads.draft_vocab).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from heads.draft_vocab import draft_vocabulary, token_counts, with_draft_vocab
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m heads.add_vocab", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", help="a Medusa or Hydra heads checkpoint directory")
+    p.add_argument("--size", type=int, default=8192, help="V': tokens in the draft vocabulary (default 8192)")
+    p.add_argument("--model", default=None, help="the base model (default: the checkpoint recipe's model, else its "
+                                                 "base_model)")
+    p.add_argument("--source", default=None, help="data to count tokens on (default: the checkpoint recipe's "
+                                                  "data.source, else sharegpt)")
+    p.add_argument("--max-conversations", type=int, default=None,
+                   help="conversations to count (default: the recipe's data.max_conversations)")
+    p.add_argument("--out", default=None, help="save here instead of over the checkpoint")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from heads.base_model import load_base
+    from heads.checkpoint import read_config, read_json_object, resolve
+    from heads.config import ModelConfig
+    from heads.data import DataConfig, build_datasets
+    from heads.hydra import HydraHeads
+    from heads.medusa import MedusaHeads
+
+    directory = resolve(a.checkpoint)
+    kind = read_json_object(directory / "config.json", "the heads' config").get("draft_type")
+    if kind not in ("medusa", "hydra"):
+        print(f"error: {a.checkpoint} is a {kind!r} checkpoint; expected Medusa or Hydra heads (an EAGLE head stores "
+              f"its draft vocabulary when it is trained: eagle.draft_vocab)", file=sys.stderr)
+        return 2
+    cls = MedusaHeads if kind == "medusa" else HydraHeads
+    config = HydraHeads.read_checkpoint(directory)[0] if kind == "hydra" else read_config(directory)
+    if not 1 <= a.size <= config.vocab_size:
+        print(f"error: --size: expected 1..{config.vocab_size} (the base's vocabulary), found {a.size}", file=sys.stderr)
+        return 2
+    recipe = config.recipe or {}
+    base = dict(recipe.get("model") or {"name": config.base_model, "revision": config.base_revision})
+    if a.model is not None:
+        base = {"name": a.model}
+    model, tokenizer = load_base(ModelConfig(**base))  # the base the heads were trained on, as train.py loads it
+    heads = cls.from_pretrained(directory, model)
+    data = dict(recipe.get("data") or {})
+    if a.source is not None:
+        data["source"] = a.source
+    if a.max_conversations is not None:
+        data["max_conversations"] = a.max_conversations
+    train_rows, _ = build_datasets(DataConfig(**data), tokenizer)
+    eos = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
+    tokens = draft_vocabulary(train_rows, a.size, config.vocab_size, eos)
+    counts = token_counts(train_rows, config.vocab_size)
+    covered = counts[tokens.numpy()].sum() / max(counts.sum(), 1)
+    if kind == "medusa":
+        new = with_draft_vocab(heads, tokens, lambda c: MedusaHeads(c, model.get_output_embeddings()))
+    else:
+        new = with_draft_vocab(heads, tokens, lambda c: HydraHeads.on_base(c, model))
+    out = new.save_pretrained(a.out or directory)
+    print(f"{out}: {kind} heads now draft from the {a.size} tokens (of {config.vocab_size}) most frequent in "
+          f"{len(train_rows)} training rows of {data.get('source', 'sharegpt')}: {100 * covered:.2f}% of their "
+          f"{counts.sum()} training tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
