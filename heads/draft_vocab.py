@@ -1,10 +1,11 @@
 """Draft vocabularies: heads that draft only from the V' tokens most frequent in their training data (FR-Spec, EAGLE-3).
 
 Every head that reads the target's LM head pays for a [V, D] matrix per call: on SmolLM2 (V = 49,152, D = 576) that is
-56 MB in bf16, read once per Medusa step and once per Hydra / EAGLE depth, on a memory-bound CPU most of a draft's cost.
-The V' = 8,192 most frequent training tokens cover almost every token a head gets right; drafting from their rows only
-reads a sixth of the matrix. Nothing changes for correctness: the target verifies every drafted token, so output is
-lossless whatever the heads propose; a token outside V' is simply never proposed.
+56 MB in bf16, read once per Medusa step and once per Hydra / EAGLE depth. The V' = 8,192 most frequent training tokens
+cover ~96% of ShareGPT's assistant tokens; drafting from their rows reads a sixth of the matrix (measured on the 2-core
+CPU in bf16: ~1.2-1.5 ms less per read, of a ~44 ms decoding step; docs/BENCHMARKS.md §10). Nothing changes for
+correctness: the target verifies every drafted token, so output is lossless whatever the heads propose; a token outside
+V' is simply never proposed.
 
     python -m heads.add_vocab runs/medusa-smollm2/heads --size 8192 [--out DIR]
 
@@ -84,10 +85,11 @@ class DraftVocab(nn.Module):
         bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias.detach()
         if self.tokens is None:
             return weight, bias
-        cached = self._rows
-        if cached is None or cached[0] is not self.tokens or cached[1] is not weight or cached[2].device != weight.device:
+        cached = self._rows  # keyed on the Parameter itself: weight.detach() is a new tensor at every call
+        if (cached is None or cached[0] is not self.tokens or cached[1] is not lm_head.weight
+                or cached[2].device != weight.device or cached[2].dtype != weight.dtype):
             index = self.tokens.to(weight.device)
-            cached = self._rows = (self.tokens, weight, weight[index], None if bias is None else bias[index])
+            cached = self._rows = (self.tokens, lm_head.weight, weight[index], None if bias is None else bias[index])
         return cached[2], cached[3]
 
     def linear(self, lm_head: nn.Module, x: torch.Tensor) -> torch.Tensor:

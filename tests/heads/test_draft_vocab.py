@@ -174,3 +174,14 @@ def test_add_vocab_counts_the_recipes_data_and_the_heads_still_decode_losslessly
 
     assert add_vocab.main([str(tmp_path / "heads"), "--size", "0"]) == 2
     assert "--size: expected 1.." in capsys.readouterr().err
+
+
+def test_the_vocabularys_lm_head_rows_are_gathered_once_and_again_only_when_the_base_changes(model):
+    heads = medusa(model)
+    first = heads.draft_vocab.rows(model.get_output_embeddings())[0]
+    assert heads.draft_vocab.rows(model.get_output_embeddings())[0] is first  # drafting reads them every step
+    heads.draft_vocab.set(KEEP.flip(0))
+    assert heads.draft_vocab.rows(model.get_output_embeddings())[0] is not first
+    other = tiny_model("llama", initializer_range=0.1)
+    rows = heads.draft_vocab.rows(other.get_output_embeddings())[0]
+    assert torch.equal(rows, other.get_output_embeddings().weight.detach()[KEEP.flip(0)])
