@@ -54,8 +54,8 @@ class HeadsConfig:
     lora_alpha: float = 32.0
     """LoRA scaling numerator (delta scaled by lora_alpha / lora_rank)."""
     draft_vocab: int = 8192
-    """V': at inference the heads draft only from the V' tokens most frequent in the training data, reading that many
-    LM-head rows instead of all (heads/draft_vocab.py); 0 or >= the vocabulary: every token."""
+    """V': at inference Medusa and Hydra heads draft only from the V' tokens most frequent in the training data,
+    reading that many LM-head rows instead of all (heads/draft_vocab.py); 0 or >= the vocabulary: every token."""
 
 
 @dataclass
