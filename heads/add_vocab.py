@@ -14,7 +14,7 @@ import argparse
 import logging
 import sys
 
-from heads.draft_vocab import draft_vocabulary, token_counts, with_draft_vocab
+from heads.draft_vocab import draft_vocabulary, end_of_turn, token_counts, with_draft_vocab
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,9 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.max_conversations is not None:
         data["max_conversations"] = a.max_conversations
     train_rows, _ = build_datasets(DataConfig(**data), tokenizer)
-    eos = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
-    tokens = draft_vocabulary(train_rows, a.size, config.vocab_size, eos)
     counts = token_counts(train_rows, config.vocab_size)
+    tokens = draft_vocabulary(train_rows, a.size, config.vocab_size, end_of_turn(tokenizer), counts=counts)
     covered = counts[tokens.numpy()].sum() / max(counts.sum(), 1)
     if kind == "medusa":
         new = with_draft_vocab(heads, tokens, lambda c: MedusaHeads(c, model.get_output_embeddings()))

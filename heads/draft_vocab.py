@@ -35,15 +35,22 @@ def token_counts(rows, vocab_size: int) -> np.ndarray:
     return counts
 
 
-def draft_vocabulary(rows, size: int, vocab_size: int, always: tuple[int, ...] = ()) -> torch.Tensor:
+def draft_vocabulary(rows, size: int, vocab_size: int, always: tuple[int, ...] = (),
+                     counts: np.ndarray | None = None) -> torch.Tensor:
     """The ``size`` token ids most frequent among the training tokens (labels != -100) of ``rows`` (a datasets.Dataset
-    with a "labels" column), with ``always`` (e.g. end-of-turn tokens) included; ties by smaller id. Sorted, long [V']."""
+    with a "labels" column; or ``counts`` from ``token_counts``), with ``always`` (e.g. end-of-turn tokens) included;
+    ties by smaller id. Sorted, long [V']."""
     if not 1 <= size <= vocab_size:
         raise ValueError(f"draft vocabulary: expected a size in 1..{vocab_size}, found {size}")
-    counts = token_counts(rows, vocab_size)
+    counts = (token_counts(rows, vocab_size) if counts is None else counts).copy()
     counts[list(always)] = counts.max() + 1
     order = np.lexsort((np.arange(vocab_size), -counts))  # most frequent first, then smaller id
     return torch.from_numpy(np.sort(order[:size])).long()
+
+
+def end_of_turn(tokenizer) -> tuple[int, ...]:
+    """The token ids a draft vocabulary always holds: the tokenizer's end of turn, when it has one."""
+    return tuple(t for t in (getattr(tokenizer, "eos_token_id", None),) if t is not None)
 
 
 def check_draft_tokens(tokens, size: int, vocab_size: int) -> torch.Tensor:
@@ -116,4 +123,5 @@ def with_draft_vocab(heads: nn.Module, tokens: torch.Tensor, rebuild) -> nn.Modu
     if unexpected or set(missing) != {"draft_vocab.tokens"}:
         raise RuntimeError(f"rebuilding the heads with a draft vocabulary: missing {missing}, unexpected {unexpected}")
     new.draft_vocab.set(tokens)
-    return new.to(next(heads.parameters()).device).eval()
+    weight = next(heads.parameters())
+    return new.to(device=weight.device, dtype=weight.dtype).eval()  # as stored: bf16 heads stay bf16

@@ -42,7 +42,7 @@ from heads.config import TrainConfig, to_dict
 from heads.checkpoint import push_folder
 from heads.data import build_datasets
 from heads.eagle import EagleConfig, EagleHead
-from heads.draft_vocab import draft_vocabulary
+from heads.draft_vocab import draft_vocabulary, end_of_turn
 from heads.eagle_loss import eagle_loss
 from heads.exit_head import ExitHead, ExitHeadConfig, ExitLogits, final_norm
 from heads.hydra import HydraConfig, HydraHeads, following
@@ -333,8 +333,8 @@ def build_drafts(cfg: TrainConfig, model, train_rows=None,
             draft_vocab_size=e.draft_vocab, depth=e.depth, topk=e.topk, budget=e.budget, recipe=to_dict(cfg))
         head = EagleHead(ecfg, model.get_input_embeddings(), lm_head)
         if train_rows is not None:
-            eos = tuple(t for t in (getattr(tokenizer, "eos_token_id", None),) if t is not None)
-            head.set_draft_tokens(draft_vocabulary(train_rows, ecfg.draft_vocab_size, ecfg.vocab_size, eos))
+            head.set_draft_tokens(draft_vocabulary(train_rows, ecfg.draft_vocab_size, ecfg.vocab_size,
+                                                   end_of_turn(tokenizer)))
         return head, ecfg
     if cfg.method == "hydra":
         hcfg = HydraConfig.for_model(model, base_model=cfg.model.name, base_revision=cfg.model.revision,
@@ -356,8 +356,7 @@ def build_drafts(cfg: TrainConfig, model, train_rows=None,
         )
         return ExitLogits(ExitHead(ecfg), final_norm(model), lm_head), ecfg
     if hcfg.draft_vocab_size is not None and train_rows is not None:
-        eos = tuple(t for t in (getattr(tokenizer, "eos_token_id", None),) if t is not None)
-        heads.draft_vocab.set(draft_vocabulary(train_rows, hcfg.draft_vocab_size, hcfg.vocab_size, eos))
+        heads.draft_vocab.set(draft_vocabulary(train_rows, hcfg.draft_vocab_size, hcfg.vocab_size, end_of_turn(tokenizer)))
     return heads, hcfg
 
 

@@ -135,15 +135,16 @@ def test_the_draft_vocabulary_round_trips_strictly_and_bad_ones_are_refused(mode
 def test_heads_trained_without_a_vocabulary_gain_one_and_keep_their_weights(model, kind, tmp_path):
     old = medusa(model, vocab=None) if kind == "medusa" else hydra(model, vocab=None)
     assert not any(k.startswith("draft_vocab") for k in old.state_dict())  # older checkpoints: nothing stored
-    if kind == "medusa":
-        new = with_draft_vocab(old, KEEP, lambda c: MedusaHeads(c, model.get_output_embeddings()))
-    else:
-        new = with_draft_vocab(old, KEEP, lambda c: HydraHeads.on_base(c, model))
+    rebuild = ((lambda c: MedusaHeads(c, model.get_output_embeddings())) if kind == "medusa"
+               else (lambda c: HydraHeads.on_base(c, model)))
+    new = with_draft_vocab(old, KEEP, rebuild)
     assert new.config.draft_vocab_size == 40 and torch.equal(new.draft_vocab.tokens, KEEP)
     assert {k: v for k, v in new.config.__dict__.items() if k != "draft_vocab_size"} == \
         {k: v for k, v in old.config.__dict__.items() if k != "draft_vocab_size"}
     state = new.state_dict()
     assert all(torch.equal(v, state[k]) for k, v in old.state_dict().items())
+    halved = with_draft_vocab(old.to(torch.bfloat16), KEEP, rebuild)
+    assert next(halved.parameters()).dtype == torch.bfloat16  # stored as it was: bf16 heads stay bf16
     new.save_pretrained(tmp_path / "ck")
     loaded = type(new).from_pretrained(tmp_path / "ck", model)
     assert torch.equal(loaded.draft_vocab.tokens, KEEP)
@@ -182,6 +183,7 @@ def test_the_vocabularys_lm_head_rows_are_gathered_once_and_again_only_when_the_
     assert heads.draft_vocab.rows(model.get_output_embeddings())[0] is first  # drafting reads them every step
     heads.draft_vocab.set(KEEP.flip(0))
     assert heads.draft_vocab.rows(model.get_output_embeddings())[0] is not first
-    other = tiny_model("llama", initializer_range=0.1)
+    other = tiny_model("llama", initializer_range=0.3)  # another base: other LM-head weights
+    assert not torch.equal(other.get_output_embeddings().weight, model.get_output_embeddings().weight)
     rows = heads.draft_vocab.rows(other.get_output_embeddings())[0]
     assert torch.equal(rows, other.get_output_embeddings().weight.detach()[KEEP.flip(0)])
