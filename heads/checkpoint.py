@@ -211,10 +211,12 @@ def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def read_typed_checkpoint(directory: Path, draft_type: str, what: str, from_dict: Callable[[dict], Any],
-                          build: Callable[[Any], nn.Module]) -> tuple[Any, dict[str, torch.Tensor]]:
+                          build: Callable[[Any], nn.Module],
+                          upgrade: Callable[[dict], dict] | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
     """config.json (its draft_type must be ``draft_type``; parsed strictly by ``from_dict``) and model.safetensors,
-    whose tensor names and shapes must be those of ``build(config).state_dict()`` (built on the meta device).
-    ``what`` names the draft in messages ("exit head", "EAGLE head")."""
+    whose tensor names and shapes must be those of ``build(config).state_dict()`` (built on the meta device), after
+    ``upgrade`` (if given) renamed an older checkpoint's tensors. ``what`` names the draft in messages ("exit head",
+    "EAGLE head")."""
     data = read_json_object(directory / CONFIG, f"the {what}'s config")
     if data.get("draft_type") != draft_type:
         raise ValueError(f"{directory / CONFIG} says draft_type {data.get('draft_type')!r}; expected {draft_type!r} "
@@ -222,6 +224,8 @@ def read_typed_checkpoint(directory: Path, draft_type: str, what: str, from_dict
     data.pop("selfspec_version", None)
     config = from_dict(data)
     tensors = read_tensors(directory)
+    if upgrade is not None:
+        tensors = upgrade(tensors)
     with torch.device("meta"):
         expected = {name: tuple(t.shape) for name, t in build(config).state_dict().items()}
     found = {name: tuple(t.shape) for name, t in tensors.items()}

@@ -65,9 +65,10 @@ def check_draft_tokens(tokens, size: int, vocab_size: int) -> torch.Tensor:
 
 
 class DraftVocab(nn.Module):
-    """The draft vocabulary of Medusa or Hydra heads: a persistent ``tokens`` buffer [V'] when ``size`` is set (stored
-    in the checkpoint as ``draft_vocab.tokens``), nothing at all when it is None (the whole vocabulary, and the
-    checkpoints of heads trained before draft vocabularies existed). ``linear`` is the frozen LM head on those rows."""
+    """The draft vocabulary of Medusa, Hydra or EAGLE heads: a persistent ``tokens`` buffer [V'] when ``size`` is set
+    (stored in the checkpoint as ``draft_vocab.tokens``), nothing at all when it is None (the whole vocabulary, and the
+    checkpoints of Medusa / Hydra heads trained before draft vocabularies existed; an EAGLE head always has one).
+    ``linear`` is the frozen LM head on those rows."""
 
     def __init__(self, size: int | None, vocab_size: int):
         super().__init__()

@@ -38,7 +38,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, PreTrainedModel
 
 from heads.checkpoint import DraftCheckpoint
-from heads.draft_vocab import check_draft_tokens
+from heads.draft_vocab import DraftVocab, check_draft_tokens
 from heads.medusa import _type_ok, base_name, base_sizes, strict_keys
 
 DRAFT_TYPE = "eagle"
@@ -142,38 +142,24 @@ class EagleHead(nn.Module, DraftCheckpoint):
         self.decoder = AutoModel.from_config(AutoConfig.for_model(dcfg.pop("model_type"), **dcfg),
                                              attn_implementation="sdpa")
         self.decoder.embed_tokens = None  # it reads the embeddings it is given: no unused (DDP-breaking) parameter
-        self.register_buffer("draft_tokens", torch.arange(config.draft_vocab_size), persistent=True)  # [V'] long
+        self.draft_vocab = DraftVocab(config.draft_vocab_size, config.vocab_size)  # buffer draft_vocab.tokens [V']
         self._frozen = (embed, lm_head)  # a tuple: not registered, never in state_dict or the optimizer
-        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (tokens, LM head rows) cached for drafting
+        self.register_load_state_dict_pre_hook(_upgrade_state_hook)  # checkpoints and resumable runs from before
 
     # ----------------------------------------------------------------------------------------------------- pieces
-    def set_draft_tokens(self, tokens: torch.Tensor) -> None:
-        """The draft vocabulary: V' distinct token ids of the base."""
-        tokens = check_draft_tokens(tokens, self.config.draft_vocab_size, self.config.vocab_size)
-        self.draft_tokens.copy_(tokens.to(self.draft_tokens.device))
-        self._rows = None
-
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [...] -> the base's (frozen) input embeddings [..., D]."""
         embed = self._frozen[0]
         return F.embedding(tokens, embed.weight.detach()) * getattr(embed, "embed_scale", 1.0)
 
     @property
-    def lm_weight(self) -> torch.Tensor:
-        """[V, D] the base's LM head weight (frozen, held by reference)."""
-        return self._frozen[1].weight
-
-    def lm_rows(self) -> torch.Tensor:
-        """[V', D] the base's LM head rows of the draft vocabulary (cached until the vocabulary or device changes)."""
-        weight = self.lm_weight.detach()
-        if self._rows is None or self._rows[0] is not self.draft_tokens or self._rows[1].device != weight.device:
-            self._rows = (self.draft_tokens, weight[self.draft_tokens.to(weight.device)])
-        return self._rows[1]
+    def lm_head(self) -> nn.Module:
+        """The base's LM head (frozen, held by reference)."""
+        return self._frozen[1]
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
-        """features [..., D] -> draft-vocabulary logits [..., V'] (through the frozen LM head)."""
-        rows = self.lm_rows()
-        return F.linear(features.to(rows.dtype), rows)
+        """features [..., D] -> draft-vocabulary logits [..., V'] (through the frozen LM head's rows of V')."""
+        return self.draft_vocab.linear(self.lm_head, features)
 
     def step(self, features: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor,
              mask: torch.Tensor | None, cache) -> torch.Tensor:
@@ -242,6 +228,22 @@ def unroll_mask(u: int, n: int, lengths: torch.Tensor, dtype: torch.dtype, devic
     return mask[:, None].to(device or lengths.device)
 
 
+LEGACY_KEYS = {"draft_tokens": "draft_vocab.tokens"}
+"""Tensor names of EAGLE heads saved before the head used ``heads.draft_vocab.DraftVocab`` -> their names now."""
+
+
+def upgrade_state(state: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
+    """Rename, in place, the tensors of an older EAGLE-head state dict (``LEGACY_KEYS``) under ``prefix``."""
+    for old, new in LEGACY_KEYS.items():
+        if prefix + old in state and prefix + new not in state:
+            state[prefix + new] = state.pop(prefix + old)
+    return state
+
+
+def _upgrade_state_hook(module, state_dict, prefix, *args) -> None:
+    upgrade_state(state_dict, prefix)
+
+
 def read_eagle_checkpoint(directory: Path) -> tuple[EagleConfig, dict[str, torch.Tensor]]:
     """config.json and model.safetensors of an EAGLE-head checkpoint directory, checked against each other. Strict."""
     from heads.checkpoint import read_typed_checkpoint
@@ -250,10 +252,12 @@ def read_eagle_checkpoint(directory: Path) -> tuple[EagleConfig, dict[str, torch
         stub = nn.Linear(1, config.vocab_size)  # the base's embeddings and LM head are not part of the checkpoint
         return EagleHead(config, stub, stub)
 
-    config, tensors = read_typed_checkpoint(directory, DRAFT_TYPE, "EAGLE-head", EagleConfig.from_dict, build)
-    ids = tensors["draft_tokens"]
-    if ids.unique().numel() != ids.numel() or int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size:
-        raise ValueError(f"{directory / 'model.safetensors'}: draft_tokens must be distinct ids in [0, {config.vocab_size})")
+    config, tensors = read_typed_checkpoint(directory, DRAFT_TYPE, "EAGLE-head", EagleConfig.from_dict, build,
+                                            upgrade=upgrade_state)
+    try:
+        check_draft_tokens(tensors["draft_vocab.tokens"], config.draft_vocab_size, config.vocab_size)
+    except ValueError as err:
+        raise ValueError(f"{directory / 'model.safetensors'}: the draft vocabulary (draft_vocab.tokens): {err}") from None
     return config, tensors
 
 

@@ -113,7 +113,7 @@ class EagleDrafter:
         """out [Q, D]: f̂ after each of ``nodes``; adds each node's topk children (depth d) and returns their indices."""
         logp = torch.log_softmax(head.logits(out).float(), dim=-1)  # [Q, V']
         top = logp.topk(self.topk, dim=-1)
-        ids = head.draft_tokens[top.indices.to(head.draft_tokens.device)].tolist()  # [Q][k] base token ids
+        ids = head.draft_vocab.base_ids(top.indices).tolist()  # [Q][k] base token ids
         values = top.values.tolist()
         added = []
         for q, node in enumerate(nodes):

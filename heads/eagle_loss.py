@@ -29,11 +29,11 @@ from heads.losses import IGNORE_INDEX, MedusaLoss, head_weights
 
 
 def eagle_loss(
-    outs: torch.Tensor, features: torch.Tensor, labels: torch.Tensor, head, lm_weight: torch.Tensor,
+    outs: torch.Tensor, features: torch.Tensor, labels: torch.Tensor, head, lm_head: torch.nn.Module,
     kind: str = "kl", decay: float = 0.8, feature_weight: float = 0.1, ranks: int = 5,
 ) -> MedusaLoss:
     """outs [U, B, n, D] of ``EagleHead.forward``; features [B, T, D] the target's final hidden states; labels [B, T]
-    aligned with the input (-100 = not a training token); lm_weight [V, D] the target's LM head (frozen)."""
+    aligned with the input (-100 = not a training token); lm_head the target's LM head (frozen; its bias, if any, counts)."""
     U, B, n, D = outs.shape
     if features.shape[:2] != (B, n + 1) or labels.shape != (B, n + 1):
         raise ValueError(f"expected features [B, T, D] and labels [B, T] with B, T = {B}, {n + 1}, found "
@@ -44,13 +44,14 @@ def eagle_loss(
     scored[:, : n - 1] = labels[:, 2:] != IGNORE_INDEX  # pair i predicts x_{i+2}
     b, i = scored.nonzero(as_tuple=True)  # [N]
     f_next = features[b, i + 1].float()  # [N, D] what every step predicts at pair i
-    vocab_ids = head.draft_tokens.to(features.device)  # [V']
+    vocab_ids = head.draft_vocab.tokens.to(features.device)  # [V']
     with torch.no_grad():
-        rows = lm_weight.detach()
-        target_top = torch.cat([F.linear(chunk.to(rows.dtype), rows).argmax(-1)
+        weight = lm_head.weight.detach()  # [V, D]
+        bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias.detach()
+        target_top = torch.cat([F.linear(chunk.to(weight.dtype), weight, bias).argmax(-1)
                                 for chunk in f_next.split(512)]) if len(f_next) else b.new_empty(0)  # [N] full vocab
-        p_log = torch.log_softmax(F.linear(f_next.to(rows.dtype), rows[vocab_ids]).float(), dim=-1)  # [N, V']
-        to_draft = torch.full((rows.shape[0],), -1, dtype=torch.long, device=features.device)
+        p_log = torch.log_softmax(head.draft_vocab.linear(lm_head, f_next).float(), dim=-1)  # [N, V']
+        to_draft = torch.full((weight.shape[0],), -1, dtype=torch.long, device=features.device)
         to_draft[vocab_ids] = torch.arange(vocab_ids.numel(), device=features.device)
         data_y = to_draft[labels[b, i + 2].clamp(min=0)]  # [N] the data's token in V' (-1: outside it)
     weights = head_weights(U, decay).to(outs.device)

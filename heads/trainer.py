@@ -333,7 +333,7 @@ def build_drafts(cfg: TrainConfig, model, train_rows=None,
             draft_vocab_size=e.draft_vocab, depth=e.depth, topk=e.topk, budget=e.budget, recipe=to_dict(cfg))
         head = EagleHead(ecfg, model.get_input_embeddings(), lm_head)
         if train_rows is not None:
-            head.set_draft_tokens(draft_vocabulary(train_rows, ecfg.draft_vocab_size, ecfg.vocab_size,
+            head.draft_vocab.set(draft_vocabulary(train_rows, ecfg.draft_vocab_size, ecfg.vocab_size,
                                                    end_of_turn(tokenizer)))
         return head, ecfg
     if cfg.method == "hydra":
@@ -398,11 +398,10 @@ def _eagle_loss(cfg: TrainConfig, head, hidden: torch.Tensor, batch: dict, ranks
     """The EAGLE head's unrolled loss of a batch (one forward of the wrapped head), or one per row."""
     inner = head.module if hasattr(head, "module") else head  # DDP / DeepSpeed wrap the head
     outs = head(hidden, batch["input_ids"], batch["lengths"], cfg.eagle.unroll)  # [U, B, n, D]
-    lm_weight = inner.lm_weight
     args = dict(kind=cfg.loss.kind, decay=cfg.loss.decay, feature_weight=cfg.eagle.feature_weight, ranks=ranks)
     if not per_row:
-        return eagle_loss(outs, hidden, batch["labels"], inner, lm_weight, **args)
-    return [eagle_loss(outs[:, b:b + 1], hidden[b:b + 1], batch["labels"][b:b + 1], inner, lm_weight, **args)
+        return eagle_loss(outs, hidden, batch["labels"], inner, inner.lm_head, **args)
+    return [eagle_loss(outs[:, b:b + 1], hidden[b:b + 1], batch["labels"][b:b + 1], inner, inner.lm_head, **args)
             for b in range(hidden.shape[0])]
 
 
@@ -449,7 +448,7 @@ def save_eagle(accelerator: Accelerator, head, ecfg: EagleConfig, model, accurac
         agreement = None if accuracy is None else [float(row[0]) for row in accuracy]
         final = EagleHead(replace(ecfg, top1_agreement=agreement), model.get_input_embeddings(),
                           model.get_output_embeddings())
-        final.load_state_dict({k: v if k == "draft_tokens" else v.float() for k, v in state.items()})
+        final.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
         final.save_pretrained(directory)
         log.info("saved the EAGLE head to %s (top-1 agreement with the target per step: %s)", directory, agreement)
     accelerator.wait_for_everyone()

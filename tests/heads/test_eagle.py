@@ -40,7 +40,7 @@ def make_head(model, seed: int = 0, draft_vocab: int = 64, num_layers: int = 1) 
     cfg = EagleConfig.for_model(model, num_layers=num_layers, draft_vocab_size=draft_vocab)
     torch.manual_seed(seed)
     head = EagleHead(cfg, model.get_input_embeddings(), model.get_output_embeddings()).eval()
-    head.set_draft_tokens(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:draft_vocab])
+    head.draft_vocab.set(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:draft_vocab])
     return head
 
 
@@ -101,12 +101,12 @@ def test_loss_index_shift_a_head_predicting_the_next_feature_scores_zero(model):
     with torch.no_grad():
         features = model.model(input_ids=ids).last_hidden_state
     perfect = features[:, 1:].expand(2, 1, T - 1, features.shape[-1])  # [U = 2, 1, n, D]: f_{i+1} at pair i
-    out = eagle_loss(perfect, features, labels, head, model.get_output_embeddings().weight, kind="kl", feature_weight=1.0)
+    out = eagle_loss(perfect, features, labels, head, model.get_output_embeddings(), kind="kl", feature_weight=1.0)
     assert out.per_head.abs().max() < 1e-5
     assert out.count.tolist() == [5, 5]  # pairs 2..6 (labels[4..8]); i >= 1 removes none of them
     assert out.top1.tolist() == [1.0, 1.0]
     shifted = features[:, :-1].expand(2, 1, T - 1, features.shape[-1])  # f_i instead of f_{i+1}: wrong by one
-    wrong = eagle_loss(shifted, features, labels, head, model.get_output_embeddings().weight, kind="kl")
+    wrong = eagle_loss(shifted, features, labels, head, model.get_output_embeddings(), kind="kl")
     assert wrong.per_head.min() > 0.1
 
 
@@ -129,7 +129,7 @@ def test_chain_drafting_is_the_heads_greedy_path(model):
         features = model.model(input_ids=prompt[None]).last_hidden_state
         for d in range(4):  # the head's greedy token after the true pairs and its own d drafts, by hand
             f = chain(head, features, ids, len(prompt) - 1, d)
-            want.append(int(head.draft_tokens[head.logits(f).argmax()]))
+            want.append(int(head.draft_vocab.base_ids(head.logits(f).argmax())))
             ids = torch.cat([ids, torch.tensor([[want[-1]]])], dim=1)
     assert draft.tokens.tolist() == [int(prompt[-1])] + want
 
@@ -146,7 +146,7 @@ def test_tree_drafting_keeps_the_budget_best_nodes_each_a_top_candidate_of_its_p
             path = tree.path_to(node)  # root .. node
             ids = torch.cat([prompt, draft.tokens[path[1:-1]]])[None]
             f = chain(head, features, ids, len(prompt) - 1, len(path) - 2)
-            top = head.draft_tokens[head.logits(f).topk(3).indices].tolist()
+            top = head.draft_vocab.base_ids(head.logits(f).topk(3).indices).tolist()
             assert int(draft.tokens[node]) in top, f"node {node} (path {path})"
 
 
@@ -220,6 +220,31 @@ def test_save_load_round_trip_is_strict_and_exact(model, tmp_path):
     fields = {k: v for k, v in stored.items() if k != "selfspec_version"}
     with pytest.raises(ValueError, match="draft_vocab_size: expected 1..96 .the base's vocabulary., found 97"):
         EagleConfig.from_dict(dict(fields, draft_vocab_size=97))
+
+
+def test_heads_saved_before_the_draft_vocab_module_still_load(model, tmp_path):
+    """Checkpoints (and resumable training states) written when the head kept its vocabulary in a ``draft_tokens``
+    buffer load into today's ``draft_vocab.tokens``, through from_pretrained and a plain load_state_dict alike."""
+    from safetensors.torch import load_file, save_file
+
+    head = make_head(model, seed=5)
+    head.save_pretrained(tmp_path / "ck")
+    weights = tmp_path / "ck" / "model.safetensors"
+    old = load_file(str(weights))
+    old["draft_tokens"] = old.pop("draft_vocab.tokens")  # the tensor's name in older checkpoints
+    save_file(old, str(weights))
+    loaded = EagleHead.from_pretrained(tmp_path / "ck", model)
+    assert torch.equal(loaded.draft_vocab.tokens, head.draft_vocab.tokens)
+    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), loaded.state_dict().values()))
+
+    fresh = make_head(model, seed=6)
+    fresh.load_state_dict({k: v.clone() for k, v in old.items()}, strict=True)  # an accelerate resume's path
+    assert torch.equal(fresh.draft_vocab.tokens, head.draft_vocab.tokens)
+
+    old["draft_tokens"] = torch.zeros_like(old["draft_tokens"])  # not a vocabulary: every id the same
+    save_file(old, str(weights))
+    with pytest.raises(ValueError, match=r"draft vocabulary \(draft_vocab.tokens\): expected 64 distinct token ids"):
+        EagleHead.from_pretrained(tmp_path / "ck", model)
 
 
 def test_tree_options_for_an_eagle_head(model, tmp_path):

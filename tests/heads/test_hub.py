@@ -273,12 +273,12 @@ def test_eagle_head_push_to_hub_round_trip(chat, hub):
     torch.manual_seed(0)
     head = EagleHead(EagleConfig.for_model(model, base_model="tiny-chat", draft_vocab_size=200),
                      model.get_input_embeddings(), model.get_output_embeddings())
-    head.set_draft_tokens(torch.arange(200) + 50)
+    head.draft_vocab.set(torch.arange(200) + 50)
     assert head.push_to_hub("tester/eagle", dry_run=True) == ["config.json", "model.safetensors", "README.md"]
     published = head.push_to_hub("tester/eagle")
     assert published.changed and sorted(published.files) == ["README.md", "config.json", "model.safetensors"]
     loaded = EagleHead.from_pretrained("tester/eagle", model)
-    assert loaded.config == head.config and torch.equal(loaded.draft_tokens, torch.arange(200) + 50)
+    assert loaded.config == head.config and torch.equal(loaded.draft_vocab.tokens, torch.arange(200) + 50)
     assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), loaded.state_dict().values()))
     assert b'draft="tester/eagle"' in hub.files("tester/eagle", "main")["README.md"]
     drafter = load_drafter("tester/eagle", Target(model))
