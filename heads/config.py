@@ -117,7 +117,8 @@ class LoggingConfig:
     log_with: list[str] = field(default_factory=lambda: ["tensorboard"])
     """accelerate trackers (tensorboard, wandb, ...); [] for none."""
     every: int = 10
-    """log training metrics every this many optimizer steps."""
+    """log training metrics every this many optimizer steps: the loss averaged over them, the heads' training top-1 /
+    top-5 measured on the last one's batches (measuring is a full-vocabulary pass for an EAGLE head)."""
     project: str | None = None
     """tracker project / run name (null: the method: "medusa", "hydra", "exit" or "eagle"; TensorBoard writes to
     <output_dir>/<project>)."""

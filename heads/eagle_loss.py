@@ -33,7 +33,9 @@ def eagle_loss(
     kind: str = "kl", decay: float = 0.8, feature_weight: float = 0.1, ranks: int = 5,
 ) -> MedusaLoss:
     """outs [U, B, n, D] of ``EagleHead.forward``; features [B, T, D] the target's final hidden states; labels [B, T]
-    aligned with the input (-100 = not a training token); lm_head the target's LM head (frozen; its bias, if any, counts)."""
+    aligned with the input (-100 = not a training token); lm_head the target's LM head (frozen; its bias, if any, counts).
+    Accuracy (hits, count) is agreement with the target's own top token over the full vocabulary, which costs a
+    full-vocabulary pass: ranks=0 skips it (hits [U, 0], count 0)."""
     U, B, n, D = outs.shape
     if features.shape[:2] != (B, n + 1) or labels.shape != (B, n + 1):
         raise ValueError(f"expected features [B, T, D] and labels [B, T] with B, T = {B}, {n + 1}, found "
@@ -49,7 +51,7 @@ def eagle_loss(
         weight = lm_head.weight.detach()  # [V, D]
         bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias.detach()
         target_top = torch.cat([F.linear(chunk.to(weight.dtype), weight, bias).argmax(-1)
-                                for chunk in f_next.split(512)]) if len(f_next) else b.new_empty(0)  # [N] full vocab
+                                for chunk in f_next.split(512)]) if len(f_next) and ranks else b.new_empty(0)  # [N]
         p_log = torch.log_softmax(head.draft_vocab.linear(lm_head, f_next).float(), dim=-1)  # [N, V']
         to_draft = torch.full((weight.shape[0],), -1, dtype=torch.long, device=features.device)
         to_draft[vocab_ids] = torch.arange(vocab_ids.numel(), device=features.device)
@@ -71,6 +73,10 @@ def eagle_loss(
         if feature_weight:
             loss_u = loss_u + feature_weight * F.smooth_l1_loss(out_u.float(), f_next[keep], reduction="sum") / (m * D)
         losses.append(loss_u)
+        if not ranks:
+            hits.append(torch.zeros(0, dtype=torch.long))
+            counts.append(0)
+            continue
         with torch.no_grad():
             top = vocab_ids[q_log.topk(min(ranks, q_log.shape[-1]), dim=-1).indices]  # [n_u, R] base token ids
             hit = (top == target_top[keep][:, None]).sum(0)

@@ -112,7 +112,8 @@ def scored_loss(
     """logits [K, N, V]; targets [K, N] (token ids from ``head_targets``, -100 = not scored).
 
     kind "kl": target_logits[k-1] [N, V] are the target's logits for the token head k predicts at each position (the
-    target at t+k). Accuracy is always measured against ``targets``, over the top ``ranks`` candidates of each head.
+    target at t+k). Accuracy is always measured against ``targets``, over the top ``ranks`` candidates of each head;
+    ranks=0 measures none (hits [K, 0], count 0).
     """
     K, N, V = logits.shape
     if targets.shape != (K, N):
@@ -141,7 +142,7 @@ def scored_loss(
             top = q_logits.topk(min(ranks, V), dim=-1).indices  # [n, R]
             hit = (top == y[:, None]).sum(0)  # [R]
             hits.append(F.pad(hit, (0, ranks - hit.numel())).cpu())
-            counts.append(n)
+            counts.append(n if ranks else 0)
     per_head = torch.stack(losses)  # [K]
     return MedusaLoss(total=(weights * per_head).sum(), per_head=per_head.detach(), hits=torch.stack(hits),
                       count=torch.tensor(counts, dtype=torch.long))

@@ -32,7 +32,8 @@ class Window:
         self.loss += out.total.item()
         self.batches += 1
         self.head_loss += out.per_head.double().cpu()
-        self.hits += out.hits[:, :5].double()
+        measured = out.hits[:, :5].double()  # [K, R <= 5]; R = 0 when the batch was not measured
+        self.hits[:, : measured.shape[1]] += measured
         self.count += out.count.double()
         self.target_s += target_seconds
 

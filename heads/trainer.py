@@ -225,8 +225,11 @@ def train(cfg: TrainConfig) -> TrainResult:
             if progress.batch_in_epoch:  # resumed mid-epoch: skip the batches the checkpoint has already seen
                 batches = accelerator.skip_first_batches(train_dl, progress.batch_in_epoch)
             for batch in batches:
+                # training accuracy is measured on the batches of each logged step only (for an EAGLE head it is a
+                # full-vocabulary pass, ~18% of a step on the 2-core CPU); the loss is logged for every batch
+                logged = (progress.step + 1) % cfg.logging.every == 0 or progress.step + 1 == total_steps
                 with accelerator.accumulate(heads):
-                    out = heads_loss(cfg, heads, states, batch, "train", ranks=5)
+                    out = heads_loss(cfg, heads, states, batch, "train", ranks=5 if logged else 0)
                     # every process learns of a NaN or a signal on any of them, before backward's all-reduce
                     flags = torch.tensor([float(not torch.isfinite(out.total)), float(stop.signum is not None)])
                     flags = accelerator.reduce(flags.to(accelerator.device), "sum")

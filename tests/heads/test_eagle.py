@@ -105,6 +105,10 @@ def test_loss_index_shift_a_head_predicting_the_next_feature_scores_zero(model):
     assert out.per_head.abs().max() < 1e-5
     assert out.count.tolist() == [5, 5]  # pairs 2..6 (labels[4..8]); i >= 1 removes none of them
     assert out.top1.tolist() == [1.0, 1.0]
+    unmeasured = eagle_loss(perfect, features, labels, head, model.get_output_embeddings(), kind="kl", feature_weight=1.0,
+                            ranks=0)  # what the trainer runs on batches it does not log: the loss, no accuracy
+    assert torch.equal(unmeasured.per_head, out.per_head)
+    assert unmeasured.hits.shape == (2, 0) and unmeasured.count.tolist() == [0, 0]
     shifted = features[:, :-1].expand(2, 1, T - 1, features.shape[-1])  # f_i instead of f_{i+1}: wrong by one
     wrong = eagle_loss(shifted, features, labels, head, model.get_output_embeddings(), kind="kl")
     assert wrong.per_head.min() > 0.1

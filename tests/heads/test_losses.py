@@ -129,3 +129,6 @@ def test_loss_on_gathered_positions_equals_the_whole_sequence_loss(kind):
     # where only head 3 (k = 3) has a target: labels[0, 6]
     assert scored[0].nonzero()[0].item() == 2
     assert targets[:, 0].tolist() == [IGNORE_INDEX, IGNORE_INDEX, labels[0, 6].item()]
+    unmeasured = scored_loss(logits[:, scored], targets, kind=kind, target_logits=shifted, ranks=0)
+    assert torch.equal(unmeasured.per_head, gathered.per_head)  # ranks=0: the same loss, no accuracy measured
+    assert unmeasured.hits.shape == (K, 0) and unmeasured.count.tolist() == [0] * K
