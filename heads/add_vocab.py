@@ -1,4 +1,5 @@
-"""Give Medusa or Hydra heads trained without one a draft vocabulary (heads/draft_vocab.py), counted on their data.
+"""Give Medusa heads, Hydra heads or an exit head trained without one a draft vocabulary (heads/draft_vocab.py),
+counted on their data.
 
     python -m heads.add_vocab runs/medusa-smollm2/heads --size 8192 [--out DIR]
 
@@ -20,7 +21,7 @@ from heads.draft_vocab import draft_vocabulary, end_of_turn, token_counts, with_
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m heads.add_vocab", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", help="a Medusa or Hydra heads checkpoint directory")
+    p.add_argument("checkpoint", help="a Medusa heads, Hydra heads or exit-head checkpoint directory")
     p.add_argument("--size", type=int, default=8192, help="V': tokens in the draft vocabulary (default 8192)")
     p.add_argument("--model", default=None, help="the base model (default: the checkpoint recipe's model, else its "
                                                  "base_model)")
@@ -35,17 +36,19 @@ def main(argv: list[str] | None = None) -> int:
     from heads.checkpoint import read_config, read_json_object, resolve
     from heads.config import ModelConfig
     from heads.data import DataConfig, build_datasets
+    from heads.exit_head import ExitHead
     from heads.hydra import HydraHeads
     from heads.medusa import MedusaHeads
 
     directory = resolve(a.checkpoint)
     kind = read_json_object(directory / "config.json", "the heads' config").get("draft_type")
-    if kind not in ("medusa", "hydra"):
-        print(f"error: {a.checkpoint} is a {kind!r} checkpoint; expected Medusa or Hydra heads (an EAGLE head stores "
-              f"its draft vocabulary when it is trained: eagle.draft_vocab)", file=sys.stderr)
+    kinds = {"medusa": MedusaHeads, "hydra": HydraHeads, "exit-head": ExitHead}
+    if kind not in kinds:
+        print(f"error: {a.checkpoint} is a {kind!r} checkpoint; expected Medusa heads, Hydra heads or an exit head "
+              f"(an EAGLE head stores its draft vocabulary when it is trained: eagle.draft_vocab)", file=sys.stderr)
         return 2
-    cls = MedusaHeads if kind == "medusa" else HydraHeads
-    config = HydraHeads.read_checkpoint(directory)[0] if kind == "hydra" else read_config(directory)
+    cls = kinds[kind]
+    config = read_config(directory) if kind == "medusa" else cls.read_checkpoint(directory)[0]
     if not 1 <= a.size <= config.vocab_size:
         print(f"error: --size: expected 1..{config.vocab_size} (the base's vocabulary), found {a.size}", file=sys.stderr)
         return 2
@@ -67,9 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     if kind == "medusa":
         new = with_draft_vocab(heads, tokens, lambda c: MedusaHeads(c, model.get_output_embeddings()))
     else:
-        new = with_draft_vocab(heads, tokens, lambda c: HydraHeads.on_base(c, model))
+        new = with_draft_vocab(heads, tokens, lambda c: cls.on_base(c, model))
     out = new.save_pretrained(a.out or directory)
-    print(f"{out}: {kind} heads now draft from the {a.size} tokens (of {config.vocab_size}) most frequent in "
+    print(f"{out}: the {kind} checkpoint now drafts from the {a.size} tokens (of {config.vocab_size}) most frequent in "
           f"{len(train_rows)} training rows of {data.get('source', 'sharegpt')}: {100 * covered:.2f}% of their "
           f"{counts.sum()} training tokens")
     return 0

@@ -156,6 +156,9 @@ class ExitConfig:
     """tokens the exit head drafts per step, stored in its checkpoint."""
     stop_below: float = 0.0
     """stop drafting once the draft's top probability falls below this, stored in its checkpoint (0: never)."""
+    draft_vocab: int = 8192
+    """V': the head drafts from the V' tokens most frequent in the training data, reading that many LM-head rows per
+    drafted token instead of all (heads/draft_vocab.py); 0 or >= the vocabulary: every token."""
 
 
 @dataclass

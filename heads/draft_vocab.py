@@ -1,7 +1,7 @@
 """Draft vocabularies: heads that draft only from the V' tokens most frequent in their training data (FR-Spec, EAGLE-3).
 
 Every head that reads the target's LM head pays for a [V, D] matrix per call: on SmolLM2 (V = 49,152, D = 576) that is
-56 MB in bf16, read once per Medusa step and once per Hydra / EAGLE depth. The V' = 8,192 most frequent training tokens
+56 MB in bf16, read once per Medusa step and once per Hydra / EAGLE / exit-head depth. The V' = 8,192 most frequent training tokens
 cover ~96% of ShareGPT's assistant tokens; drafting from their rows reads a sixth of the matrix (measured on the 2-core
 CPU in bf16: ~4 ms less per read, against a 44 ms one-token decoding step; docs/BENCHMARKS.md §10). Nothing changes for
 correctness: the target verifies every drafted token, so output is lossless whatever the heads propose; a token outside
@@ -9,8 +9,9 @@ V' is simply never proposed.
 
     python -m heads.add_vocab runs/medusa-smollm2/heads --size 8192 [--out DIR]
 
-adds a draft vocabulary to a Medusa or Hydra checkpoint trained without one, counted on the data its recipe names
-(``recipe.data``; ShareGPT by default). New training runs store one themselves (``heads.draft_vocab``, default 8192).
+adds a draft vocabulary to a Medusa, Hydra or exit-head checkpoint trained without one, counted on the data its
+recipe names (``recipe.data``; ShareGPT by default). New training runs store one themselves (``heads.draft_vocab``,
+``exit.draft_vocab``, ``eagle.draft_vocab``; default 8192).
 
 Shapes: V vocabulary, V' draft vocabulary, D hidden size.
 """
@@ -65,10 +66,10 @@ def check_draft_tokens(tokens, size: int, vocab_size: int) -> torch.Tensor:
 
 
 class DraftVocab(nn.Module):
-    """The draft vocabulary of Medusa, Hydra or EAGLE heads: a persistent ``tokens`` buffer [V'] when ``size`` is set
-    (stored in the checkpoint as ``draft_vocab.tokens``), nothing at all when it is None (the whole vocabulary, and the
-    checkpoints of Medusa / Hydra heads trained before draft vocabularies existed; an EAGLE head always has one).
-    ``linear`` is the frozen LM head on those rows."""
+    """The draft vocabulary of Medusa, Hydra, EAGLE or exit heads: a persistent ``tokens`` buffer [V'] when ``size``
+    is set (stored in the checkpoint as ``draft_vocab.tokens``), nothing at all when it is None (the whole vocabulary,
+    and the checkpoints of heads trained before draft vocabularies existed; an EAGLE head always has one). ``linear``
+    is the frozen LM head on those rows."""
 
     def __init__(self, size: int | None, vocab_size: int):
         super().__init__()
@@ -115,8 +116,8 @@ class DraftVocab(nn.Module):
 
 
 def with_draft_vocab(heads: nn.Module, tokens: torch.Tensor, rebuild) -> nn.Module:
-    """A copy of ``heads`` (Medusa or Hydra) whose config and buffer hold the draft vocabulary ``tokens``;
-    ``rebuild(config)`` makes empty heads of the same kind on the same base."""
+    """A copy of ``heads`` (Medusa or Hydra heads, an exit head) whose config and buffer hold the draft vocabulary
+    ``tokens``; ``rebuild(config)`` makes empty heads of the same kind on the same base."""
     config = dataclasses.replace(heads.config, draft_vocab_size=int(tokens.numel()))
     new = rebuild(config)
     state = {k: v for k, v in heads.state_dict().items() if not k.startswith("draft_vocab.")}
@@ -124,5 +125,7 @@ def with_draft_vocab(heads: nn.Module, tokens: torch.Tensor, rebuild) -> nn.Modu
     if unexpected or set(missing) != {"draft_vocab.tokens"}:
         raise RuntimeError(f"rebuilding the heads with a draft vocabulary: missing {missing}, unexpected {unexpected}")
     new.draft_vocab.set(tokens)
-    weight = next(heads.parameters())
+    weight = next(heads.parameters(), None)  # an exit head of 0 blocks has none
+    if weight is None:
+        return new.eval()
     return new.to(device=weight.device, dtype=weight.dtype).eval()  # as stored: bf16 heads stay bf16

@@ -30,6 +30,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from heads.checkpoint import DraftCheckpoint
+from heads.draft_vocab import DraftVocab
 from heads.medusa import ResBlock, _frozen_linear, _type_ok, base_name, base_sizes, strict_keys
 from selfspec import hf
 from selfspec.tree import DynamicTree, Tree
@@ -55,6 +56,9 @@ class ExitHeadConfig:
     """tokens drafted per step (a chain), unless --tree says otherwise."""
     stop_below: float = 0.0
     """stop drafting once the draft's top probability falls below this (0: never)."""
+    draft_vocab_size: int | None = None
+    """V': drafting reads only the LM head's rows of these most frequent training tokens (heads/draft_vocab.py);
+    None: every token (and exit heads trained before draft vocabularies existed)."""
     top1_agreement: float | None = None
     """measured on held-out data: how often the draft's argmax is the target's own (trained with loss kl) or the
     data's next token (loss ce) (null: not measured)."""
@@ -73,6 +77,9 @@ class ExitHeadConfig:
         for name in ("hidden_size", "vocab_size", "draft_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ExitHeadConfig.{name}: expected >= 1, found {getattr(self, name)}")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"ExitHeadConfig.draft_vocab_size: expected 1..{self.vocab_size} (the vocabulary) or None, "
+                             f"found {self.draft_vocab_size}")
         if self.num_layers < 0:
             raise ValueError(f"ExitHeadConfig.num_layers: expected >= 0, found {self.num_layers}")
         if not 0.0 <= self.stop_below < 1.0:
@@ -116,6 +123,7 @@ class ExitHead(nn.Module, DraftCheckpoint):
         super().__init__()
         self.config = config
         self.blocks = nn.ModuleList([ResBlock(config.hidden_size) for _ in range(config.num_layers)])
+        self.draft_vocab = DraftVocab(config.draft_vocab_size, config.vocab_size)  # read by the drafter, not forward
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         x = hidden
@@ -164,6 +172,8 @@ class ExitLogits(nn.Module):
 
 def exit_card(config: ExitHeadConfig, location: str) -> str:
     agreement = "not measured" if config.top1_agreement is None else f"{config.top1_agreement:.3f}"
+    vocab = ("" if config.draft_vocab_size is None else f" Drafts come from the {config.draft_vocab_size} tokens most "
+             f"frequent in its training data (of {config.vocab_size}).")
     return f"""---
 library_name: selfspec
 base_model: {config.base_model}
@@ -173,7 +183,7 @@ tags: [speculative-decoding, early-exit, selfspec]
 
 Drafts with the first {config.exit_layer} of the base's {config.num_hidden_layers} layers, then this exit head
 ({config.num_layers} residual block(s)) and the base's own final norm and LM head; the full model verifies, so
-greedy output is the base's own. Top-1 agreement with the base on held-out data: {agreement}.
+greedy output is the base's own.{vocab} Top-1 agreement with the base on held-out data: {agreement}.
 
 ```python
 from selfspec.api import load

@@ -326,8 +326,8 @@ def outputs(cfg: TrainConfig) -> tuple[int, int, int | None]:
 def build_drafts(cfg: TrainConfig, model, train_rows=None,
                  tokenizer=None) -> tuple[torch.nn.Module, MedusaConfig | HydraConfig | ExitHeadConfig | EagleConfig]:
     """The module trained on the frozen target and its config: Medusa heads and an exit head map hidden [N, D] to
-    logits [K, N, V]; an EAGLE head unrolls over whole rows (EagleHead.forward). The draft vocabulary of an EAGLE head
-    and of Medusa / Hydra heads is counted on ``train_rows``."""
+    logits [K, N, V]; an EAGLE head unrolls over whole rows (EagleHead.forward). The draft vocabulary of every
+    kind of head is counted on ``train_rows``."""
     lm_head = model.get_output_embeddings()
     if cfg.method == "eagle":
         e = cfg.eagle
@@ -342,32 +342,36 @@ def build_drafts(cfg: TrainConfig, model, train_rows=None,
     if cfg.method == "hydra":
         hcfg = HydraConfig.for_model(model, base_model=cfg.model.name, base_revision=cfg.model.revision,
                                      num_heads=cfg.heads.num_heads, num_layers=cfg.heads.num_layers,
-                                     draft_vocab_size=heads_draft_vocab(cfg, lm_head), recipe=to_dict(cfg))
+                                     draft_vocab_size=draft_vocab_size(cfg.heads.draft_vocab, lm_head), recipe=to_dict(cfg))
         heads = HydraHeads(hcfg, model.get_input_embeddings(), lm_head)
     elif cfg.method == "medusa":
         mcfg = MedusaConfig.for_model(
             model, base_model=cfg.model.name, base_revision=cfg.model.revision, num_heads=cfg.heads.num_heads,
             num_layers=cfg.heads.num_layers, projection=cfg.heads.projection, lora_rank=cfg.heads.lora_rank,
-            lora_alpha=cfg.heads.lora_alpha, draft_vocab_size=heads_draft_vocab(cfg, lm_head), recipe=to_dict(cfg),
+            lora_alpha=cfg.heads.lora_alpha, draft_vocab_size=draft_vocab_size(cfg.heads.draft_vocab, lm_head), recipe=to_dict(cfg),
         )
         heads, hcfg = MedusaHeads(mcfg, lm_head), mcfg
     else:
         ecfg = ExitHeadConfig.for_model(
             model, cfg.exit.layer, base_model=cfg.model.name, base_revision=cfg.model.revision,
             num_layers=cfg.exit.num_layers, draft_depth=cfg.exit.draft_depth, stop_below=cfg.exit.stop_below,
-            recipe=to_dict(cfg),
+            draft_vocab_size=draft_vocab_size(cfg.exit.draft_vocab, lm_head), recipe=to_dict(cfg),
         )
-        return ExitLogits(ExitHead(ecfg), final_norm(model), lm_head), ecfg
+        exit_head = ExitHead(ecfg)
+        if ecfg.draft_vocab_size is not None and train_rows is not None:
+            exit_head.draft_vocab.set(draft_vocabulary(train_rows, ecfg.draft_vocab_size, ecfg.vocab_size,
+                                                       end_of_turn(tokenizer)))
+        return ExitLogits(exit_head, final_norm(model), lm_head), ecfg
     if hcfg.draft_vocab_size is not None and train_rows is not None:
         heads.draft_vocab.set(draft_vocabulary(train_rows, hcfg.draft_vocab_size, hcfg.vocab_size, end_of_turn(tokenizer)))
     return heads, hcfg
 
 
-def heads_draft_vocab(cfg: TrainConfig, lm_head) -> int | None:
-    """The draft vocabulary size of Medusa / Hydra heads: heads.draft_vocab, or None (every token) for 0 or a
-    vocabulary no larger than it."""
+def draft_vocab_size(size: int, lm_head) -> int | None:
+    """The draft vocabulary size of Medusa / Hydra / exit heads from its recipe key (heads.draft_vocab,
+    exit.draft_vocab): None (every token) for 0 or a vocabulary no larger than it."""
     V = int(lm_head.weight.shape[0])
-    return cfg.heads.draft_vocab if 0 < cfg.heads.draft_vocab < V else None
+    return size if 0 < size < V else None
 
 
 def heads_loss(cfg: TrainConfig, heads, states, batch: dict, split: str, ranks: int, per_row: bool = False):
@@ -437,7 +441,8 @@ def save_exit_head(accelerator: Accelerator, module, ecfg: ExitHeadConfig, accur
         agreement = None if accuracy is None else float(accuracy[0][0])
         head = ExitHead(replace(ecfg, top1_agreement=agreement))
         prefix = "exit_head."
-        head.load_state_dict({k[len(prefix):]: v.float() for k, v in state.items() if k.startswith(prefix)})
+        head.load_state_dict({k[len(prefix):]: v.float() if v.is_floating_point() else v
+                              for k, v in state.items() if k.startswith(prefix)})
         head.save_pretrained(directory)
         log.info("saved the exit head to %s (top-1 agreement with the target %s)", directory, agreement)
     accelerator.wait_for_everyone()

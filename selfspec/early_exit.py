@@ -5,7 +5,8 @@
             for the whole chain (LayerSkip's forward_early / forward_remainder split)
 
 An exit head (optional, trained elsewhere) maps layer E's input hidden state [.., D] to a hidden state [.., D] that
-the final norm and LM head read; without one, layer E's input goes to them directly. Drafting uses the
+the final norm and LM head read; without one, layer E's input goes to them directly. An exit head with a draft
+vocabulary drafts from its V' rows of the LM head only (``PartialModelDrafter``). Drafting uses the
 confidence stop and the static or dynamic tree of ``PartialModelDrafter`` (a chain by default).
 
 KV reuse: the first E layers see the same inputs in drafting and in verification, so the KV entries and layer-E inputs
@@ -68,7 +69,9 @@ class EarlyExitDrafter(PartialModelDrafter):
         replace: dict[int, torch.nn.Module] = {i: hf.Passthrough() for i in range(exit_layer, num_layers)}
         if exit_head is not None:
             replace[exit_layer] = hf.Apply(exit_head)
-        super().__init__(target, replace, draft_tree(tree, depth), stop_below)
+        vocab = getattr(exit_head, "draft_vocab", None)  # an exit head trained with a draft vocabulary drafts from it
+        vocab = vocab if vocab is not None and getattr(vocab, "tokens", None) is not None else None
+        super().__init__(target, replace, draft_tree(tree, depth), stop_below, vocab=vocab)
         self.exit_head = exit_head
         self.last_work: EarlyWork | None = None
         """the early layers' work of the last chain draft (None after a tree draft, or once a verify took it)."""

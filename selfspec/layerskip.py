@@ -12,8 +12,12 @@ all are kept. Drafting stops early (the deeper levels are dropped) when no node 
 probability of at least ``stop_below`` (confidence-based early stop, as in Kangaroo and SWIFT). Drafts are
 deterministic (q = None), hence lossless under both greedy and sampled acceptance.
 
+With a draft vocabulary (``vocab``: an exit head's, heads/draft_vocab.py) the draft forward stops at the final norm and
+reads only the LM head's V' rows of the most frequent tokens (the target verifies every drafted token, so output is
+unchanged; a token outside V' is never proposed). Draft probabilities are then over V' (no logit soft-capping).
+
 Shapes: S cached length (the prefix, root excluded), N tree nodes, F nodes fed so far, E nodes fed in one forward,
-V vocabulary.
+V vocabulary, V' draft vocabulary (V without one).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from __future__ import annotations
 import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 
@@ -62,17 +66,29 @@ def draft_tree(tree: Tree | DynamicTree | None, depth: int) -> Tree | DynamicTre
     return Tree.chain(depth) if tree is None else DynamicTree(tree.budget, tree.max_rank, depth)
 
 
+class RowVocab(Protocol):
+    """A draft vocabulary over the target's LM head (``heads.draft_vocab.DraftVocab``)."""
+
+    def linear(self, lm_head: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x [..., D] -> logits [..., V'] on the vocabulary's rows of ``lm_head``."""
+
+    def base_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """positions in the vocabulary -> the target's token ids."""
+
+
 class PartialModelDrafter:
     """Drafts a static or dynamic tree with the target's forward, some decoder layers replaced (skipped, or an exit
     head).
 
     replace: decoder layer index -> module standing in for it (``hf.Passthrough`` to skip it).
     tree: a static Tree, or a DynamicTree (with its depth) grown each step.
+    vocab: a draft vocabulary to draft from (None: the LM head's every row).
     """
 
     def __init__(self, target: Target, replace: Mapping[int, torch.nn.Module], tree: Tree | DynamicTree,
-                 stop_below: float = 0.0):
+                 stop_below: float = 0.0, vocab: RowVocab | None = None):
         self.target, self.model = target, target.model
+        self.vocab = vocab
         self.num_layers = len(hf.decoder_layers(self.model))
         self.replace = dict(replace)
         self.stop_below = check_stop_below(stop_below)
@@ -89,10 +105,17 @@ class PartialModelDrafter:
                        for level in self._levels]
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
-        """tokens [E], positions [E], mask [1, 1, E, S + F + E] -> draft logits [E, V] (the cache grows by E)."""
+        """tokens [E], positions [E], mask [1, 1, E, S + F + E] -> draft logits [E, V'] (the cache grows by E);
+        ``_ids`` maps their columns to token ids."""
         with hf.replaced_layers(self.model, self.replace):
-            logits, _ = hf.forward_partial(self.model, tokens, positions, mask, cache)
-        return logits
+            if self.vocab is None:
+                return hf.forward_partial(self.model, tokens, positions, mask, cache)[0]
+            _, hidden = hf.forward_partial(self.model, tokens, positions, mask, cache, lm_head=False)  # [E, D] normed
+        return self.vocab.linear(self.model.get_output_embeddings(), hidden)
+
+    def _ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """Columns of ``_forward``'s logits -> token ids."""
+        return columns if self.vocab is None else self.vocab.base_ids(columns)
 
     def _start(self, state: DraftState) -> int:
         start = state.tokens.shape[0] - 1
@@ -137,9 +160,10 @@ class PartialModelDrafter:
             if float(top.values[:, 0].max()) < self.stop_below:
                 kept_depth = depth
                 break
+            ids = self._ids(top.indices)  # [E, width] token ids
             for j, node in enumerate(level):
                 for child in tree.children[node]:
-                    tokens[child] = top.indices[j, tree.ranks[child]]
+                    tokens[child] = ids[j, tree.ranks[child]]
         return Draft(tree=tree, tokens=tokens).truncated(kept_depth), fed
 
     def _grow_dynamic(self, state: DraftState, dyn: DynamicTree) -> tuple[Draft, list[int]]:
@@ -168,7 +192,7 @@ class PartialModelDrafter:
             top = logits.float().log_softmax(-1).topk(k, dim=-1)  # values, indices [E, k]
             if float(top.values[:, 0].max().exp()) < self.stop_below:
                 break
-            values, indices = top.values.tolist(), top.indices.tolist()
+            values, indices = top.values.tolist(), self._ids(top.indices).tolist()
             layer = []
             for row, c in enumerate(frontier):
                 for r in range(k):

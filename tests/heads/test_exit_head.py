@@ -14,16 +14,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import decode_with_tiny_draft, random_prompts, reference, tiny_model
+from conftest import decode_with_tiny_draft, random_prompts, reference, state_after_prefill, tiny_model
 from test_layerskip import VOCAB, four_layer
 
 from heads.base_model import final_hidden, layer_and_final_hidden
 from heads.config import load_config
 from heads.exit_head import ExitHead, ExitHeadConfig, ExitLogits, final_norm, load_drafter
 from heads.losses import gather_scored, head_targets
+from selfspec import hf
 from selfspec.early_exit import EarlyExitDrafter, EarlyExitTarget
 from selfspec.generate import generate
 from selfspec.target import Target
+from selfspec.tree import DynamicTree
 
 REPO = Path(__file__).resolve().parents[2]
 EXIT = 2
@@ -115,6 +117,67 @@ def test_drafting_with_a_trained_exit_head_is_lossless_and_reuses_the_early_laye
     assert verifier.reused > 0
 
 
+def test_an_exit_head_with_a_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(model, tmp_path):
+    head = ExitHead(config_for(model, draft_vocab_size=40))
+    head.load_state_dict(trained(model).state_dict() | {"draft_vocab.tokens": head.draft_vocab.tokens}, strict=True)
+    keep = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1))[:40].sort().values
+    head.draft_vocab.set(keep)
+    head.save_pretrained(tmp_path / "ck")
+    loaded = ExitHead.from_pretrained(tmp_path / "ck", model)
+    assert loaded.config.draft_vocab_size == 40 and torch.equal(loaded.draft_vocab.tokens, keep)
+
+    # the draft forward on V' is the full draft forward's logits at V'
+    whole = ExitHead(config_for(model))
+    whole.load_state_dict({k: v for k, v in loaded.state_dict().items() if not k.startswith("draft_vocab.")})
+    target = Target(model)
+    prompt = random_prompts(1, VOCAB, seed=4, min_len=7, max_len=7)[0]
+    S = len(prompt) - 1
+    logits = []
+    for exit_head in (loaded, whole):
+        drafter = EarlyExitDrafter(target, EXIT, depth=3, exit_head=exit_head)
+        state = state_after_prefill(model, prompt)
+        mask = hf.additive_mask(torch.ones(1, S + 1, dtype=torch.bool), torch.float32)
+        with torch.inference_mode():
+            logits.append(drafter._forward(prompt[-1:], torch.tensor([S]), mask, state.cache))
+    assert logits[0].shape == (1, 40) and logits[1].shape == (1, VOCAB)
+    torch.testing.assert_close(logits[0], logits[1][:, keep], rtol=0, atol=1e-5)
+
+    # decoding: every drafted token is in V', and the output is plain greedy decoding's (chain with the early layers'
+    # work reused, and a dynamic tree)
+    drafts = []
+    for tree in (None, DynamicTree(6, max_rank=3, depth=3)):
+        drafter = load_drafter(tmp_path / "ck", target, tree=tree)
+        verifier = drafter.verifier()
+        drafter.draft = lambda state, draft=drafter.draft: drafts.append(draft(state)) or drafts[-1]  # record them
+        for prompt in random_prompts(8, VOCAB, seed=5):
+            out = generate(verifier, drafter, prompt, max_new_tokens=14)
+            assert out.tokens == reference(model, prompt, 14)
+    drafted = {int(t) for d in drafts for t in d.tokens[1:]}
+    assert any(not d.tree.is_chain for d in drafts) and verifier.reused == 0  # the tree's drafts: no early-layer reuse
+    assert len(drafted) > 5 and drafted <= set(keep.tolist())
+
+
+def test_add_vocab_gives_an_exit_head_trained_without_one_a_draft_vocabulary(tmp_path, capsys):
+    from heads import add_vocab
+    from heads.base_model import load_base
+    from heads.config import ModelConfig
+
+    base, tokenizer = load_base(ModelConfig(name="tiny-random-llama"))
+    recipe = {"model": {"name": "tiny-random-llama"},
+              "data": {"source": str(REPO / "configs" / "data" / "tiny_chat.jsonl"), "max_length": 128}}
+    head = ExitHead(ExitHeadConfig.for_model(base, 1, base_model="tiny-random-llama", recipe=recipe))
+    with torch.no_grad():
+        for param in head.parameters():
+            param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(2)) * 0.05)
+    head.save_pretrained(tmp_path / "exit")
+    assert add_vocab.main([str(tmp_path / "exit"), "--size", "30", "--out", str(tmp_path / "v30")]) == 0
+    assert "exit-head checkpoint now drafts from the 30 tokens" in capsys.readouterr().out
+    loaded = ExitHead.from_pretrained(tmp_path / "v30", base)
+    assert loaded.config.draft_vocab_size == 30 and tokenizer.eos_token_id in loaded.draft_vocab.tokens.tolist()
+    assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in head.state_dict().items())
+    decode_with_tiny_draft(tmp_path / "v30")
+
+
 def test_recipe_needs_an_exit_layer_and_refuses_cached_states_with_kl(tmp_path):
     with pytest.raises(ValueError, match="exit.layer: method exit_head needs the exit layer"):
         load_config(REPO / "configs/medusa_tiny.yaml", ["method=exit_head"])
@@ -126,11 +189,12 @@ def test_recipe_needs_an_exit_layer_and_refuses_cached_states_with_kl(tmp_path):
 def test_train_py_trains_an_exit_head_that_drafts_through_selfspec_load(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "train.py", "--config", "configs/medusa_tiny.yaml", f"output_dir={out}", "method=exit_head",
-           "exit.layer=1", "loss.kind=kl", "optim.max_steps=6", "checkpoint.every=0"]
+           "exit.layer=1", "loss.kind=kl", "optim.max_steps=6", "checkpoint.every=0", "exit.draft_vocab=40"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     config = json.loads((out / "exit_head" / "config.json").read_text())
     assert config["exit_layer"] == 1 and config["recipe"]["method"] == "exit_head"
+    assert config["draft_vocab_size"] == 40  # counted on the training data: the decoding below drafts from it
     assert 0.0 <= config["top1_agreement"] <= 1.0
     assert list((out / "exit").rglob("events.out.tfevents*")) and not (out / "medusa").exists()  # TensorBoard
     final = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"final"' in line]
