@@ -165,7 +165,7 @@ def test_add_vocab_counts_the_recipes_data_and_the_heads_still_decode_losslessly
     heads.save_pretrained(tmp_path / "heads")
 
     assert add_vocab.main([str(tmp_path / "heads"), "--size", "30", "--out", str(tmp_path / "v30")]) == 0
-    assert "draft from the 30 tokens" in capsys.readouterr().out
+    assert "medusa checkpoint now drafts from the 30 tokens" in capsys.readouterr().out
     stored = json.loads((tmp_path / "v30" / "config.json").read_text())
     assert stored["draft_vocab_size"] == 30 and stored["recipe"] == recipe
     loaded = MedusaHeads.from_pretrained(tmp_path / "v30", base)
