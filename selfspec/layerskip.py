@@ -69,6 +69,9 @@ def draft_tree(tree: Tree | DynamicTree | None, depth: int) -> Tree | DynamicTre
 class RowVocab(Protocol):
     """A draft vocabulary over the target's LM head (``heads.draft_vocab.DraftVocab``)."""
 
+    size: int | None
+    """V' (None: every token)."""
+
     def linear(self, lm_head: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """x [..., D] -> logits [..., V'] on the vocabulary's rows of ``lm_head``."""
 
@@ -103,6 +106,10 @@ class PartialModelDrafter:
         self._levels = [[i for i, d in enumerate(self.tree.depths) if d == depth and self.tree.children[i]] for depth in levels]
         self._width = [max((self.tree.ranks[c] + 1 for i in level for c in self.tree.children[i]), default=1)
                        for level in self._levels]
+        ranks = max(self._width, default=1) if self.tree is not None else self.dynamic.max_rank
+        if vocab is not None and vocab.size is not None and ranks > vocab.size:
+            raise ValueError(f"the draft vocabulary holds {vocab.size} tokens, but the tree asks for the {ranks} best "
+                             f"at a node: use a tree of at most {vocab.size} ranks, or a larger draft vocabulary")
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
         """tokens [E], positions [E], mask [1, 1, E, S + F + E] -> draft logits [E, V'] (the cache grows by E);

@@ -156,6 +156,10 @@ def test_an_exit_head_with_a_draft_vocabulary_drafts_only_its_tokens_and_stays_l
     assert any(not d.tree.is_chain for d in drafts) and verifier.reused == 0  # the tree's drafts: no early-layer reuse
     assert len(drafted) > 5 and drafted <= set(keep.tolist())
 
+    small = ExitHead(config_for(model, draft_vocab_size=2))
+    with pytest.raises(ValueError, match="the draft vocabulary holds 2 tokens, but the tree asks for the 3 best"):
+        EarlyExitDrafter(target, EXIT, tree=DynamicTree(6, max_rank=3, depth=3), exit_head=small)
+
 
 def test_add_vocab_gives_an_exit_head_trained_without_one_a_draft_vocabulary(tmp_path, capsys):
     from heads import add_vocab
