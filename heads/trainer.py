@@ -335,9 +335,7 @@ def build_drafts(cfg: TrainConfig, model, train_rows=None,
             model, base_model=cfg.model.name, base_revision=cfg.model.revision, num_layers=e.num_layers,
             draft_vocab_size=e.draft_vocab, depth=e.depth, topk=e.topk, budget=e.budget, recipe=to_dict(cfg))
         head = EagleHead(ecfg, model.get_input_embeddings(), lm_head)
-        if train_rows is not None:
-            head.draft_vocab.set(draft_vocabulary(train_rows, ecfg.draft_vocab_size, ecfg.vocab_size,
-                                                   end_of_turn(tokenizer)))
+        count_vocabulary(head.draft_vocab, train_rows, tokenizer)
         return head, ecfg
     if cfg.method == "hydra":
         hcfg = HydraConfig.for_model(model, base_model=cfg.model.name, base_revision=cfg.model.revision,
@@ -358,13 +356,17 @@ def build_drafts(cfg: TrainConfig, model, train_rows=None,
             draft_vocab_size=draft_vocab_size(cfg.exit.draft_vocab, lm_head), recipe=to_dict(cfg),
         )
         exit_head = ExitHead(ecfg)
-        if ecfg.draft_vocab_size is not None and train_rows is not None:
-            exit_head.draft_vocab.set(draft_vocabulary(train_rows, ecfg.draft_vocab_size, ecfg.vocab_size,
-                                                       end_of_turn(tokenizer)))
+        count_vocabulary(exit_head.draft_vocab, train_rows, tokenizer)
         return ExitLogits(exit_head, final_norm(model), lm_head), ecfg
-    if hcfg.draft_vocab_size is not None and train_rows is not None:
-        heads.draft_vocab.set(draft_vocabulary(train_rows, hcfg.draft_vocab_size, hcfg.vocab_size, end_of_turn(tokenizer)))
+    count_vocabulary(heads.draft_vocab, train_rows, tokenizer)
     return heads, hcfg
+
+
+def count_vocabulary(vocab, train_rows, tokenizer) -> None:
+    """Fill a head's draft vocabulary (``heads.draft_vocab.DraftVocab``) with the most frequent training tokens of
+    ``train_rows`` and the end of turn; nothing for heads drafting from every token, or without rows."""
+    if vocab.size is not None and train_rows is not None:
+        vocab.set(draft_vocabulary(train_rows, vocab.size, vocab.vocab_size, end_of_turn(tokenizer)))
 
 
 def draft_vocab_size(size: int, lm_head) -> int | None:

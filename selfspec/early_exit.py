@@ -70,8 +70,8 @@ class EarlyExitDrafter(PartialModelDrafter):
         if exit_head is not None:
             replace[exit_layer] = hf.Apply(exit_head)
         vocab = getattr(exit_head, "draft_vocab", None)  # an exit head trained with a draft vocabulary drafts from it
-        vocab = vocab if vocab is not None and getattr(vocab, "tokens", None) is not None else None
-        super().__init__(target, replace, draft_tree(tree, depth), stop_below, vocab=vocab)
+        super().__init__(target, replace, draft_tree(tree, depth), stop_below,
+                         vocab=vocab if vocab is not None and vocab.size is not None else None)
         self.exit_head = exit_head
         self.last_work: EarlyWork | None = None
         """the early layers' work of the last chain draft (None after a tree draft, or once a verify took it)."""
