@@ -99,6 +99,17 @@ def layer_and_final_hidden(
     return outputs[-1], final
 
 
+def final_and_layer_states(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                           layers: list[int]) -> torch.Tensor:
+    """input_ids, attention_mask [B, T] -> [B, T, (1 + L) D]: the final hidden state, then the hidden states at
+    ``layers`` (transformers' ``hidden_states`` indices: 0 the embeddings, i decoder layer i's output), from one
+    forward: what an EAGLE-3 head reads (its loss reads the final one)."""
+    out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                              output_hidden_states=True, return_dict=True)
+    states = out.hidden_states
+    return torch.cat([states[-1]] + [states[i] for i in layers], dim=-1)
+
+
 def lm_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     """hidden [B, T, D] -> the target's logits [B, T, V], as its own forward computes them from that hidden state."""
     lm_head = model.get_output_embeddings()

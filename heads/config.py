@@ -170,7 +170,12 @@ class EagleSection:
     draft_vocab: int = 8192
     """V': the head drafts the V' tokens most frequent in the training data (0: the whole vocabulary)."""
     feature_weight: float = 0.1
-    """weight of the smooth-L1 regression of the head's features onto the target's (EAGLE's feature loss)."""
+    """weight of the smooth-L1 regression of the head's features onto the target's (EAGLE's feature loss; EAGLE-3
+    drops it: 0)."""
+    feature_layers: list[int] | None = None
+    """EAGLE-3's multi-layer features: the target's hidden states the head fuses for the committed text
+    (transformers' ``hidden_states`` indices: 0 the embeddings, i the output of decoder layer i; EAGLE-3 takes a low,
+    a middle and a high one, e.g. [2, 15, 27] of SmolLM2's 30); null: the final hidden state (EAGLE-1/2)."""
     depth: int = 6
     """drafting default stored in the checkpoint: tokens drafted along a path."""
     topk: int = 8
@@ -267,6 +272,10 @@ class TrainConfig:
         if min(e.num_layers, e.unroll, e.depth, e.topk, e.budget) < 1 or e.draft_vocab < 0 or e.feature_weight < 0:
             raise ValueError(f"eagle: expected num_layers, unroll, depth, topk, budget >= 1 and draft_vocab, "
                              f"feature_weight >= 0, found {e}")
+        if e.feature_layers is not None and (not e.feature_layers or min(e.feature_layers) < 0
+                                             or len(set(e.feature_layers)) != len(e.feature_layers)):
+            raise ValueError(f"eagle.feature_layers: expected null or distinct hidden-state indices >= 0 (e.g. "
+                             f"[2, 15, 27]), found {e.feature_layers}")
         if self.publish.repo_id is not None:
             from heads.hub import check_repo_id
 

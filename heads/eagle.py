@@ -16,12 +16,19 @@ target's, frozen and held by reference (never stored). The LM head is read on a 
 ``draft_vocab_size`` tokens most frequent in the training data (EAGLE-3 / FR-Spec's trick): on a 135M model with a 49k
 vocabulary the full LM head costs as much as 8 of its 30 layers, on every drafted position.
 
+**Multi-layer features** (EAGLE-3): with ``feature_layers`` set, the true pairs read, instead of f_j, a fusion of the
+target's hidden states at several depths, g_j = fuse([h_j^(l1), h_j^(l2), ...]) [L·D -> D] (low layers still know the
+token, high layers what comes next); the pairs the head drafts itself read its own f̂ as before, so drafting beyond the
+committed text is unchanged. Layer indices follow transformers' ``hidden_states``: 0 the embeddings, i the output of
+decoder layer i, the last one the final hidden state (after the final norm).
+
 A checkpoint (``save_pretrained``) is config.json (draft_type "eagle", the base, the decoder's transformers config, the
 draft vocabulary size, drafting defaults, measured agreement) + model.safetensors (fc, the decoder, the draft
 vocabulary's token ids) + README.md, written atomically like every selfspec checkpoint; ``load_drafter`` is its
 ``selfspec.drafters`` entry point (``--draft DIR``).
 
-Shapes: B batch, T time, n = T - 1 pairs, U unrolled steps, D hidden size, V vocabulary, V' draft vocabulary.
+Shapes: B batch, T time, n = T - 1 pairs, U unrolled steps, D hidden size, L feature layers, F the head's input
+feature width (D, or L·D with feature_layers), V vocabulary, V' draft vocabulary.
 """
 
 from __future__ import annotations
@@ -65,6 +72,9 @@ class EagleConfig:
     """drafting default: nodes expanded per depth, and children tried per expanded node."""
     budget: int = 32
     """drafting default: draft nodes kept (the highest cumulative draft probability; EAGLE-2's rerank)."""
+    feature_layers: list[int] | None = None
+    """EAGLE-3's multi-layer features: the target's hidden states (transformers' ``hidden_states`` indices: 0 the
+    embeddings, i decoder layer i's output) the true pairs read, fused by a linear map; null: the final hidden state."""
     top1_agreement: list[float] | None = None
     """measured on held-out data, per unrolled step: how often the head's argmax is the target's own next token
     (null: not measured)."""
@@ -83,6 +93,10 @@ class EagleConfig:
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"EagleConfig.draft_vocab_size: expected 1..{self.vocab_size} (the base's vocabulary), "
                              f"found {self.draft_vocab_size}")
+        if self.feature_layers is not None and (not self.feature_layers or min(self.feature_layers) < 0
+                                                or len(set(self.feature_layers)) != len(self.feature_layers)):
+            raise ValueError(f"EagleConfig.feature_layers: expected null or distinct hidden-state indices >= 0, found "
+                             f"{self.feature_layers}")
         if "model_type" not in self.decoder_config:
             raise ValueError(f"EagleConfig.decoder_config: expected a transformers config dict with 'model_type', found "
                              f"keys {sorted(self.decoder_config)[:8]}")
@@ -103,6 +117,7 @@ class EagleConfig:
         hidden, vocab = base_sizes(model)
         kwargs.setdefault("base_revision", None)
         kwargs["draft_vocab_size"] = min(kwargs.get("draft_vocab_size", 8192) or vocab, vocab)
+        check_feature_layers(kwargs.get("feature_layers"), model)
         return cls(base_model=base_name(model, base_model), hidden_size=hidden, vocab_size=vocab,
                    decoder_config=decoder_config(model, num_layers), num_layers=num_layers, **kwargs)
 
@@ -137,6 +152,8 @@ class EagleHead(nn.Module, DraftCheckpoint):
         super().__init__()
         self.config = config
         D = config.hidden_size
+        layers = config.feature_layers
+        self.fuse = nn.Linear(len(layers) * D, D, bias=False) if layers else None  # EAGLE-3: [L·D] -> [D]
         self.fc = nn.Linear(2 * D, D)
         dcfg = dict(config.decoder_config)
         self.decoder = AutoModel.from_config(AutoConfig.for_model(dcfg.pop("model_type"), **dcfg),
@@ -157,6 +174,22 @@ class EagleHead(nn.Module, DraftCheckpoint):
         """The base's LM head (frozen, held by reference)."""
         return self._frozen[1]
 
+    @property
+    def feature_width(self) -> int:
+        """F: the width of the target features a true pair reads (D, or L·D for multi-layer features)."""
+        return self.config.hidden_size * len(self.config.feature_layers or [None])
+
+    def true_features(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features of committed positions [..., F] -> what a true pair reads [..., D]: the fusion of the
+        chosen layers' states (``feature_layers``), or the final hidden state itself."""
+        if features.shape[-1] != self.feature_width:
+            raise ValueError(f"EAGLE head: expected target features of width {self.feature_width} (hidden size "
+                             f"{self.config.hidden_size} x {len(self.config.feature_layers or [None])} layers), found "
+                             f"{features.shape[-1]}")
+        if self.fuse is None:
+            return features
+        return self.fuse(features.to(self.fuse.weight.dtype))
+
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """features [..., D] -> draft-vocabulary logits [..., V'] (through the frozen LM head's rows of V')."""
         return self.draft_vocab.linear(self.lm_head, features)
@@ -172,7 +205,8 @@ class EagleHead(nn.Module, DraftCheckpoint):
 
     # ------------------------------------------------------------------------------------------------- training
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor, unroll: int) -> torch.Tensor:
-        """The training unroll. features [B, T, D] (the target's f_0..f_{T-1}), input_ids [B, T], lengths [B] (right
+        """The training unroll. features [B, T, F] (the target's features at positions 0..T-1: f_j, or the chosen layers'
+        states, see ``true_features``), input_ids [B, T], lengths [B] (right
         padding) -> [U, B, n, D]: step u's prediction, at pair i, of f_{i+1}, made from the true pairs up to i - u and
         the head's own predictions for positions i - u + 1 .. i (exactly what drafting depth u + 1 sees).
 
@@ -188,12 +222,13 @@ class EagleHead(nn.Module, DraftCheckpoint):
         positions = torch.arange(n, device=features.device).expand(B, n)
         cache = DynamicCache(config=self.decoder.config)
         outs = []
-        feats = features[:, :n]  # [B, n, D] f_i
+        true = self.true_features(features[:, :n])  # [B, n, D] f_i (or g_i)
+        feats = true
         for u in range(unroll):
             mask = unroll_mask(u, n, lengths, self.fc.weight.dtype, features.device)  # [B, 1, n, (u + 1) n]
             out = self.step(feats, tokens, positions, mask, cache)  # [B, n, D]
             outs.append(out)
-            feats = torch.cat([features[:, :1], out[:, :-1]], dim=1)  # pair i reads the prediction made at i - 1
+            feats = torch.cat([true[:, :1], out[:, :-1]], dim=1)  # pair i reads the prediction made at i - 1
         return torch.stack(outs)
 
     # --------------------------------------------------------------------- storage (heads.checkpoint.DraftCheckpoint)
@@ -206,7 +241,16 @@ class EagleHead(nn.Module, DraftCheckpoint):
 
     @classmethod
     def on_base(cls, config: EagleConfig, base_model: PreTrainedModel) -> "EagleHead":
+        check_feature_layers(config.feature_layers, base_model)
         return cls(config, base_model.get_input_embeddings(), base_model.get_output_embeddings())
+
+
+def check_feature_layers(layers: list[int] | None, model: PreTrainedModel) -> None:
+    """Refuse feature layers the model does not have (its hidden states are indexed 0..num_hidden_layers)."""
+    count = int(model.config.get_text_config().num_hidden_layers)
+    if layers and max(layers) > count:
+        raise ValueError(f"EAGLE head feature_layers {layers}: expected hidden-state indices 0..{count} (this base has "
+                         f"{count} decoder layers), found {max(layers)}")
 
 
 def unroll_mask(u: int, n: int, lengths: torch.Tensor, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
@@ -262,6 +306,8 @@ def read_eagle_checkpoint(directory: Path) -> tuple[EagleConfig, dict[str, torch
 
 
 def eagle_card(config: EagleConfig, location: str) -> str:
+    features = ("final hidden states" if not config.feature_layers
+                else f"hidden states of layers {config.feature_layers} (fused, EAGLE-3 style)")
     agreement = ("not measured" if config.top1_agreement is None
                  else ", ".join(f"{a:.3f}" for a in config.top1_agreement) + " (steps 1, 2, ...)")
     return f"""---
@@ -271,7 +317,7 @@ tags: [speculative-decoding, eagle, selfspec]
 ---
 # EAGLE-style draft head for {config.base_model}
 
-{config.num_layers} decoder layer(s) of the base's architecture over the base's own final hidden states and token
+{config.num_layers} decoder layer(s) of the base's architecture over the base's own {features} and token
 embeddings, drafting autoregressively over a {config.draft_vocab_size}-token draft vocabulary (of {config.vocab_size});
 the base verifies every draft tree in one forward, so greedy output is the base's own. Drafting defaults: depth
 {config.depth}, {config.topk} expanded per depth, {config.budget} nodes. Top-1 agreement with the base on held-out data:

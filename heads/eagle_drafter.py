@@ -69,9 +69,11 @@ class EagleDrafter:
         hf.cache_truncate(self.cache, self.committed)  # drop the last step's speculative pairs
         head, device = self.head, tokens.device
 
-        # 1. extend: the newly committed pairs (f_j, x_{j+1}), j = committed .. T-2, plain causal attention
+        # 1. extend: the newly committed pairs (f_j, x_{j+1}), j = committed .. T-2, plain causal attention (an EAGLE-3
+        #    head reads the fusion of its feature layers' states instead of f_j)
         positions = torch.arange(self.committed, T - 1, device=device)
-        out = head.step(new[None], tokens[self.committed + 1:][None], positions[None], None, self.cache)[0]  # [A, D]
+        true = head.true_features(self._features(state))  # [A, D]
+        out = head.step(true[None], tokens[self.committed + 1:][None], positions[None], None, self.cache)[0]  # [A, D]
         self.committed = T - 1
         base = T - 1  # head-cache entries that are true pairs
 
@@ -107,6 +109,18 @@ class EagleDrafter:
         draft_tokens = torch.tensor([tok[0]] + [tok[i] for i in kept], dtype=tokens.dtype, device=device)
         scores = torch.tensor([0.0] + [score[i] for i in kept])
         return Draft(tree=tree, tokens=draft_tokens, scores=scores)
+
+    def _features(self, state: DraftState) -> torch.Tensor:
+        """The target's features of the newly committed positions: [A, D] final hidden states, or [A, L·D] the states of
+        the head's feature layers."""
+        layers = self.head.config.feature_layers
+        if not layers:
+            return state.new_hidden
+        if state.new_states is None:
+            raise ValueError(f"this EAGLE head reads the target's hidden states at layers {layers}: expected "
+                             "DraftState.new_states (selfspec.generate provides it with the target's own verifier), "
+                             "found None")
+        return state.new_states[:, layers].flatten(1)  # [A, L·D]
 
     def _children(self, head: EagleHead, out: torch.Tensor, nodes: list[int], tok, parent, score, depth, feat,
                   d: int) -> list[int]:

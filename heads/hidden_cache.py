@@ -37,7 +37,7 @@ from typing import Callable, ContextManager
 import numpy as np
 import torch
 
-from heads.base_model import final_hidden, layer_and_final_hidden, lm_logits
+from heads.base_model import final_and_layer_states, final_hidden, layer_and_final_hidden, lm_logits
 
 log = logging.getLogger(__name__)
 STORAGE = {"float16": (np.float16, torch.float16), "bfloat16": (np.uint16, torch.bfloat16)}
@@ -174,6 +174,10 @@ def make_caches(cfg, accelerator, model, splits: dict) -> dict[str, HiddenCache]
               "autocast": accelerator.mixed_precision, "attn_implementation": cfg.model.attn_implementation}
     if cfg.method == "exit_head":  # layer E's input, not the final hidden state
         target["layer_input"] = cfg.exit.layer
+    layers = cfg.eagle.feature_layers if cfg.method == "eagle" else None
+    if layers:  # the final hidden states, then those of the EAGLE-3 head's feature layers
+        target["feature_layers"] = list(layers)
+    width = model.config.get_text_config().hidden_size * (1 + len(layers or []))
     fingerprints = {}
     for split, rows in splits.items():
         if len(rows) == 0:
@@ -181,8 +185,7 @@ def make_caches(cfg, accelerator, model, splits: dict) -> dict[str, HiddenCache]
         data_fp, lengths = rows_fingerprint(rows)
         fingerprints[split] = {"version": 1, "target": target, "data": data_fp, "dtype": cfg.hidden_cache.dtype}
         if accelerator.is_main_process:
-            HiddenCache.create(root, fingerprints[split], lengths, model.config.get_text_config().hidden_size,
-                               cfg.hidden_cache.dtype)
+            HiddenCache.create(root, fingerprints[split], lengths, width, cfg.hidden_cache.dtype)
     accelerator.wait_for_everyone()
     caches = {split: HiddenCache.open(root, fp) for split, fp in fingerprints.items()}
     for split, cache in caches.items():
@@ -195,13 +198,16 @@ class TargetStates:
     has them, and for the KL loss the target's logits [B, T, V] computed from its final hidden states.
 
     layer None: the final hidden states (Medusa heads); E: layer E's input (an exit head), not cached with the KL loss
-    (the config refuses that combination: the logits need the final states too)."""
+    (the config refuses that combination: the logits need the final states too). feature_layers (an EAGLE-3 head):
+    [B, T, (1 + L) D], the final hidden states then the states at those ``hidden_states`` indices, concatenated."""
 
     def __init__(self, model, device: torch.device, autocast: Callable[[], ContextManager], loss_kind: str,
-                 caches: dict[str, HiddenCache], cache_dtype: str, layer: int | None = None):
+                 caches: dict[str, HiddenCache], cache_dtype: str, layer: int | None = None,
+                 feature_layers: list[int] | None = None):
         """autocast: a context-manager factory the target forward runs under (``accelerator.autocast``)."""
         self.model, self.device, self.autocast, self.loss_kind = model, device, autocast, loss_kind
         self.caches, self.cache_dtype, self.layer = caches, cache_dtype, layer
+        self.feature_layers = feature_layers
         self.seconds, self.seconds_total, self.cache_hits = 0.0, 0.0, 0
 
     @torch.no_grad()
@@ -216,7 +222,10 @@ class TargetStates:
             self.cache_hits += 1
         else:
             with self.autocast():
-                if self.layer is None:
+                if self.feature_layers:
+                    hidden = final_and_layer_states(self.model, batch["input_ids"], batch["attention_mask"],
+                                                    self.feature_layers).float()  # [B, T, (1 + L) D]
+                elif self.layer is None:
                     hidden = final_hidden(self.model, batch["input_ids"], batch["attention_mask"]).float()
                 else:
                     hidden, final = layer_and_final_hidden(self.model, batch["input_ids"], batch["attention_mask"],
@@ -225,7 +234,8 @@ class TargetStates:
             if cache is not None:
                 hidden = round_trip(hidden, self.cache_dtype)
                 cache.write(index, lengths, hidden)
-        final = hidden if self.layer is None else final
+        if self.layer is None:
+            final = hidden[..., : self.model.config.get_text_config().hidden_size]  # [B, T, D]
         target_logits = lm_logits(self.model, final) if self.loss_kind == "kl" else None  # [B, T, V]
         elapsed = time.perf_counter() - start
         self.seconds += elapsed

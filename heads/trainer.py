@@ -193,7 +193,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     caches = make_caches(cfg, accelerator, model, {"train": train_rows, "eval": eval_rows})
     # an EAGLE head's loss computes the target's logits itself, on the draft vocabulary only
     states = TargetStates(model, accelerator.device, accelerator.autocast,
-                          "ce" if cfg.method == "eagle" else cfg.loss.kind, caches, cfg.hidden_cache.dtype, layer=layer)
+                          "ce" if cfg.method == "eagle" else cfg.loss.kind, caches, cfg.hidden_cache.dtype, layer=layer,
+                          feature_layers=feature_layers(cfg))
     uses_deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     log.info("process %d/%d on %s: %d train rows, %d batches per epoch, %d optimizer steps in all%s",
              accelerator.process_index, accelerator.num_processes, accelerator.device, len(train_rows), len(train_dl),
@@ -333,7 +334,8 @@ def build_drafts(cfg: TrainConfig, model, train_rows=None,
         e = cfg.eagle
         ecfg = EagleConfig.for_model(
             model, base_model=cfg.model.name, base_revision=cfg.model.revision, num_layers=e.num_layers,
-            draft_vocab_size=e.draft_vocab, depth=e.depth, topk=e.topk, budget=e.budget, recipe=to_dict(cfg))
+            draft_vocab_size=e.draft_vocab, feature_layers=e.feature_layers, depth=e.depth, topk=e.topk,
+            budget=e.budget, recipe=to_dict(cfg))
         head = EagleHead(ecfg, model.get_input_embeddings(), lm_head)
         count_vocabulary(head.draft_vocab, train_rows, tokenizer)
         return head, ecfg
@@ -403,10 +405,19 @@ def heads_loss(cfg: TrainConfig, heads, states, batch: dict, split: str, ranks: 
     return outs
 
 
-def _eagle_loss(cfg: TrainConfig, head, hidden: torch.Tensor, batch: dict, ranks: int, per_row: bool):
-    """The EAGLE head's unrolled loss of a batch (one forward of the wrapped head), or one per row."""
+def feature_layers(cfg: TrainConfig) -> list[int] | None:
+    """The target layers whose hidden states the trained draft reads besides the final one (an EAGLE-3 head's)."""
+    return cfg.eagle.feature_layers if cfg.method == "eagle" else None
+
+
+def _eagle_loss(cfg: TrainConfig, head, states: torch.Tensor, batch: dict, ranks: int, per_row: bool):
+    """The EAGLE head's unrolled loss of a batch (one forward of the wrapped head), or one per row. states [B, T, D]
+    (the final hidden states), or [B, T, (1 + L) D] with feature layers (the final ones first, see TargetStates)."""
     inner = head.module if hasattr(head, "module") else head  # DDP / DeepSpeed wrap the head
-    outs = head(hidden, batch["input_ids"], batch["lengths"], cfg.eagle.unroll)  # [U, B, n, D]
+    D = inner.config.hidden_size
+    hidden = states[..., :D]  # [B, T, D] what the loss reads
+    features = states[..., D:] if inner.config.feature_layers else hidden  # [B, T, F] what the head reads
+    outs = head(features, batch["input_ids"], batch["lengths"], cfg.eagle.unroll)  # [U, B, n, D]
     args = dict(kind=cfg.loss.kind, decay=cfg.loss.decay, feature_weight=cfg.eagle.feature_weight, ranks=ranks)
     if not per_row:
         return eagle_loss(outs, hidden, batch["labels"], inner, inner.lm_head, **args)

@@ -38,6 +38,10 @@ class DraftState:
     """[A, D] the target's final hidden states at the A positions committed since the previous draft, tokens[-1-A:-1]
     (the whole prompt at the first draft of a request; ``hidden`` is new_hidden[-1]): what a sequential draft head
     with its own cache (heads/eagle_drafter.py) extends it with. None when the caller does not track it."""
+    new_states: torch.Tensor | None = None
+    """[A, L + 1, D] the target's hidden states at every layer (transformers' ``hidden_states``: 0 the embeddings, i
+    decoder layer i's output, L the final hidden state, = new_hidden) at the same A positions: what an EAGLE-3 head
+    fuses. None when the caller or the verifier does not provide them."""
 
     @property
     def starts_request(self) -> bool:

@@ -1,6 +1,7 @@
 """Every contact with transformers internals, in one place (pinned by tests/test_hf_contact.py).
 
-- ``forward``: one call of a decoder-only model with an explicit 4D additive mask, position ids and the cache.
+- ``forward``: one call of a decoder-only model with an explicit 4D additive mask, position ids and the cache; it
+  returns the logits and the hidden state of every layer (``hidden_states``: embeddings, each layer's output, final).
 - ``cache_keep``: the one cache operation a tree needs after acceptance: keep the given new entries, drop the rest.
 - ``decoder_layers``: the model's list of transformer blocks (for self-speculation drafters).
 - self-speculation: ``replaced_layers`` (run the model with some layers swapped for ``Passthrough`` / ``Apply`` /
@@ -42,11 +43,14 @@ def forward(
     mask: torch.Tensor | None,
     cache: Cache,
     logits_to_keep: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids [N], position_ids [N], mask [1, 1, N, S + N] or None (plain causal) -> logits [n, V], hidden [N, D].
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """input_ids [N], position_ids [N], mask [1, 1, N, S + N] or None (plain causal) -> logits [n, V], states: L + 1
+    tensors [N, D].
 
-    n = N, or the last ``logits_to_keep`` positions when that is > 0. ``hidden`` is the final hidden state (after the
-    model's final norm) at every one of the N positions, the input of the LM head, which is what draft heads read.
+    n = N, or the last ``logits_to_keep`` positions when that is > 0. ``states`` are transformers' ``hidden_states`` at
+    every one of the N positions: states[0] the embeddings, states[i] the output of decoder layer i, states[-1] the
+    final hidden state (after the model's final norm), the input of the LM head, which is what draft heads read.
+    They are computed by every forward anyway (the model keeps them for the caller; no copy is made).
     """
     out = model(
         input_ids=input_ids[None],
@@ -58,7 +62,7 @@ def forward(
         logits_to_keep=logits_to_keep,
         return_dict=True,
     )
-    return out.logits[0], out.hidden_states[-1][0]  # [n, V], [N, D]
+    return out.logits[0], tuple(h[0] for h in out.hidden_states)  # [n, V], L + 1 x [N, D]
 
 
 def cache_keep(cache: Cache, start: int, keep: torch.Tensor) -> None:

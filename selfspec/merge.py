@@ -84,7 +84,8 @@ class MergedDrafter:
         self.drafters, self.skip_after = list(drafters), skip_after
         self._drafts: list[Draft | None] = []
         self._accepted = [0] * len(self.drafters)  # each drafter's own tokens accepted at the previous step
-        self._pending: list[list[torch.Tensor]] = [[] for _ in self.drafters]  # [A_j, D] held for drafters that sat out
+        # (new_hidden [A_j, D], new_states [A_j, L + 1, D] or None) held for drafters that sat out
+        self._pending: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = [[] for _ in self.drafters]
         self.skipped = [0] * len(self.drafters)  # steps each drafter sat out
 
     def draft(self, state: DraftState) -> Draft:
@@ -95,13 +96,15 @@ class MergedDrafter:
         for k, d in enumerate(self.drafters):
             if self.skip_after is not None and any(a >= self.skip_after for a in self._accepted[:k]):
                 if state.new_hidden is not None:
-                    self._pending[k].append(state.new_hidden)
+                    self._pending[k].append((state.new_hidden, state.new_states))
                 self._drafts.append(None)
                 self.skipped[k] += 1
                 continue
             own = state
             if self._pending[k] and state.new_hidden is not None:
-                own = replace(state, new_hidden=torch.cat(self._pending[k] + [state.new_hidden]))  # [A, D]
+                held = self._pending[k] + [(state.new_hidden, state.new_states)]
+                states = None if any(s is None for _, s in held) else torch.cat([s for _, s in held])  # [A, L + 1, D]
+                own = replace(state, new_hidden=torch.cat([h for h, _ in held]), new_states=states)  # [A, D]
                 self._pending[k] = []
             self._drafts.append(d.draft(own))
         # 2. merge

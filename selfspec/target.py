@@ -25,6 +25,9 @@ class Verified:
     """[N, V] the target's next-token logits after each tree node ([1, V]: after the prompt's last token, for a prefill)."""
     hidden: torch.Tensor
     """[N, D] the target's final hidden state at each tree node (at every prompt position, for a prefill)."""
+    states: tuple[torch.Tensor, ...] | None = None
+    """L + 1 tensors [N, D]: the hidden states at every layer at the same positions (0 the embeddings, i decoder layer
+    i's output, -1 = ``hidden``), what an EAGLE-3 head fuses; None from verifiers that do not run every layer."""
 
 
 class Target:
@@ -68,8 +71,8 @@ class Target:
         draft head reads); the cache then holds T entries."""
         start = hf.cache_length(cache)
         positions = torch.arange(start, start + input_ids.shape[0], device=input_ids.device)
-        logits, hidden = hf.forward(self.model, input_ids, positions, None, cache, logits_to_keep=1)
-        return Verified(logits=logits, hidden=hidden)
+        logits, states = hf.forward(self.model, input_ids, positions, None, cache, logits_to_keep=1)
+        return Verified(logits=logits, hidden=states[-1], states=states)
 
     @torch.inference_mode()
     def verify(self, tree: Tree, tokens: torch.Tensor, cache: Cache) -> Verified:
@@ -86,8 +89,8 @@ class Target:
             )  # [N, S + N]
             mask = hf.additive_mask(allowed, self._mask_dtype)  # [1, 1, N, S + N]
         positions = start + tree.depth_tensor.to(device)  # [N]
-        logits, hidden = hf.forward(self.model, tokens, positions, mask, cache)
-        return Verified(logits=logits, hidden=hidden)
+        logits, states = hf.forward(self.model, tokens, positions, mask, cache)
+        return Verified(logits=logits, hidden=states[-1], states=states)
 
     @torch.inference_mode()
     def commit(self, cache: Cache, start: int, path: tuple[int, ...]) -> None:

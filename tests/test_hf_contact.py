@@ -108,9 +108,12 @@ def test_cache_keep_equals_recomputation(model, keep):
 def test_forward_logits_to_keep():
     model = tiny_model("qwen2")
     ids = torch.arange(9) % VOCAB
-    logits, hidden = hf.forward(model, ids, torch.arange(9), None, hf.new_cache(model), logits_to_keep=2)
+    logits, states = hf.forward(model, ids, torch.arange(9), None, hf.new_cache(model), logits_to_keep=2)
     full_logits, full_hidden, _ = _plain(model, ids)
+    hidden = states[-1]
     assert logits.shape == (2, VOCAB) and hidden.shape == (9, 32)  # logits for the last 2; hidden states for all
+    assert len(states) == model.config.num_hidden_layers + 1 and all(s.shape == (9, 32) for s in states)
+    torch.testing.assert_close(states[0], model.get_input_embeddings()(ids), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logits, full_logits[-2:], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(hidden, full_hidden, rtol=1e-5, atol=1e-5)
 

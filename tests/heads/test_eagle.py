@@ -1,6 +1,7 @@
 """The EAGLE-style sequential head: the training unroll computes exactly what drafting computes, the loss's index
 shift, the draft vocabulary, drafting (chain and tree) through the head's own cache, losslessness through the runtime
-on several architectures, strict save / load, and train.py's eagle method end to end with an exact resume.
+on several architectures, strict save / load, and train.py's eagle method end to end with an exact resume; the same
+for EAGLE-3's multi-layer features (training reads the states the runtime gives the drafter).
 
 The heads here are random or trained for a few steps on a tiny random target: these tests pin the plumbing and
 losslessness; what training buys is measured on SmolLM2 in docs/BENCHMARKS.md."""
@@ -36,8 +37,12 @@ REPO = Path(__file__).resolve().parents[2]
 VOCAB = 96
 
 
-def make_head(model, seed: int = 0, draft_vocab: int = 64, num_layers: int = 1) -> EagleHead:
-    cfg = EagleConfig.for_model(model, num_layers=num_layers, draft_vocab_size=draft_vocab)
+FEATURES = [0, 1, 2]  # EAGLE-3 on a 2-layer tiny model: the embeddings, layer 1's output, the final hidden state
+
+
+def make_head(model, seed: int = 0, draft_vocab: int = 64, num_layers: int = 1, feature_layers=None) -> EagleHead:
+    cfg = EagleConfig.for_model(model, num_layers=num_layers, draft_vocab_size=draft_vocab,
+                                feature_layers=feature_layers)
     torch.manual_seed(seed)
     head = EagleHead(cfg, model.get_input_embeddings(), model.get_output_embeddings()).eval()
     head.draft_vocab.set(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:draft_vocab])
@@ -60,22 +65,24 @@ def chain(head, features, ids, true_pairs: int, own: int) -> torch.Tensor:
     return f[0, -1]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_training_unroll_is_what_drafting_computes(arch):
+@pytest.mark.parametrize("arch,layers", [("llama", None), ("qwen2", None), ("llama", FEATURES)])
+def test_training_unroll_is_what_drafting_computes(arch, layers):
     """Step u of the unroll at pair i = the chain of true pairs 0..i-u and u of the head's own predictions, also for a
-    right-padded row (padding changes nothing before it)."""
+    right-padded row (padding changes nothing before it); with multi-layer features the true pairs read their fusion."""
     model = tiny_model(arch, initializer_range=0.1)
-    head = make_head(model, num_layers=2)
+    head = make_head(model, num_layers=2, feature_layers=layers)
     T = 11
     ids = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(1))
     lengths = torch.tensor([T, 8])
     with torch.no_grad():
-        features = model.model(input_ids=ids).last_hidden_state  # [2, T, D]
+        states = model.model(input_ids=ids, output_hidden_states=True).hidden_states
+        features = torch.cat([states[i] for i in layers or [-1]], dim=-1)  # [2, T, F]
         outs = head(features, ids, lengths, unroll=3)  # [3, 2, T - 1, D]
+        true = head.true_features(features)  # [2, T, D]
         for u in range(3):
             for row, n_valid in ((0, T - 1), (1, 7)):
                 for i in range(u, n_valid):
-                    want = chain(head, features[row:row + 1], ids[row:row + 1], i - u + 1, u)
+                    want = chain(head, true[row:row + 1], ids[row:row + 1], i - u + 1, u)
                     torch.testing.assert_close(outs[u, row, i], want, rtol=1e-4, atol=1e-4)
 
 
@@ -169,11 +176,64 @@ def test_eagle_drafts_through_the_runtime_stay_token_identical_to_generate(arch)
         assert generate(target, merged, prompt, max_new_tokens=24).tokens == reference(model, prompt, 24)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_eagle3_drafts_through_the_runtime_stay_token_identical_to_generate(arch):
+    """A head reading the target's embeddings, middle and final states (EAGLE-3) through selfspec.generate."""
+    model = tiny_model(arch, initializer_range=0.1)
+    head = make_head(model, draft_vocab=VOCAB, feature_layers=FEATURES)
+    torch.nn.init.normal_(head.fuse.weight, std=0.3)  # a fusion that matters (a trained one is not the identity)
+    drafter = EagleDrafter(head, depth=4, topk=3, budget=10)
+    target = Target(model)
+    for prompt in random_prompts(5, VOCAB, seed=17):
+        out = generate(target, drafter, prompt, max_new_tokens=24)
+        assert out.tokens == reference(model, prompt, 24)
+        assert drafter.committed == prompt.shape[0] + sum(len(s.tokens) for s in out.steps[:-1]) - 1
+
+
+def test_the_drafter_reads_the_states_training_reads():
+    """What the trainer feeds an EAGLE-3 head (heads.base_model.final_and_layer_states over a padded batch) equals what
+    selfspec.generate hands its drafter (every layer's states from the target's prefill), at the head's layers."""
+    from heads.base_model import final_and_layer_states
+
+    model = tiny_model("qwen2", initializer_range=0.1)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0  # right padding
+    with torch.no_grad():
+        trained = final_and_layer_states(model, ids, mask, FEATURES)  # [2, 9, 4 D]
+    D = model.config.hidden_size
+    for row, n in ((0, 9), (1, 6)):
+        state = state_after_prefill(model, torch.cat([ids[row, :n], ids.new_tensor([0])]))
+        torch.testing.assert_close(trained[row, :n, :D], state.new_hidden, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(trained[row, :n, D:], state.new_states[:, FEATURES].flatten(1), rtol=1e-5, atol=1e-5)
+
+
+def test_eagle3_feature_layers_are_checked():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"feature_layers \[0, 3\]: expected hidden-state indices 0..2 \(this base has 2 "
+                                         r"decoder layers\), found 3"):
+        make_head(model, feature_layers=[0, 3])
+    with pytest.raises(ValueError, match=r"feature_layers: expected null or distinct hidden-state indices >= 0, found \[1, 1\]"):
+        make_head(model, feature_layers=[1, 1])
+    with pytest.raises(ValueError, match=r"eagle.feature_layers: expected null or distinct"):
+        load_config(REPO / "configs/medusa_tiny.yaml", ["method=eagle", "eagle.feature_layers=[]"])
+    head = make_head(model, feature_layers=FEATURES)
+    with pytest.raises(ValueError, match=r"expected target features of width 96 \(hidden size 32 x 3 layers\), found 32"):
+        head.true_features(torch.zeros(2, 32))
+    prompt = random_prompts(1, VOCAB, seed=8, min_len=8, max_len=8)[0]
+    state = state_after_prefill(model, prompt)
+    from dataclasses import replace
+    with pytest.raises(ValueError, match=r"reads the target's hidden states at layers \[0, 1, 2\]: expected "
+                                         r"DraftState.new_states"):
+        EagleDrafter(head, 2, 2, 3).draft(replace(state, new_states=None))
+
+
 def test_an_eagle_head_that_sits_out_steps_of_a_merged_draft_stays_in_step():
     """ngram+eagle with skip_after=1: the head rests whenever prompt lookup had a token accepted, and is handed every
-    hidden state committed meanwhile (else it would refuse to go on, out of step); output still plain decoding's."""
+    hidden state committed meanwhile (else it would refuse to go on, out of step), every layer's for an EAGLE-3 head;
+    output still plain decoding's."""
     model = tiny_model("llama", initializer_range=0.5)  # repetitive greedy continuations: prompt lookup gets accepted
-    head = make_head(model, draft_vocab=VOCAB)
+    head = make_head(model, draft_vocab=VOCAB, feature_layers=FEATURES)
     target = Target(model)
     eagle = EagleDrafter(head, depth=3, topk=2, budget=6)
     merged = MergedDrafter([NGramDrafter(depth=4, max_nodes=6), eagle], skip_after=1)
@@ -205,6 +265,10 @@ def test_save_load_round_trip_is_strict_and_exact(model, tmp_path):
     loaded = EagleHead.from_pretrained(tmp_path / "ck", model)
     assert loaded.config == head.config
     assert head.state_dict().keys() == loaded.state_dict().keys()
+    eagle3 = make_head(model, seed=4, feature_layers=FEATURES)
+    eagle3.save_pretrained(tmp_path / "ck3")
+    loaded3 = EagleHead.from_pretrained(tmp_path / "ck3", model)
+    assert loaded3.config.feature_layers == FEATURES and torch.equal(loaded3.fuse.weight, eagle3.fuse.weight)
     assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), loaded.state_dict().values()))
     prompt = random_prompts(1, VOCAB, seed=9, min_len=8, max_len=8)[0]
     a = EagleDrafter(head, 3, 2, 5).draft(state_after_prefill(model, prompt))
@@ -284,3 +348,19 @@ def test_train_py_trains_an_eagle_head_that_resumes_exactly_and_decodes_lossless
     assert len(config["top1_agreement"]) == 3 and all(0.0 <= a <= 1.0 for a in config["top1_agreement"])
     assert list((tmp_path / "full" / "eagle").rglob("events.out.tfevents*"))  # TensorBoard, beside the head
     decode_with_tiny_draft(out)
+
+
+def test_train_py_trains_an_eagle3_head_from_cached_multi_layer_states(tmp_path):
+    """EAGLE-3 features through train.py with the hidden cache: the cache stores the final and the feature layers'
+    states side by side, a resumed run (reading them from the cache) continues exactly, and the head decodes
+    losslessly."""
+    common = ["--config", "configs/medusa_tiny.yaml", "method=eagle", "loss.kind=kl", "eagle.draft_vocab=128",
+              "eagle.feature_layers=[0,1,2]", "eagle.feature_weight=0", "hidden_cache.enabled=true",
+              "optim.scheduler=constant_with_warmup", "optim.epochs=100", "logging.every=1", "eval.every=0",
+              "checkpoint.every=3"]
+    train_and_check_resume(tmp_path, common)
+    config = json.loads((tmp_path / "full" / "eagle_head" / "config.json").read_text())
+    assert config["feature_layers"] == [0, 1, 2]
+    meta = json.loads(next((tmp_path / "cut" / "hidden_cache").glob("*/meta.json")).read_text())
+    assert meta["hidden_size"] == 4 * 64 and meta["fingerprint"]["target"]["feature_layers"] == [0, 1, 2]
+    decode_with_tiny_draft(tmp_path / "full" / "eagle_head")
