@@ -20,7 +20,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 @pytest.mark.parametrize("name", ["medusa_tiny.yaml", "medusa_smollm2.yaml", "hydra_smollm2.yaml", "exit_smollm2.yaml",
-                                  "eagle_smollm2.yaml"])
+                                  "eagle_smollm2.yaml", "eagle3_smollm2.yaml"])
 def test_shipped_recipes_load_and_start_with_their_command(name):
     path = REPO / "configs" / name
     cfg = load_config(path)
