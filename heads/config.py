@@ -175,7 +175,8 @@ class EagleSection:
     feature_layers: list[int] | None = None
     """EAGLE-3's multi-layer features: the target's hidden states the head fuses for the committed text
     (transformers' ``hidden_states`` indices: 0 the embeddings, i the output of decoder layer i; EAGLE-3 takes a low,
-    a middle and a high one, e.g. [2, 15, 27] of SmolLM2's 30); null: the final hidden state (EAGLE-1/2)."""
+    a middle and a high one; on a 135M model keep the final one as the high one, e.g. [2, 15, 30] of SmolLM2's 30
+    layers); null: the final hidden state alone (EAGLE-1/2)."""
     depth: int = 6
     """drafting default stored in the checkpoint: tokens drafted along a path."""
     topk: int = 8

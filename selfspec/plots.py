@@ -38,8 +38,7 @@ def plot_summary(summary: Summary, path: str | Path) -> Path:
             weights = [[1 / len(d)] * len(d) for d in data]  # share of the method's steps
             hist.hist(data, bins=range(1, top + 2), weights=weights, label=drafted, align="left",
                       color=[color[m] for m in drafted])
-            hist.set_xticks(range(1, top + 1))
-            hist.legend(fontsize="small")
+            hist.set_xticks(range(1, top + 1))  # no legend: the colours are the left panel's (a legend hid the bars)
         bars.axhline(1.0, color="black", linewidth=0.8)
         bars.set_xticks(range(len(categories)), categories, rotation=30, ha="right")
         bars.set_ylabel(f"speed-up over plain ({dtype})")

@@ -335,7 +335,7 @@ def test_recipe_checks_the_eagle_section():
     cfg = load_config(REPO / "configs/eagle_smollm2.yaml")
     assert cfg.method == "eagle" and cfg.loss.kind == "kl" and cfg.eagle.draft_vocab == 8192
     eagle3 = load_config(REPO / "configs/eagle3_smollm2.yaml")
-    assert eagle3.eagle.feature_layers == [2, 15, 27] and eagle3.eagle.feature_weight == 0.0
+    assert eagle3.eagle.feature_layers == [2, 15, 30] and eagle3.eagle.feature_weight == 0.0
 
 
 def test_train_py_trains_an_eagle_head_that_resumes_exactly_and_decodes_losslessly(tmp_path):
