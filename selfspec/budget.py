@@ -8,7 +8,9 @@
                     recorded step is exact: the part of the recorded accepted path inside those N nodes, plus the bonus
     3. choose       expected tokens/s (N, d) = accepted(N, d) / (verify_ms(N + 1 nodes) + other_ms(d)), where other_ms
                     is the measured rest of a step at depth d (drafting, acceptance, cache commit); the maximum is
-                    cached per (draft, target, dtype, machine) and ``--tree auto`` uses it
+                    cached per (draft, target, dtype, machine) and ``--tree auto`` uses it, unless the calibration's
+                    own verifications ran much slower than the cached curve says (a busy machine: the drafting cost
+                    measured now would not match the verify cost measured then, and the choice would be wrong)
 
 It needs a drafter that grows its tree by score under a budget and a depth and reports the scores (``Draft.scores``):
 EAGLE heads, and Medusa heads with a dynamic tree. Nothing is guessed: accepted lengths come from the target's own verdicts on this machine's dtype.
@@ -36,6 +38,8 @@ from selfspec.generate import generate
 from selfspec.tree import DynamicTree
 
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+BUSY = 2.0
+"""calibration verifications this many times slower than the cached curve predicts: the machine is busy, don't cache."""
 
 
 # ------------------------------------------------------------------------------------------------ 1. verify cost
@@ -146,6 +150,13 @@ class Tuning:
     plain_ms: float
     """the verify of a single node: one plain decoding step."""
     table: list[Choice]
+    verify_ratio: float = 1.0
+    """median over the calibration steps of measured verify time / the cached curve's at the same tree size: about 1
+    (or below: calibration contexts are shorter than the curve's) on a machine as quiet as when the curve was measured."""
+
+    @property
+    def busy(self) -> bool:
+        return self.verify_ratio > BUSY
 
 
 def tune(target, make_drafter: Callable[[int, int], Drafter], prompts: Sequence[torch.Tensor], curve: dict[int, float],
@@ -153,13 +164,14 @@ def tune(target, make_drafter: Callable[[int, int], Drafter], prompts: Sequence[
     """Record one greedy decode per depth at the largest budget; predict tokens/s for every (depth, budget)."""
     big = max(budgets)
     generate(target, NoDrafter(), prompts[0], 2)  # warm-up
-    table = []
+    table, ratios = [], []
     for d in depths:
         recorder = _Recorder(make_drafter(d, big))
         other = []
         for prompt in prompts:
             out = generate(target, recorder, prompt, max_new_tokens)
             other += [s.other_s for s in out.steps[1:]]
+            ratios += [1000 * s.verify_s / interpolate(curve, s.tree_size) for s in out.steps[1:]]
         records = recorder.steps
         other_ms = 1000 * statistics.median(other)
         for n in budgets:
@@ -167,7 +179,7 @@ def tune(target, make_drafter: Callable[[int, int], Drafter], prompts: Sequence[
             acc = sum(gains) / max(len(gains), 1)
             table.append(Choice(depth=d, budget=n, accepted=acc, step_ms=interpolate(curve, n + 1) + other_ms))
     best = max(table, key=lambda c: c.tokens_per_s)
-    return Tuning(best=best, plain_ms=curve[1], table=table)
+    return Tuning(best=best, plain_ms=curve[1], table=table, verify_ratio=statistics.median(ratios or [1.0]))
 
 
 def format_tuning(t: Tuning) -> str:

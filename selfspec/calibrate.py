@@ -207,10 +207,17 @@ def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
     curve = budget.cached_verify_costs(target, a.model, refresh=a.refresh_costs)
     prompts = [p.to(target.device) for p in calibration_inputs(tokenizer, a.prompts)]
     tuning = budget.tune(target, make, prompts, curve, depths, budgets, a.max_new_tokens)
+    if tuning.busy:
+        out.write(f"{budget.format_tuning(tuning)}\n\nerror: nothing cached for --tree auto. This run's verifications "
+                  f"took {tuning.verify_ratio:.1f}x the time the cached verify costs say (one-token step "
+                  f"{tuning.plain_ms:.1f} ms): the machine is busier than when those were measured, so the drafting "
+                  f"cost measured now does not match them and the choice above is not to be trusted. Run tune-tree "
+                  f"again with nothing else running (or with --refresh-costs if the machine itself changed)\n")
+        return 1
     path = budget.save_tuned(a.draft, target, a.model, tuning)
     b = tuning.best
     out.write(f"{a.model} {a.dtype}, {a.prompts} calibration prompts x {a.max_new_tokens} tokens, one-token step "
-              f"{tuning.plain_ms:.1f} ms:\n{budget.format_tuning(tuning)}\n\nbest: --tree dynamic:{b.budget},depth="
+              f"{tuning.plain_ms:.1f} ms (this run's verifications: {tuning.verify_ratio:.2f}x the cached costs):\n{budget.format_tuning(tuning)}\n\nbest: --tree dynamic:{b.budget},depth="
               f"{b.depth} (mean accepted {b.accepted:.2f}, predicted {b.tokens_per_s:.1f} tokens/s); cached in {path} "
               f"for --tree auto\n")
     return 0

@@ -152,6 +152,28 @@ def test_the_tuning_table_warns_when_no_tree_beats_one_token_decoding():
     assert "warning" not in budget.format_tuning(tuning(2.2))
 
 
+def test_tune_tree_caches_nothing_when_the_machine_is_busier_than_its_cost_curve(model_dir, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """A cost curve 20x cheaper than what the calibration's own verifications take stands for a machine busy during
+    tune-tree (or a stale curve): the choice would mix costs measured under different loads, so nothing is cached for
+    --tree auto and the message says what to do."""
+    from selfspec import cli
+    from selfspec.layerskip import LayerSkipConfig
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    real = budget.cached_verify_costs
+    monkeypatch.setattr(budget, "cached_verify_costs",
+                        lambda *a, **k: {n: ms / 20 for n, ms in real(*a, **k).items()})
+    ckpt = tmp_path / "skip"
+    LayerSkipConfig(base_model="model", num_hidden_layers=2, skip_layers=(1,), draft_depth=3).save(ckpt)
+    assert cli.main(["tune-tree", "--model", str(model_dir), "--draft", str(ckpt), "--dtype", "fp32", "--depths", "2",
+                     "--budgets", "2,6", "--prompts", "2", "--max-new-tokens", "8"]) == 1
+    printed = capsys.readouterr().out
+    assert "error: nothing cached for --tree auto. This run's verifications took" in printed
+    assert "Run tune-tree again with nothing else running" in printed
+    assert not list((tmp_path / "cache").rglob("tree-*.json"))
+
+
 def test_tune_tree_tunes_a_layer_skip_draft_for_tree_auto(model_dir, tmp_path, monkeypatch, capsys):
     """infer.py tune-tree on a layer-skip checkpoint of the tiny chat model: the target's own layers grow the tree, the
     best (budget, depth) is cached, and --tree auto then builds that dynamic tree."""
