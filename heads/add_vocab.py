@@ -1,11 +1,11 @@
-"""Give Medusa heads, Hydra heads or an exit head trained without one a draft vocabulary (heads/draft_vocab.py),
-counted on their data.
+"""Give Medusa heads, Hydra heads, an exit head or a layer-skip draft without one a draft vocabulary
+(heads/draft_vocab.py), counted on their data.
 
     python -m heads.add_vocab runs/medusa-smollm2/heads --size 8192 [--out DIR]
 
 The V' tokens most frequent among the training tokens of the data the checkpoint's recipe names (``recipe.data``:
-the same conversations, chat template and assistant-only labels; ``--source`` for other data), end-of-turn always
-included. Only the vocabulary is added: the heads' weights, tree and measured accuracy are unchanged, and the
+the same conversations, chat template and assistant-only labels; ``--source`` for other data; a layer-skip
+checkpoint has no recipe: ShareGPT's default conversations), end-of-turn always included. Only the vocabulary is added: the heads' weights, tree and measured accuracy are unchanged, and the
 checkpoint is rewritten atomically (in place or to --out). Heads trained now store one themselves (heads.draft_vocab).
 """
 
@@ -17,25 +17,29 @@ import sys
 
 from heads.draft_vocab import draft_vocabulary, end_of_turn, token_counts, with_draft_vocab
 
+LAYER_SKIP_CONVERSATIONS = 2000
+"""conversations counted for a layer-skip checkpoint (it has no recipe naming its data)."""
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m heads.add_vocab", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", help="a Medusa heads, Hydra heads or exit-head checkpoint directory")
+    p.add_argument("checkpoint", help="a Medusa heads, Hydra heads, exit-head or layer-skip checkpoint directory")
     p.add_argument("--size", type=int, default=8192, help="V': tokens in the draft vocabulary (default 8192)")
     p.add_argument("--model", default=None, help="the base model (default: the checkpoint recipe's model, else its "
                                                  "base_model)")
     p.add_argument("--source", default=None, help="data to count tokens on (default: the checkpoint recipe's "
                                                   "data.source, else sharegpt)")
     p.add_argument("--max-conversations", type=int, default=None,
-                   help="conversations to count (default: the recipe's data.max_conversations)")
+                   help="conversations to count (default: the recipe's data.max_conversations; for a layer-skip "
+                        f"checkpoint {LAYER_SKIP_CONVERSATIONS})")
     p.add_argument("--out", default=None, help="save here instead of over the checkpoint")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from heads.base_model import load_base
     from heads.checkpoint import read_config, read_json_object, resolve
     from heads.config import ModelConfig
-    from heads.data import DataConfig, build_datasets
+    from heads.data import DataConfig
     from heads.exit_head import ExitHead
     from heads.hydra import HydraHeads
     from heads.medusa import MedusaHeads
@@ -43,9 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     directory = resolve(a.checkpoint)
     kind = read_json_object(directory / "config.json", "the heads' config").get("draft_type")
     kinds = {"medusa": MedusaHeads, "hydra": HydraHeads, "exit-head": ExitHead}
+    if kind == "layerskip":
+        return _layer_skip(a, directory)
     if kind not in kinds:
-        print(f"error: {a.checkpoint} is a {kind!r} checkpoint; expected Medusa heads, Hydra heads or an exit head "
-              f"(an EAGLE head stores its draft vocabulary when it is trained: eagle.draft_vocab)", file=sys.stderr)
+        print(f"error: {a.checkpoint} is a {kind!r} checkpoint; expected Medusa heads, Hydra heads, an exit head or a "
+              f"layer-skip draft (an EAGLE head stores its draft vocabulary when it is trained: eagle.draft_vocab)",
+              file=sys.stderr)
         return 2
     cls = kinds[kind]
     config = read_config(directory) if kind == "medusa" else cls.read_checkpoint(directory)[0]
@@ -63,18 +70,52 @@ def main(argv: list[str] | None = None) -> int:
         data["source"] = a.source
     if a.max_conversations is not None:
         data["max_conversations"] = a.max_conversations
-    train_rows, _ = build_datasets(DataConfig(**data), tokenizer)
-    counts = token_counts(train_rows, config.vocab_size)
-    tokens = draft_vocabulary(train_rows, a.size, config.vocab_size, end_of_turn(tokenizer), counts=counts)
-    covered = counts[tokens.numpy()].sum() / max(counts.sum(), 1)
+    train_rows, tokens, covered = _count(DataConfig(**data), tokenizer, a.size, config.vocab_size)
     if kind == "medusa":
         new = with_draft_vocab(heads, tokens, lambda c: MedusaHeads(c, model.get_output_embeddings()))
     else:
         new = with_draft_vocab(heads, tokens, lambda c: cls.on_base(c, model))
     out = new.save_pretrained(a.out or directory)
-    print(f"{out}: the {kind} checkpoint now drafts from the {a.size} tokens (of {config.vocab_size}) most frequent in "
-          f"{len(train_rows)} training rows of {data.get('source', 'sharegpt')}: {100 * covered:.2f}% of their "
-          f"{counts.sum()} training tokens")
+    _report(out, kind, a.size, config.vocab_size, train_rows, data.get("source", "sharegpt"), covered)
+    return 0
+
+
+def _count(data, tokenizer, size: int, vocab_size: int):
+    """(the training rows of ``data``, the ``size`` most frequent training tokens with end-of-turn, the share of the
+    training tokens they cover)."""
+    from heads.data import build_datasets
+
+    train_rows, _ = build_datasets(data, tokenizer)
+    counts = token_counts(train_rows, vocab_size)
+    tokens = draft_vocabulary(train_rows, size, vocab_size, end_of_turn(tokenizer), counts=counts)
+    return train_rows, tokens, (counts[tokens.numpy()].sum() / max(counts.sum(), 1), int(counts.sum()))
+
+
+def _report(out, kind: str, size: int, vocab_size: int, rows, source: str, covered) -> None:
+    share, total = covered
+    print(f"{out}: the {kind} checkpoint now drafts from the {size} tokens (of {vocab_size}) most frequent in "
+          f"{len(rows)} training rows of {source}: {100 * share:.2f}% of their {total} training tokens")
+
+
+def _layer_skip(a, directory) -> int:
+    """A layer-skip checkpoint (config.json only): the vocabulary goes into its config as ``draft_vocab``."""
+    import dataclasses
+
+    from heads.base_model import load_base
+    from heads.config import ModelConfig
+    from heads.data import DataConfig
+    from selfspec.layerskip import LayerSkipConfig
+
+    config = LayerSkipConfig.load(directory)
+    model, tokenizer = load_base(ModelConfig(name=a.model or config.base_model))
+    V = model.get_output_embeddings().weight.shape[0]
+    if not 1 <= a.size <= V:
+        print(f"error: --size: expected 1..{V} (the base's vocabulary), found {a.size}", file=sys.stderr)
+        return 2
+    data = {"source": a.source or "sharegpt", "max_conversations": a.max_conversations or LAYER_SKIP_CONVERSATIONS}
+    rows, tokens, covered = _count(DataConfig(**data), tokenizer, a.size, V)
+    out = dataclasses.replace(config, draft_vocab=tuple(tokens.tolist())).save(a.out or directory).parent
+    _report(out, "layerskip", a.size, V, rows, data["source"], covered)
     return 0
 
 

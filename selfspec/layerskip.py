@@ -12,7 +12,8 @@ all are kept. Drafting stops early (the deeper levels are dropped) when no node 
 probability of at least ``stop_below`` (confidence-based early stop, as in Kangaroo and SWIFT). Drafts are
 deterministic (q = None), hence lossless under both greedy and sampled acceptance.
 
-With a draft vocabulary (``vocab``: an exit head's, heads/draft_vocab.py) the draft forward stops at the final norm and
+With a draft vocabulary (``vocab``: an exit head's, or a layer-skip checkpoint's ``draft_vocab``, heads/draft_vocab.py;
+``python -m heads.add_vocab`` adds one to either) the draft forward stops at the final norm and
 reads only the LM head's V' rows of the most frequent tokens (the target verifies every drafted token, so output is
 unchanged; a token outside V' is never proposed). Draft probabilities are then over V' (no logit soft-capping).
 
@@ -231,10 +232,11 @@ class LayerSkipDrafter(PartialModelDrafter):
     tree (``depth`` deep unless it says otherwise)."""
 
     def __init__(self, target: Target, skip_layers: Sequence[int], depth: int = 4,
-                 tree: Tree | DynamicTree | None = None, stop_below: float = 0.0):
+                 tree: Tree | DynamicTree | None = None, stop_below: float = 0.0, vocab: RowVocab | None = None):
         num_layers = len(hf.decoder_layers(target.model))
         self.skip_layers = check_skip_layers(skip_layers, num_layers)
-        super().__init__(target, {i: hf.Passthrough() for i in self.skip_layers}, draft_tree(tree, depth), stop_below)
+        super().__init__(target, {i: hf.Passthrough() for i in self.skip_layers}, draft_tree(tree, depth), stop_below,
+                         vocab=vocab)
 
 
 # ------------------------------------------------------------------------------------------------ config checkpoint
@@ -258,6 +260,9 @@ class LayerSkipConfig:
     """drafting stops when the draft's top-1 probability falls below this (0 = never)."""
     measured: dict[str, float] = field(default_factory=dict)
     """what the search measured for this skip set (tokens/s, mean accepted tokens, plain tokens/s, ...)."""
+    draft_vocab: tuple[int, ...] = ()
+    """the token ids the draft proposes (its draft vocabulary: the most frequent in some data, added by ``python -m
+    heads.add_vocab``; the draft then reads only their rows of the LM head); empty: every token."""
     draft_type: str = DRAFT_TYPE
 
     def __post_init__(self) -> None:
@@ -269,10 +274,15 @@ class LayerSkipConfig:
         if not isinstance(self.draft_depth, int) or self.draft_depth < 1:
             raise ValueError(f"draft_depth must be an integer >= 1, found {self.draft_depth!r}")
         check_stop_below(self.stop_below)
+        vocab = tuple(self.draft_vocab)
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in vocab) or len(set(vocab)) != len(vocab):
+            raise ValueError(f"draft_vocab must hold distinct token ids >= 0, found {list(vocab)[:8]}...")
+        object.__setattr__(self, "draft_vocab", vocab)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["skip_layers"] = list(self.skip_layers)
+        out["draft_vocab"] = list(self.draft_vocab)
         return {"draft_type": out.pop("draft_type"), **out}
 
     @classmethod
@@ -284,7 +294,7 @@ class LayerSkipConfig:
             raise ValueError(f"{source} has unknown keys {unknown}; a layer-skip config has {sorted(known)}")
         kinds: dict[str, tuple[type, ...]] = {
             "base_model": (str,), "num_hidden_layers": (int,), "skip_layers": (list,), "draft_depth": (int,),
-            "stop_below": (float, int), "measured": (dict,), "draft_type": (str,),
+            "stop_below": (float, int), "measured": (dict,), "draft_vocab": (list,), "draft_type": (str,),
         }
         for key, value in data.items():
             if not isinstance(value, kinds[key]) or isinstance(value, bool):
@@ -295,7 +305,8 @@ class LayerSkipConfig:
             raise ValueError(f"{source} lacks keys {missing}")
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in data["skip_layers"]):
             raise TypeError(f"{source}: skip_layers must be a list of integers, found {data['skip_layers']!r}")
-        return cls(**{**data, "skip_layers": tuple(data["skip_layers"]), "stop_below": float(data.get("stop_below", 0.0))})
+        return cls(**{**data, "skip_layers": tuple(data["skip_layers"]), "stop_below": float(data.get("stop_below", 0.0)),
+                      "draft_vocab": tuple(data.get("draft_vocab", ()))})
 
     def save(self, directory: str | Path) -> Path:
         """Write ``directory/config.json`` (the directory is created); returns the file's path."""
@@ -341,4 +352,15 @@ def load_drafter(
         )
     if tree is not None and not isinstance(tree, (Tree, DynamicTree)):
         tree = Tree.from_choices(tree)
-    return LayerSkipDrafter(target, config.skip_layers, depth=config.draft_depth, tree=tree, stop_below=config.stop_below)
+    vocab = None
+    if config.draft_vocab:
+        from heads.draft_vocab import DraftVocab
+
+        vocab = DraftVocab(len(config.draft_vocab), target.vocab_size)
+        try:
+            vocab.set(config.draft_vocab)
+        except ValueError as err:
+            raise ValueError(f"layer-skip checkpoint {path_or_repo_id}: its draft_vocab does not fit this target: "
+                             f"{err}") from None
+    return LayerSkipDrafter(target, config.skip_layers, depth=config.draft_depth, tree=tree, stop_below=config.stop_below,
+                            vocab=vocab)

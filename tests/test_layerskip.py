@@ -5,10 +5,11 @@ and its config checkpoint."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_prompts, reference, tiny_model
+from conftest import random_prompts, reference, state_after_prefill, tiny_model
 
 from selfspec import hf
 from selfspec.drafter import DraftState
@@ -343,3 +344,43 @@ def test_smollm2_fp32_greedy_is_token_identical_to_generate():
         assert out.tokens == reference(model, prompt, 20)
         gained += len(out.tokens) - len(out.steps)
     assert gained > 0  # some drafts were accepted
+
+
+def test_a_draft_vocabulary_keeps_layer_skip_drafts_in_it_and_lossless(models, tmp_path):
+    """A layer-skip checkpoint with ``draft_vocab`` drafts only those tokens (the LM head's rows of them) and still
+    decodes token-identically to generate; an id the target does not have is refused, naming the checkpoint."""
+    model = models["llama"]
+    vocab = tuple(range(0, VOCAB, 2))  # the even ids
+    LayerSkipConfig(base_model="tiny", num_hidden_layers=LAYERS, skip_layers=(1,), draft_depth=3,
+                    draft_vocab=vocab).save(tmp_path / "v")
+    assert json.loads((tmp_path / "v" / "config.json").read_text())["draft_vocab"] == list(vocab)
+    target = Target(model)
+    drafter = load_drafter(tmp_path / "v", target, tree=DynamicTree(6, depth=3))
+    assert drafter.vocab is not None and drafter.vocab.size == len(vocab)
+    drafted = set()
+    for prompt in random_prompts(4, VOCAB, seed=31):
+        drafted |= set(drafter.draft(state_after_prefill(model, prompt)).tokens[1:].tolist())
+        assert generate(target, drafter, prompt, max_new_tokens=16).tokens == reference(model, prompt, 16)
+    assert drafted and all(t % 2 == 0 for t in drafted)
+    LayerSkipConfig(base_model="tiny", num_hidden_layers=LAYERS, skip_layers=(1,), draft_depth=3,
+                    draft_vocab=(0, VOCAB + 5)).save(tmp_path / "bad")
+    with pytest.raises(ValueError, match=r"layer-skip checkpoint .*bad: its draft_vocab does not fit this target"):
+        load_drafter(tmp_path / "bad", target)
+    with pytest.raises(ValueError, match=r"draft_vocab must hold distinct token ids >= 0"):
+        LayerSkipConfig(base_model="tiny", num_hidden_layers=LAYERS, skip_layers=(1,), draft_depth=3, draft_vocab=(3, 3))
+
+
+def test_add_vocab_gives_a_layer_skip_checkpoint_a_draft_vocabulary(tmp_path, capsys):
+    from conftest import decode_with_tiny_draft
+
+    from heads import add_vocab
+
+    LayerSkipConfig(base_model="tiny-random-llama", num_hidden_layers=2, skip_layers=(1,), draft_depth=3).save(
+        tmp_path / "skip")
+    data = str(Path(__file__).resolve().parents[1] / "configs" / "data" / "tiny_chat.jsonl")
+    assert add_vocab.main([str(tmp_path / "skip"), "--size", "30", "--source", data, "--out", str(tmp_path / "v30")]) == 0
+    assert "layerskip checkpoint now drafts from the 30 tokens" in capsys.readouterr().out
+    config = LayerSkipConfig.load(tmp_path / "v30")
+    assert len(config.draft_vocab) == 30 and config.skip_layers == (1,)
+    assert LayerSkipConfig.load(tmp_path / "skip").draft_vocab == ()  # --out: the original is untouched
+    decode_with_tiny_draft(tmp_path / "v30")
