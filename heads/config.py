@@ -232,6 +232,11 @@ class TrainConfig:
     publish: PublishConfig = field(default_factory=PublishConfig)
     """the Hub repo the final checkpoint goes to (the token: HF_TOKEN or a saved `hf auth login`)."""
 
+    @property
+    def feature_layers(self) -> list[int] | None:
+        """The target layers whose hidden states the trained draft reads besides the final ones (an EAGLE-3 head's)."""
+        return self.eagle.feature_layers if self.method == "eagle" else None
+
     def __post_init__(self) -> None:
         positive = {
             "heads.num_heads": self.heads.num_heads, "optim.batch_size": self.optim.batch_size,

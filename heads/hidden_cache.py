@@ -1,4 +1,5 @@
-"""Cached target hidden states: the target is frozen, so its final hidden state for a row never changes.
+"""Cached target hidden states: the target is frozen, so its final hidden state for a row never changes (nor do the
+hidden states of the layers an EAGLE-3 head reads, stored beside it).
 
 The first time a row is seen its hidden states are computed by the target and written here; every later epoch (and a
 resumed run) reads them instead of running the target. Rows are keyed by their index in the dataset (the dataset order),
@@ -10,7 +11,8 @@ Layout of ``<root>/<fingerprint hash>/``:
 
     meta.json     the fingerprint, in words
     offsets.npy   int64 [N + 1]  row i's tokens are hidden[offsets[i] : offsets[i + 1]]
-    hidden.bin    half precision [total tokens, D], memory-mapped (bfloat16 is stored as its uint16 bit pattern)
+    hidden.bin    half precision [total tokens, W], memory-mapped (bfloat16 is stored as its uint16 bit pattern); W
+                  (meta.json's hidden_size) is D, or (1 + L) D: the final states, then L feature layers' (EAGLE-3)
     filled.bin    uint8 [N]      1 once row i's hidden states are written (set after the states themselves)
 
 The trainer rounds freshly computed hidden states to the storage dtype before using them (``round_trip``), so a run
@@ -174,7 +176,7 @@ def make_caches(cfg, accelerator, model, splits: dict) -> dict[str, HiddenCache]
               "autocast": accelerator.mixed_precision, "attn_implementation": cfg.model.attn_implementation}
     if cfg.method == "exit_head":  # layer E's input, not the final hidden state
         target["layer_input"] = cfg.exit.layer
-    layers = cfg.eagle.feature_layers if cfg.method == "eagle" else None
+    layers = cfg.feature_layers
     if layers:  # the final hidden states, then those of the EAGLE-3 head's feature layers
         target["feature_layers"] = list(layers)
     width = model.config.get_text_config().hidden_size * (1 + len(layers or []))

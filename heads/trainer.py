@@ -194,7 +194,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     # an EAGLE head's loss computes the target's logits itself, on the draft vocabulary only
     states = TargetStates(model, accelerator.device, accelerator.autocast,
                           "ce" if cfg.method == "eagle" else cfg.loss.kind, caches, cfg.hidden_cache.dtype, layer=layer,
-                          feature_layers=feature_layers(cfg))
+                          feature_layers=cfg.feature_layers)
     uses_deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     log.info("process %d/%d on %s: %d train rows, %d batches per epoch, %d optimizer steps in all%s",
              accelerator.process_index, accelerator.num_processes, accelerator.device, len(train_rows), len(train_dl),
@@ -403,11 +403,6 @@ def heads_loss(cfg: TrainConfig, heads, states, batch: dict, split: str, ranks: 
         outs.append(scored_loss(logits[:, m], targets[:, m], cfg.loss.decay, cfg.loss.kind,
                                 None if shifted is None else [p[m] for p in shifted], ranks))
     return outs
-
-
-def feature_layers(cfg: TrainConfig) -> list[int] | None:
-    """The target layers whose hidden states the trained draft reads besides the final one (an EAGLE-3 head's)."""
-    return cfg.eagle.feature_layers if cfg.method == "eagle" else None
 
 
 def _eagle_loss(cfg: TrainConfig, head, states: torch.Tensor, batch: dict, ranks: int, per_row: bool):
