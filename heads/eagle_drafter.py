@@ -120,7 +120,7 @@ class EagleDrafter:
             raise ValueError(f"this EAGLE head reads the target's hidden states at layers {layers}: expected "
                              "DraftState.new_states (selfspec.generate provides it with the target's own verifier), "
                              "found None")
-        return state.new_states[:, layers].flatten(1)  # [A, L·D]
+        return state.new_states.take(layers)  # [A, L·D]
 
     def _children(self, head: EagleHead, out: torch.Tensor, nodes: list[int], tok, parent, score, depth, feat,
                   d: int) -> list[int]:

@@ -24,6 +24,34 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class LayerStates:
+    """The target's hidden states at every layer for the positions committed since a drafter's last draft, gathered
+    only when a drafter asks for some layers (``take``): nothing is copied for drafters that never read them.
+
+    Each part is one forward's states (transformers' ``hidden_states``: L + 1 tensors [N, D], 0 the embeddings, i
+    decoder layer i's output, L the final hidden state) and the rows of it that were committed (None: all, a prefill);
+    parts are in text order (a merged draft's drafter that sat out steps gets several, ``+``)."""
+
+    parts: tuple[tuple[tuple[torch.Tensor, ...], torch.Tensor | None], ...]
+
+    @classmethod
+    def of(cls, states: tuple[torch.Tensor, ...], rows: list[int] | None = None) -> "LayerStates":
+        index = None if rows is None else torch.tensor(rows, device=states[0].device)
+        return cls(parts=((states, index),))
+
+    def take(self, layers: list[int]) -> torch.Tensor:
+        """[A, len(layers) x D]: the states of ``layers`` at the committed positions, concatenated per position."""
+        chunks = []
+        for states, rows in self.parts:
+            picked = [states[i] if rows is None else states[i].index_select(0, rows) for i in layers]  # [A_part, D] each
+            chunks.append(torch.cat(picked, dim=-1))
+        return torch.cat(chunks)
+
+    def __add__(self, other: "LayerStates") -> "LayerStates":
+        return LayerStates(parts=self.parts + other.parts)
+
+
+@dataclass(frozen=True)
 class DraftState:
     tokens: torch.Tensor
     """[T] prompt and generated tokens; tokens[-1] is the root: the target's newest token, not yet in the cache."""
@@ -38,10 +66,9 @@ class DraftState:
     """[A, D] the target's final hidden states at the A positions committed since the previous draft, tokens[-1-A:-1]
     (the whole prompt at the first draft of a request; ``hidden`` is new_hidden[-1]): what a sequential draft head
     with its own cache (heads/eagle_drafter.py) extends it with. None when the caller does not track it."""
-    new_states: torch.Tensor | None = None
-    """[A, L + 1, D] the target's hidden states at every layer (transformers' ``hidden_states``: 0 the embeddings, i
-    decoder layer i's output, L the final hidden state, = new_hidden) at the same A positions: what an EAGLE-3 head
-    fuses. None when the caller or the verifier does not provide them."""
+    new_states: LayerStates | None = None
+    """the target's hidden states at every layer at the same A positions (``new_states.take(layers)`` [A, L·D]): what
+    an EAGLE-3 head fuses. None when the caller or the verifier does not provide them."""
 
     @property
     def starts_request(self) -> bool:

@@ -20,9 +20,9 @@ from typing import Iterator, Literal
 import torch
 
 from selfspec.accept import Acceptance, greedy_accept, sample_accept, typical_accept
-from selfspec.drafter import Drafter, DraftState
+from selfspec.drafter import Drafter, DraftState, LayerStates
 from selfspec.sampling import Sampling, next_token, process_logits
-from selfspec.target import Target, Verified
+from selfspec.target import Target
 
 AcceptRule = Literal["exact", "typical"]
 
@@ -115,7 +115,7 @@ def stream(
     sync()
     tokens = torch.cat([prompt, prompt.new_tensor([root])])  # [T]
     hidden, new_hidden = pre.hidden[-1], pre.hidden  # [D], [T, D]
-    new_states = layer_states(pre, None)  # [T, L + 1, D] or None
+    new_states = None if pre.states is None else LayerStates.of(pre.states)  # every layer, every prompt position
     yield Step(tokens=(root,), tree_size=0, verify_s=time.perf_counter() - t0, other_s=0.0)
     produced = 1
     if root in eos or produced >= max_new_tokens:
@@ -166,21 +166,10 @@ def stream(
         produced += len(new)
         tokens = torch.cat([tokens, tokens.new_tensor(new)])
         hidden, new_hidden = out.hidden[acc.path[-1]], out.hidden[list(acc.path)]  # [D], [A, D]
-        new_states = layer_states(out, list(acc.path))  # [A, L + 1, D] or None
+        new_states = None if out.states is None else LayerStates.of(out.states, list(acc.path))
         yield Step(tokens=tuple(new), tree_size=len(draft.tree), verify_s=verify_s, other_s=time.perf_counter() - t_step - verify_s)
         if stop is not None or produced >= max_new_tokens:
             return
-
-
-def layer_states(out: Verified, rows: list[int] | None) -> torch.Tensor | None:
-    """Every layer's hidden states at the committed ``rows`` of a forward (None: all of them): [A, L + 1, D], or None
-    when the verifier does not give them. The rows are picked first: a step copies A x (L + 1) x D values (~0.1 ms)."""
-    if out.states is None:
-        return None
-    if rows is None:
-        return torch.stack(out.states, dim=1)  # [T, L + 1, D]
-    index = torch.tensor(rows, device=out.states[0].device)
-    return torch.stack([s.index_select(0, index) for s in out.states], dim=1)  # [A, L + 1, D]
 
 
 def generate(target: Target, drafter: Drafter, input_ids: torch.Tensor, max_new_tokens: int, **kwargs) -> Output:

@@ -28,7 +28,7 @@ from typing import Sequence
 import torch
 
 from selfspec.accept import Acceptance
-from selfspec.drafter import Draft, Drafter, DraftState
+from selfspec.drafter import Draft, Drafter, DraftState, LayerStates
 from selfspec.tree import TokenTrie
 
 
@@ -84,8 +84,8 @@ class MergedDrafter:
         self.drafters, self.skip_after = list(drafters), skip_after
         self._drafts: list[Draft | None] = []
         self._accepted = [0] * len(self.drafters)  # each drafter's own tokens accepted at the previous step
-        # (new_hidden [A_j, D], new_states [A_j, L + 1, D] or None) held for drafters that sat out
-        self._pending: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = [[] for _ in self.drafters]
+        # (new_hidden [A_j, D], new_states or None) held for drafters that sat out
+        self._pending: list[list[tuple[torch.Tensor, LayerStates | None]]] = [[] for _ in self.drafters]
         self.skipped = [0] * len(self.drafters)  # steps each drafter sat out
 
     def draft(self, state: DraftState) -> Draft:
@@ -103,7 +103,7 @@ class MergedDrafter:
             own = state
             if self._pending[k] and state.new_hidden is not None:
                 held = self._pending[k] + [(state.new_hidden, state.new_states)]
-                states = None if any(s is None for _, s in held) else torch.cat([s for _, s in held])  # [A, L + 1, D]
+                states = None if any(s is None for _, s in held) else sum((s for _, s in held[1:]), held[0][1])
                 own = replace(state, new_hidden=torch.cat([h for h, _ in held]), new_states=states)  # [A, D]
                 self._pending[k] = []
             self._drafts.append(d.draft(own))

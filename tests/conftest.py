@@ -158,7 +158,7 @@ def train_losses(out: Path, args: list[str]) -> dict[int, float]:
 
 def state_after_prefill(model: PreTrainedModel, prompt: torch.Tensor) -> DraftState:
     """The DraftState a drafter sees at the first step of ``prompt`` (its last token the root, the rest prefilled)."""
-    from selfspec.generate import layer_states
+    from selfspec.drafter import LayerStates
     from selfspec.sampling import Sampling
     from selfspec.target import Target
 
@@ -166,7 +166,7 @@ def state_after_prefill(model: PreTrainedModel, prompt: torch.Tensor) -> DraftSt
     cache = target.new_cache()
     pre = target.prefill(prompt[:-1], cache)
     return DraftState(tokens=prompt, prompt_length=len(prompt), hidden=pre.hidden[-1], cache=cache,
-                      sampling=Sampling(), new_hidden=pre.hidden, new_states=layer_states(pre, None))
+                      sampling=Sampling(), new_hidden=pre.hidden, new_states=LayerStates.of(pre.states))
 
 
 def decode_with_tiny_draft(checkpoint: Path, max_new_tokens: int = 16):
