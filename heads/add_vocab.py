@@ -5,7 +5,8 @@
 
 The V' tokens most frequent among the training tokens of the data the checkpoint's recipe names (``recipe.data``:
 the same conversations, chat template and assistant-only labels; ``--source`` for other data; a layer-skip
-checkpoint has no recipe: ShareGPT's default conversations), end-of-turn always included. Only the vocabulary is added: the heads' weights, tree and measured accuracy are unchanged, and the
+checkpoint has no recipe: ShareGPT's default conversations), end-of-turn always included. Only the vocabulary is
+added: the heads' weights, tree and measured accuracy are unchanged, and the
 checkpoint is rewritten atomically (in place or to --out). Heads trained now store one themselves (heads.draft_vocab).
 """
 
@@ -70,31 +71,31 @@ def main(argv: list[str] | None = None) -> int:
         data["source"] = a.source
     if a.max_conversations is not None:
         data["max_conversations"] = a.max_conversations
-    train_rows, tokens, covered = _count(DataConfig(**data), tokenizer, a.size, config.vocab_size)
+    train_rows, tokens, counts = _count(DataConfig(**data), tokenizer, a.size, config.vocab_size)
     if kind == "medusa":
         new = with_draft_vocab(heads, tokens, lambda c: MedusaHeads(c, model.get_output_embeddings()))
     else:
         new = with_draft_vocab(heads, tokens, lambda c: cls.on_base(c, model))
     out = new.save_pretrained(a.out or directory)
-    _report(out, kind, a.size, config.vocab_size, train_rows, data.get("source", "sharegpt"), covered)
+    _report(out, kind, tokens, counts, train_rows, data.get("source", "sharegpt"))
     return 0
 
 
 def _count(data, tokenizer, size: int, vocab_size: int):
-    """(the training rows of ``data``, the ``size`` most frequent training tokens with end-of-turn, the share of the
-    training tokens they cover)."""
+    """(the training rows of ``data``, the ``size`` most frequent training tokens with end-of-turn, every token's
+    count [V])."""
     from heads.data import build_datasets
 
     train_rows, _ = build_datasets(data, tokenizer)
     counts = token_counts(train_rows, vocab_size)
     tokens = draft_vocabulary(train_rows, size, vocab_size, end_of_turn(tokenizer), counts=counts)
-    return train_rows, tokens, (counts[tokens.numpy()].sum() / max(counts.sum(), 1), int(counts.sum()))
+    return train_rows, tokens, counts
 
 
-def _report(out, kind: str, size: int, vocab_size: int, rows, source: str, covered) -> None:
-    share, total = covered
-    print(f"{out}: the {kind} checkpoint now drafts from the {size} tokens (of {vocab_size}) most frequent in "
-          f"{len(rows)} training rows of {source}: {100 * share:.2f}% of their {total} training tokens")
+def _report(out, kind: str, tokens, counts, rows, source: str) -> None:
+    share = counts[tokens.numpy()].sum() / max(counts.sum(), 1)
+    print(f"{out}: the {kind} checkpoint now drafts from the {len(tokens)} tokens (of {len(counts)}) most frequent in "
+          f"{len(rows)} training rows of {source}: {100 * share:.2f}% of their {counts.sum()} training tokens")
 
 
 def _layer_skip(a, directory) -> int:
@@ -113,9 +114,9 @@ def _layer_skip(a, directory) -> int:
         print(f"error: --size: expected 1..{V} (the base's vocabulary), found {a.size}", file=sys.stderr)
         return 2
     data = {"source": a.source or "sharegpt", "max_conversations": a.max_conversations or LAYER_SKIP_CONVERSATIONS}
-    rows, tokens, covered = _count(DataConfig(**data), tokenizer, a.size, V)
+    rows, tokens, counts = _count(DataConfig(**data), tokenizer, a.size, V)
     out = dataclasses.replace(config, draft_vocab=tuple(tokens.tolist())).save(a.out or directory).parent
-    _report(out, "layerskip", a.size, V, rows, data["source"], covered)
+    _report(out, "layerskip", tokens, counts, rows, data["source"])
     return 0
 
 

@@ -278,10 +278,7 @@ class TrainConfig:
         if min(e.num_layers, e.unroll, e.depth, e.topk, e.budget) < 1 or e.draft_vocab < 0 or e.feature_weight < 0:
             raise ValueError(f"eagle: expected num_layers, unroll, depth, topk, budget >= 1 and draft_vocab, "
                              f"feature_weight >= 0, found {e}")
-        if e.feature_layers is not None and (not e.feature_layers or min(e.feature_layers) < 0
-                                             or len(set(e.feature_layers)) != len(e.feature_layers)):
-            raise ValueError(f"eagle.feature_layers: expected null or distinct hidden-state indices >= 0 (e.g. "
-                             f"[2, 15, 27]), found {e.feature_layers}")
+        check_feature_layer_list(e.feature_layers, "eagle.feature_layers")
         if self.publish.repo_id is not None:
             from heads.hub import check_repo_id
 
@@ -291,6 +288,13 @@ class TrainConfig:
 
 
 # ------------------------------------------------------------------------------------------------ strict loading
+def check_feature_layer_list(layers: list[int] | None, where: str) -> None:
+    """An EAGLE-3 head's feature layers: null, or distinct hidden-state indices >= 0 (the model's own range is checked
+    where the model is known, heads.eagle.check_feature_layers)."""
+    if layers is not None and (not layers or min(layers) < 0 or len(set(layers)) != len(layers)):
+        raise ValueError(f"{where}: expected null or distinct hidden-state indices >= 0, found {layers}")
+
+
 def _type_name(tp: Any) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is type(None):

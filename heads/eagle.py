@@ -45,6 +45,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, PreTrainedModel
 
 from heads.checkpoint import DraftCheckpoint
+from heads.config import check_feature_layer_list
 from heads.draft_vocab import DraftVocab, check_draft_tokens
 from heads.medusa import _type_ok, base_name, base_sizes, strict_keys
 
@@ -93,10 +94,7 @@ class EagleConfig:
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"EagleConfig.draft_vocab_size: expected 1..{self.vocab_size} (the base's vocabulary), "
                              f"found {self.draft_vocab_size}")
-        if self.feature_layers is not None and (not self.feature_layers or min(self.feature_layers) < 0
-                                                or len(set(self.feature_layers)) != len(self.feature_layers)):
-            raise ValueError(f"EagleConfig.feature_layers: expected null or distinct hidden-state indices >= 0, found "
-                             f"{self.feature_layers}")
+        check_feature_layer_list(self.feature_layers, "EagleConfig.feature_layers")
         if "model_type" not in self.decoder_config:
             raise ValueError(f"EagleConfig.decoder_config: expected a transformers config dict with 'model_type', found "
                              f"keys {sorted(self.decoder_config)[:8]}")
@@ -177,15 +175,15 @@ class EagleHead(nn.Module, DraftCheckpoint):
     @property
     def feature_width(self) -> int:
         """F: the width of the target features a true pair reads (D, or L·D for multi-layer features)."""
-        return self.config.hidden_size * len(self.config.feature_layers or [None])
+        return self.config.hidden_size * (len(self.config.feature_layers) if self.config.feature_layers else 1)
 
     def true_features(self, features: torch.Tensor) -> torch.Tensor:
         """The target's features of committed positions [..., F] -> what a true pair reads [..., D]: the fusion of the
         chosen layers' states (``feature_layers``), or the final hidden state itself."""
         if features.shape[-1] != self.feature_width:
             raise ValueError(f"EAGLE head: expected target features of width {self.feature_width} (hidden size "
-                             f"{self.config.hidden_size} x {len(self.config.feature_layers or [None])} layers), found "
-                             f"{features.shape[-1]}")
+                             f"{self.config.hidden_size} x {self.feature_width // self.config.hidden_size} layers), "
+                             f"found {features.shape[-1]}")
         if self.fuse is None:
             return features
         return self.fuse(features.to(self.fuse.weight.dtype))

@@ -217,7 +217,8 @@ def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
     path = budget.save_tuned(a.draft, target, a.model, tuning)
     b = tuning.best
     out.write(f"{a.model} {a.dtype}, {a.prompts} calibration prompts x {a.max_new_tokens} tokens, one-token step "
-              f"{tuning.plain_ms:.1f} ms (this run's verifications: {tuning.verify_ratio:.2f}x the cached costs):\n{budget.format_tuning(tuning)}\n\nbest: --tree dynamic:{b.budget},depth="
+              f"{tuning.plain_ms:.1f} ms (this run's verifications: {tuning.verify_ratio:.2f}x the cached costs):\n"
+              f"{budget.format_tuning(tuning)}\n\nbest: --tree dynamic:{b.budget},depth="
               f"{b.depth} (mean accepted {b.accepted:.2f}, predicted {b.tokens_per_s:.1f} tokens/s); cached in {path} "
               f"for --tree auto\n")
     return 0
