@@ -4,15 +4,15 @@
     2. load       one target per dtype, all up front; one runner per method on each
     3. warm up    every method in every dtype on the first turn of the first question (not timed, not written)
     4. answer     question by question, every dtype and method in turn: every turn, the conversation so far under
-                  the chat template (turn 2 sees the same method's turn-1 answer); greedy; with repeats > 1 the wall
-                  time is the median
+                  the chat template (turn 2 sees the same method's turn-1 answer); greedy, or sampled with a seed
+                  per turn (``temperature`` > 0); with repeats > 1 the wall time is the median
     5. report     one Spec-Bench answer file per method and dtype, a summary table (markdown + JSON), a PNG;
                   all rewritten after every question, so a long run can be read as it goes
 
 Every answer is logged to out_dir as soon as it exists (``bench_log``): ``resume=True`` (``--resume``) continues an
 interrupted run where it stopped, with the same options, and redoes nothing.
 
-Methods: ``plain`` (``model.generate``, greedy), ``pld`` / ``pld:N`` (``prompt_lookup_num_tokens=N``, default 10),
+Methods: ``plain`` (``model.generate``), ``pld`` / ``pld:N`` (``prompt_lookup_num_tokens=N``, default 10),
 ``aee`` / ``aee:E`` (``assistant_early_exit=E``, default half the layers), ``none`` (selfspec's loop without a
 draft), ``ngram`` / ``ngram:...``, and draft checkpoint directories or Hub ids. For the transformers methods
 ``accept_lengths`` are the tokens each ``generate`` step handed its streamer (plain: all 1s).
@@ -70,6 +70,13 @@ class BenchConfig:
     progress: bool = True
     resume: bool = False
     """continue the run logged in out_dir (bench_log); without it an out_dir holding a run is refused."""
+    temperature: float = 0.0
+    """0: greedy (answers comparable token for token with plain decoding's); > 0: sampling, as ``generate``."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0: no top-k cut."""
+    seed: int = 0
+    """with sampling, every turn of every method is seeded with seed + 1000 * question_id + turn."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.repeats < 1 or self.warmup_tokens < 0:
@@ -81,6 +88,16 @@ class BenchConfig:
             raise ValueError(f"per_category must be >= 1, found {self.per_category}")
         if not self.methods or not self.dtypes:
             raise ValueError("expected at least one method and one dtype")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(f"expected temperature >= 0, 0 < top_p <= 1 and top_k >= 0, found temperature "
+                             f"{self.temperature}, top_p {self.top_p}, top_k {self.top_k}")
+
+    @property
+    def sampling(self) -> dict[str, Any] | None:
+        """The sampling arguments when sampling (temperature > 0), else None (greedy)."""
+        if self.temperature == 0:
+            return None
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
 
 
 @dataclass(frozen=True)
@@ -146,24 +163,37 @@ def _runner(method: Method, target: Target, tokenizer: Any, model_name: str) -> 
     return SpecModel(target, tokenizer, drafter, name=model_name)
 
 
-def _run_once(runner: SpecModel, method: Method, ids: torch.Tensor, max_new_tokens: int) -> Result:
+def _run_once(runner: SpecModel, method: Method, ids: torch.Tensor, max_new_tokens: int,
+              sampling: dict[str, Any] | None) -> Result:
+    """One answer to one turn; sampling: {temperature, top_p, top_k, seed} (this turn's seed), or None: greedy."""
+    kwargs = sampling or {}
     if method.hf_kwargs is not None:
-        return runner.generate_plain(ids, max_new_tokens=max_new_tokens, **method.hf_kwargs)
-    return runner.generate(ids, max_new_tokens=max_new_tokens)
+        return runner.generate_plain(ids, max_new_tokens=max_new_tokens, **kwargs, **method.hf_kwargs)
+    return runner.generate(ids, max_new_tokens=max_new_tokens, **kwargs)
 
 
-def answer_question(runner: SpecModel, method: Method, question: Question, max_new_tokens: int, repeats: int = 1) -> Answer:
+def turn_seed(seed: int, question_id: int, turn: int) -> int:
+    """The sampling seed of one turn: the same for every method and every repeat, different across turns."""
+    return seed + 1000 * question_id + turn
+
+
+def answer_question(runner: SpecModel, method: Method, question: Question, max_new_tokens: int, repeats: int = 1,
+                    sampling: dict[str, Any] | None = None) -> Answer:
     """Every turn with the conversation so far; the answer text (special tokens removed, stripped) goes into the
-    next turn's prompt, as Spec-Bench does."""
+    next turn's prompt, as Spec-Bench does. sampling: {temperature, top_p, top_k, seed} or None (greedy); each turn
+    samples with ``turn_seed``, so repeats draw the same tokens."""
     answer = Answer(question_id=question.question_id, category=question.category)
     messages: list[dict[str, str]] = []
-    for turn in question.turns:
+    for index, turn in enumerate(question.turns):
         messages.append({"role": "user", "content": turn})
         ids = runner.encode(messages)
-        results = [_run_once(runner, method, ids, max_new_tokens) for _ in range(repeats)]
+        turn_sampling = None if sampling is None else {
+            **sampling, "seed": turn_seed(sampling["seed"], question.question_id, index)}
+        results = [_run_once(runner, method, ids, max_new_tokens, turn_sampling) for _ in range(repeats)]
         first = results[0]
         if any(r.tokens != first.tokens for r in results[1:]):
-            raise RuntimeError(f"{method.label} gave different greedy outputs across repeats on question "
+            what = "greedy outputs" if sampling is None else "sampled outputs with the same seed"
+            raise RuntimeError(f"{method.label} gave different {what} across repeats on question "
                                f"{question.question_id}: decoding is not deterministic on this machine")
         text = first.text.strip()
         answer.turns.append(text)
@@ -189,9 +219,12 @@ def _machine() -> dict[str, Any]:
 
 def _manifest(cfg: BenchConfig, questions: list[Question], methods: list[Method], dtypes: list[str]) -> dict[str, Any]:
     """What a run measures: a resumed run must measure the same (bench_log refuses otherwise)."""
-    return {"model": cfg.model, "questions": str(cfg.questions), "question_ids": [q.question_id for q in questions],
-            "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats, "methods": [m.label for m in methods],
-            "dtypes": dtypes}
+    manifest = {"model": cfg.model, "questions": str(cfg.questions), "question_ids": [q.question_id for q in questions],
+                "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats, "methods": [m.label for m in methods],
+                "dtypes": dtypes}
+    if cfg.sampling is not None:  # greedy runs keep the manifest they always had (their logs stay resumable)
+        manifest["sampling"] = cfg.sampling
+    return manifest
 
 
 def _report(out: Path, log: BenchLog, questions: list[Question], methods: list[Method], dtypes: list[str],
@@ -253,7 +286,7 @@ def run_bench(cfg: BenchConfig) -> specbench.Summary:
         warm = Question(questions[0].question_id, questions[0].category, questions[0].turns[:1])
         for dname in dtypes:
             for m in methods:
-                answer_question(runners[dname][m.label], m, warm, cfg.warmup_tokens)
+                answer_question(runners[dname][m.label], m, warm, cfg.warmup_tokens, sampling=cfg.sampling)
     # 4. answer: questions outside, every dtype and method inside, so that load on the machine hits them alike and a
     #    run resumed on another day still compares each question's answers side by side; each answer is logged at once
     todo = [q for q in questions if not all(log.has(m.label, d, q.question_id) for m in methods for d in dtypes)]
@@ -264,7 +297,8 @@ def run_bench(cfg: BenchConfig) -> specbench.Summary:
         for dname in dtypes:
             for m in methods:
                 if not log.has(m.label, dname, q.question_id):
-                    log.add(m.label, dname, answer_question(runners[dname][m.label], m, q, cfg.max_new_tokens, cfg.repeats))
+                    log.add(m.label, dname, answer_question(runners[dname][m.label], m, q, cfg.max_new_tokens,
+                                                            cfg.repeats, cfg.sampling))
         summary = _report(out, log, questions, methods, dtypes, model_id)  # partial results readable at any time
         if not cfg.progress:  # a line per question instead of a bar (logs of runs under nohup)
             minutes = (time.perf_counter() - started) / 60

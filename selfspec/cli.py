@@ -103,6 +103,14 @@ def build_bench_parser() -> argparse.ArgumentParser:
                    help="answer only the first N questions of each category (a balanced subset)")
     p.add_argument("--repeats", type=int, default=1, help="time every turn R times and report the median")
     p.add_argument("--warmup-tokens", type=int, default=32, help="tokens per method in the untimed warm-up (0 = none)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default: answers are compared token for token with plain decoding's); > 0 "
+                        "samples, every method and repeat of a turn with the same seed (--seed + 1000 x question id "
+                        "+ turn); sampled answers are not compared with plain's (lossless sampling keeps the "
+                        "distribution, not the draws)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold, with --temperature (1.0 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k cut, with --temperature (0 = off)")
+    p.add_argument("--seed", type=int, default=0, help="base sampling seed, with --temperature (default: 0)")
     p.add_argument("--allow-other-base", action="store_true", help="see infer.py --help")
     p.add_argument("--resume", action="store_true",
                    help="continue the run logged in --out-dir where it stopped (same options; answers already logged "
@@ -229,7 +237,8 @@ def run_bench_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
     cfg = BenchConfig(questions=a.questions, out_dir=a.out_dir, methods=_split(a.methods), dtypes=_split(a.dtype),
                       model=a.model, max_new_tokens=a.max_new_tokens, limit=a.limit, per_category=a.per_category, repeats=a.repeats,
                       warmup_tokens=a.warmup_tokens, device=a.device, allow_other_base=a.allow_other_base,
-                      progress=not a.no_progress, resume=a.resume)
+                      progress=not a.no_progress, resume=a.resume, temperature=a.temperature, top_p=a.top_p,
+                      top_k=a.top_k, seed=a.seed)
     try:
         summary = run_bench(cfg)
     except KeyboardInterrupt:

@@ -286,3 +286,64 @@ def test_a_directory_with_results_but_no_run_log_is_not_overwritten(model_dir, t
         assert cli.main([*argv, *extra]) == 2
         assert "holds summary.json of a bench run but no run.json" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["summary.json"]
+
+
+def test_a_sampled_run_seeds_every_turn_alike_and_reports_no_identity(model_dir, tmp_path, monkeypatch, capsys):
+    """--temperature > 0: every method samples each turn with seed + 1000 x question id + turn (repeats draw the same
+    tokens: the repeats check passes), the answers are exactly what generate / generate_plain give with that seed,
+    they differ from greedy ones, and the summary compares speeds, not tokens; a resume that would sample otherwise
+    is refused."""
+    questions = write_questions(tmp_path / "q.jsonl", QUESTIONS[:2])
+    heads = tiny_chat_model.build_heads(model_dir, tmp_path / "heads")
+    out = tmp_path / "out"
+    argv = ["bench", "--model", str(model_dir), "--questions", str(questions), "--methods", f"plain,ngram,{heads}",
+            "--dtype", "fp32", "--max-new-tokens", str(MAX_NEW), "--warmup-tokens", "4", "--no-progress",
+            "--out-dir", str(out), "--temperature", "1.5", "--top-p", "0.95", "--seed", "7"]
+    assert cli.main([*argv, "--repeats", "2"]) == 0
+    capsys.readouterr()
+
+    m = api.load(str(model_dir), draft="ngram")
+    h = api.load(str(model_dir), draft=str(heads))
+    greedy_differs = False
+    for q in QUESTIONS[:2]:
+        got = {name: next(r for r in read_jsonl(out / f"model-{name}-float32.jsonl")
+                          if r["question_id"] == q["question_id"])["choices"][0]
+               for name in ("plain", "ngram", "heads")}
+        for name, runner, call in (("plain", m, m.generate_plain), ("ngram", m, m.generate), ("heads", h, h.generate)):
+            messages = []
+            for turn, text in enumerate(q["turns"]):
+                messages.append({"role": "user", "content": text})
+                seed = bench.turn_seed(7, q["question_id"], turn)
+                assert seed == 7 + 1000 * q["question_id"] + turn
+                r = call(messages, max_new_tokens=MAX_NEW, temperature=1.5, top_p=0.95, seed=seed)
+                assert r.text.strip() == got[name]["turns"][turn], (name, q["question_id"], turn)
+                greedy_differs |= r.text.strip() != runner.generate_plain(messages, max_new_tokens=MAX_NEW).text.strip()
+                messages.append({"role": "assistant", "content": got[name]["turns"][turn]})
+    assert greedy_differs  # the run sampled
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["meta"]["sampling"] == {"temperature": 1.5, "top_p": 0.95, "top_k": 0, "seed": 7}
+    md = (out / "summary.md").read_text()
+    assert "Sampled (temperature 1.5, top-p 0.95, top-k 0" in md and "not compared token for token" in md
+    assert "| method | dtype | mean accepted tokens | tokens/s | speed-up | vs fastest plain |" in md
+    assert "identical" not in md.split("### overall")[1]
+
+    monkeypatch.setattr(bench, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert cli.main([*argv[:-2], "--seed", "8", "--resume"]) == 2
+    assert "sampling: the run has" in capsys.readouterr().err
+    assert cli.main([*argv[:-6], "--resume"]) == 2  # greedy now
+    assert "sampling: the run has {'temperature': 1.5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "-1"], "expected temperature >= 0, 0 < top_p <= 1 and top_k >= 0, found temperature -1.0"),
+    (["--temperature", "1", "--top-p", "0"], "found temperature 1.0, top_p 0.0"),
+    (["--temperature", "1", "--top-k", "-2"], "top_k -2"),
+])
+def test_bad_sampling_arguments_fail_before_any_model_loads(tmp_path, monkeypatch, capsys, model_dir, flags, message):
+    monkeypatch.setattr(bench, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    questions = write_questions(tmp_path / "q.jsonl", QUESTIONS[:1])
+    argv = ["bench", "--model", str(model_dir), "--questions", str(questions), "--out-dir", str(tmp_path / "out")]
+    assert cli.main([*argv, *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
