@@ -110,6 +110,25 @@ def final_and_layer_states(model: PreTrainedModel, input_ids: torch.Tensor, atte
     return torch.cat([states[-1]] + [states[i] for i in layers], dim=-1)
 
 
+def stored_feature_layers(model: PreTrainedModel, layers: list[int]) -> list[int]:
+    """The feature layers whose states must be stored beside the final hidden state: ``layers`` without index L (the
+    number of decoder layers: transformers' last ``hidden_states`` entry is the final hidden state itself)."""
+    final = model.config.get_text_config().num_hidden_layers
+    return [i for i in layers if i != final]
+
+
+def expand_feature_states(states: torch.Tensor, model: PreTrainedModel, layers: list[int]) -> torch.Tensor:
+    """states [..., (1 + S) D]: the final hidden state, then the states of ``stored_feature_layers(model, layers)`` ->
+    [..., (1 + L) D]: the final hidden state, then every one of ``layers``' states (the final one where L is listed)."""
+    D = model.config.get_text_config().hidden_size
+    stored = stored_feature_layers(model, layers)
+    if stored == list(layers):
+        return states
+    blocks = states.split(D, dim=-1)  # final, then one per stored layer
+    by_layer = {layer: blocks[1 + j] for j, layer in enumerate(stored)}
+    return torch.cat([blocks[0]] + [by_layer.get(layer, blocks[0]) for layer in layers], dim=-1)
+
+
 def lm_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     """hidden [B, T, D] -> the target's logits [B, T, V], as its own forward computes them from that hidden state."""
     lm_head = model.get_output_embeddings()

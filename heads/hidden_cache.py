@@ -12,7 +12,8 @@ Layout of ``<root>/<fingerprint hash>/``:
     meta.json     the fingerprint, in words
     offsets.npy   int64 [N + 1]  row i's tokens are hidden[offsets[i] : offsets[i + 1]]
     hidden.bin    half precision [total tokens, W], memory-mapped (bfloat16 is stored as its uint16 bit pattern); W
-                  (meta.json's hidden_size) is D, or (1 + L) D: the final states, then L feature layers' (EAGLE-3)
+                  (meta.json's hidden_size) is D, or (1 + S) D: the final states, then those of the S feature layers
+                  an EAGLE-3 head reads other than the final one (which is stored once)
     filled.bin    uint8 [N]      1 once row i's hidden states are written (set after the states themselves)
 
 The trainer rounds freshly computed hidden states to the storage dtype before using them (``round_trip``), so a run
@@ -39,7 +40,8 @@ from typing import Callable, ContextManager
 import numpy as np
 import torch
 
-from heads.base_model import final_and_layer_states, final_hidden, layer_and_final_hidden, lm_logits
+from heads.base_model import (expand_feature_states, final_and_layer_states, final_hidden, layer_and_final_hidden,
+                              lm_logits, stored_feature_layers)
 
 log = logging.getLogger(__name__)
 STORAGE = {"float16": (np.float16, torch.float16), "bfloat16": (np.uint16, torch.bfloat16)}
@@ -177,9 +179,12 @@ def make_caches(cfg, accelerator, model, splits: dict) -> dict[str, HiddenCache]
     if cfg.method == "exit_head":  # layer E's input, not the final hidden state
         target["layer_input"] = cfg.exit.layer
     layers = cfg.feature_layers
-    if layers:  # the final hidden states, then those of the EAGLE-3 head's feature layers
+    stored = stored_feature_layers(model, layers) if layers else []
+    if layers:  # the final hidden states, then those of the EAGLE-3 head's other feature layers
         target["feature_layers"] = list(layers)
-    width = model.config.get_text_config().hidden_size * (1 + len(layers or []))
+        if stored != list(layers):  # the final state listed among them is stored once (a layout of its own)
+            target["stored_layers"] = stored
+    width = model.config.get_text_config().hidden_size * (1 + len(stored))
     fingerprints = {}
     for split, rows in splits.items():
         if len(rows) == 0:
@@ -201,7 +206,8 @@ class TargetStates:
 
     layer None: the final hidden states (Medusa heads); E: layer E's input (an exit head), not cached with the KL loss
     (the config refuses that combination: the logits need the final states too). feature_layers (an EAGLE-3 head):
-    [B, T, (1 + L) D], the final hidden states then the states at those ``hidden_states`` indices, concatenated."""
+    [B, T, (1 + L) D], the final hidden states then the states at those ``hidden_states`` indices, concatenated (the
+    cache holds the final state once, ``expand_feature_states`` repeats it where it is a feature layer)."""
 
     def __init__(self, model, device: torch.device, autocast: Callable[[], ContextManager], loss_kind: str,
                  caches: dict[str, HiddenCache], cache_dtype: str, layer: int | None = None,
@@ -226,7 +232,8 @@ class TargetStates:
             with self.autocast():
                 if self.feature_layers:
                     hidden = final_and_layer_states(self.model, batch["input_ids"], batch["attention_mask"],
-                                                    self.feature_layers).float()  # [B, T, (1 + L) D]
+                                                    stored_feature_layers(self.model, self.feature_layers)
+                                                    ).float()  # [B, T, (1 + S) D]
                 elif self.layer is None:
                     hidden = final_hidden(self.model, batch["input_ids"], batch["attention_mask"]).float()
                 else:
@@ -236,6 +243,8 @@ class TargetStates:
             if cache is not None:
                 hidden = round_trip(hidden, self.cache_dtype)
                 cache.write(index, lengths, hidden)
+        if self.feature_layers:
+            hidden = expand_feature_states(hidden, self.model, self.feature_layers)  # [B, T, (1 + L) D]
         if self.layer is None:
             final = hidden[..., : self.model.config.get_text_config().hidden_size]  # [B, T, D]
         target_logits = lm_logits(self.model, final) if self.loss_kind == "kl" else None  # [B, T, V]

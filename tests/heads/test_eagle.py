@@ -190,6 +190,25 @@ def test_eagle3_drafts_through_the_runtime_stay_token_identical_to_generate(arch
         assert drafter.committed == prompt.shape[0] + sum(len(s.tokens) for s in out.steps[:-1]) - 1
 
 
+def test_the_final_state_among_the_feature_layers_is_stored_once():
+    """transformers' last hidden_states entry (index L) is the final hidden state itself: the hidden cache stores it
+    once and expand_feature_states puts it back wherever the head lists L, equal to reading every layer."""
+    from heads.base_model import expand_feature_states, final_and_layer_states, stored_feature_layers
+
+    model = tiny_model("llama", initializer_range=0.1)
+    L = model.config.num_hidden_layers
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    for layers in ([0, L], [L, 1], [1, L - 1], [L]):
+        stored = stored_feature_layers(model, layers)
+        assert stored == [i for i in layers if i != L]
+        with torch.no_grad():
+            full = final_and_layer_states(model, ids, mask, layers)  # [2, 7, (1 + len(layers)) D]
+            kept = final_and_layer_states(model, ids, mask, stored)
+        assert kept.shape[-1] == (1 + len(stored)) * model.config.hidden_size
+        torch.testing.assert_close(expand_feature_states(kept, model, layers), full, rtol=0, atol=0)
+
+
 def test_the_drafter_reads_the_states_training_reads():
     """What the trainer feeds an EAGLE-3 head (heads.base_model.final_and_layer_states over a padded batch) equals what
     selfspec.generate hands its drafter (every layer's states from the target's prefill), at the head's layers."""
@@ -364,5 +383,7 @@ def test_train_py_trains_an_eagle3_head_from_cached_multi_layer_states(tmp_path)
     config = json.loads((tmp_path / "full" / "eagle_head" / "config.json").read_text())
     assert config["feature_layers"] == [0, 1, 2]
     meta = json.loads(next((tmp_path / "cut" / "hidden_cache").glob("*/meta.json")).read_text())
-    assert meta["hidden_size"] == 4 * 64 and meta["fingerprint"]["target"]["feature_layers"] == [0, 1, 2]
+    # layer 2 of 2 is the final hidden state: stored once, beside layers 0 and 1
+    assert meta["hidden_size"] == 3 * 64 and meta["fingerprint"]["target"]["feature_layers"] == [0, 1, 2]
+    assert meta["fingerprint"]["target"]["stored_layers"] == [0, 1]
     decode_with_tiny_draft(tmp_path / "full" / "eagle_head")
