@@ -128,8 +128,9 @@ class Row:
     """over plain decoding in the same dtype."""
     speedup_vs_fastest_plain: float
     """over the fastest plain decoding of any dtype in the run."""
-    identical: int
-    """questions whose every turn is token-identical to plain decoding's in the same dtype."""
+    identical: int | None
+    """questions whose every turn is token-identical to plain decoding's in the same dtype (None: a sampled run,
+    whose answers are draws, not comparable token for token)."""
 
 
 @dataclass
@@ -138,7 +139,8 @@ class Summary:
     fastest_plain: str
     """the dtype whose plain decoding was fastest overall."""
     differences: dict[str, list[dict[str, Any]]]
-    """'method/dtype' -> [{question_id, category, identical, first_difference: {turn, token} | None}]."""
+    """'method/dtype' -> [{question_id, category, identical, first_difference: {turn, token} | None}] (empty for a
+    sampled run)."""
     accept_lengths: dict[str, list[int]]
     """'method/dtype' -> every accept length of the run (for the histogram)."""
     meta: dict[str, Any] = field(default_factory=dict)
@@ -153,7 +155,9 @@ def _speed(answers: Sequence[Answer]) -> float:
 
 
 def summarize(runs: dict[tuple[str, str], list[Answer]], plain: str = "plain", meta: dict[str, Any] | None = None) -> Summary:
-    """runs: (method, dtype) -> answers in question order. Every dtype needs a run of the ``plain`` method."""
+    """runs: (method, dtype) -> answers in question order. Every dtype needs a run of the ``plain`` method. A run
+    whose meta names its ``sampling`` is not compared with plain decoding token for token."""
+    greedy = (meta or {}).get("sampling") is None
     dtypes = list(dict.fromkeys(d for _, d in runs))
     missing = [d for d in dtypes if (plain, d) not in runs]
     if missing:
@@ -168,7 +172,8 @@ def summarize(runs: dict[tuple[str, str], list[Answer]], plain: str = "plain", m
             diff = first_difference(a, b)
             diffs.append({"question_id": a.question_id, "category": a.category, "identical": diff is None,
                           "first_difference": None if diff is None else {"turn": diff[0], "token": diff[1]}})
-        differences[f"{method}/{dtype}"] = diffs
+        if greedy:
+            differences[f"{method}/{dtype}"] = diffs
         categories = list(dict.fromkeys(a.category for a in answers))
         for category in [*categories, "overall"]:
             pick = [i for i, a in enumerate(answers) if category in ("overall", a.category)]
@@ -179,7 +184,7 @@ def summarize(runs: dict[tuple[str, str], list[Answer]], plain: str = "plain", m
                 method=method, dtype=dtype, category=category, questions=len(pick),
                 mean_accepted=mean(lengths), tokens_per_s=_speed(mine),
                 speedup=_speed(mine) / _speed(theirs), speedup_vs_fastest_plain=_speed(mine) / _speed(fastest_base),
-                identical=sum(diffs[i]["identical"] for i in pick),
+                identical=sum(diffs[i]["identical"] for i in pick) if greedy else None,
             ))
     accept = {f"{m}/{d}": [n for a in answers for n in a.accept_lengths] for (m, d), answers in runs.items()}
     return Summary(rows=rows, fastest_plain=fastest, differences=differences, accept_lengths=accept, meta=meta or {})

@@ -323,6 +323,7 @@ def test_a_sampled_run_seeds_every_turn_alike_and_reports_no_identity(model_dir,
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["meta"]["sampling"] == {"temperature": 1.5, "top_p": 0.95, "top_k": 0, "seed": 7}
+    assert summary["differences"] == {} and {r["identical"] for r in summary["rows"]} == {None}
     md = (out / "summary.md").read_text()
     assert "Sampled (temperature 1.5, top-p 0.95, top-k 0" in md and "not compared token for token" in md
     assert "| method | dtype | mean accepted tokens | tokens/s | speed-up | vs fastest plain |" in md
