@@ -38,6 +38,8 @@ from selfspec.generate import generate
 from selfspec.tree import DynamicTree
 
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+TIMING = "rounds"
+"""how the cached verify costs were timed (``costs.verify_costs``: every size once per round)."""
 BUSY = 2.0
 """calibration verifications this many times slower than the cached curve predicts: the machine is busy, don't cache."""
 
@@ -77,11 +79,11 @@ def cached_verify_costs(target, model_id: str, refresh: bool = False, context: i
     path = _cache_file("verify", key)
     if path.is_file() and not refresh:
         data = json.loads(path.read_text())
-        if data.get("key") == key:
+        if data.get("key") == key and data.get("timing") == TIMING:  # curves timed size by size are measured again
             return {int(n): ms for n, ms in data["median_ms"].items()}
     rows = verify_costs(target, sizes=SIZES, context=context, repeats=repeats)
     curve = {r.nodes: r.median_ms for r in rows}
-    _write_json(path, {"key": key, "context": context, "median_ms": curve})
+    _write_json(path, {"key": key, "context": context, "timing": TIMING, "median_ms": curve})
     return curve
 
 

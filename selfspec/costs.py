@@ -3,8 +3,8 @@
 ``verify_costs`` times one verification of an N-node tree (a branching one, so the custom 4D mask is in the
 measurement) on top of a cache of a given length (the target's forward
 only: the cost a bigger tree adds). ``loop_overhead`` runs the real decoding loop and splits each step into the
-target's forward and everything else (drafting, acceptance, cache commit). Medians over repeats; nothing is cached
-between sizes, the cache is cut back to the prefix after each verification.
+target's forward and everything else (drafting, acceptance, cache commit). Medians over repeats, the sizes timed in
+rounds; nothing is cached between sizes, the cache is cut back to the prefix after each verification.
 """
 
 from __future__ import annotations
@@ -34,29 +34,32 @@ def verify_costs(
     target: Target, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), context: int = 256, repeats: int = 20,
     warmup: int = 3, seed: int = 0,
 ) -> list[VerifyCost]:
-    """Median wall time of ``target.verify`` for a tree of each size over a cache of ``context`` tokens."""
+    """Median wall time of ``target.verify`` for a tree of each size over a cache of ``context`` tokens.
+
+    The sizes are timed in rounds (every size once per round, ``warmup`` untimed rounds first), not one after the
+    other: on a machine whose speed drifts (a shared VM, a CPU changing clock) the drift then hits every size alike,
+    where size-by-size timing once put a 1-node verify above an 8-node one (65.7 against 51.6 ms; in rounds 42 / 45)."""
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, target.vocab_size, (context,), generator=g).to(target.device)
     cache = target.new_cache()
     target.prefill(prompt, cache)
-    medians: dict[int, float] = {}
-    for n in sizes:
-        # a branching tree (root + n - 1 children) takes the custom-mask path every branching draft takes; 1 and 2
-        # nodes can only be chains, verified like plain decoding
-        tree = Tree.chain(n - 1) if n <= 2 else Tree.from_parents([-1] + [0] * (n - 1))
-        tokens = torch.randint(0, target.vocab_size, (n,), generator=g).to(target.device)
-        times = []
-        for i in range(warmup + repeats):
+    # a branching tree (root + n - 1 children) takes the custom-mask path every branching draft takes; 1 and 2 nodes
+    # can only be chains, verified like plain decoding
+    trees = {n: Tree.chain(n - 1) if n <= 2 else Tree.from_parents([-1] + [0] * (n - 1)) for n in sizes}
+    tokens = {n: torch.randint(0, target.vocab_size, (n,), generator=g).to(target.device) for n in sizes}
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for i in range(warmup + repeats):
+        for n in sizes:
             t0 = time.perf_counter()
-            target.verify(tree, tokens, cache)
+            target.verify(trees[n], tokens[n], cache)
             if target.device.type == "cuda":
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - t0
             with torch.inference_mode():
                 hf.cache_keep(cache, context, torch.empty(0, dtype=torch.long))  # back to the prefix
             if i >= warmup:
-                times.append(elapsed)
-        medians[n] = statistics.median(times) * 1000
+                times[n].append(elapsed)
+    medians = {n: statistics.median(times[n]) * 1000 for n in sizes}
     base = medians.get(1) or min(medians.values())
     return [VerifyCost(nodes=n, median_ms=ms, relative=ms / base) for n, ms in medians.items()]
 

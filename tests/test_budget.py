@@ -77,6 +77,31 @@ def test_recorded_big_budget_predicts_what_a_small_budget_accepts(setup, kind):
     assert max(real) > 1  # the drafts do get accepted: the check is not about rejections only
 
 
+def test_verify_costs_time_the_sizes_in_rounds(setup, tmp_path, monkeypatch):
+    """Every size once per round (warm-up rounds first), so that a machine whose speed drifts slows every size alike;
+    a cached curve timed the old way (size by size, no "timing" in its file) is measured again."""
+    from selfspec import costs
+
+    model, _ = setup
+    target = Target(model)
+    order = []
+    real = target.verify
+    monkeypatch.setattr(target, "verify", lambda tree, tokens, cache: order.append(len(tokens)) or real(tree, tokens, cache))
+    rows = costs.verify_costs(target, sizes=(1, 2, 4), context=8, repeats=3, warmup=2)
+    assert order == [1, 2, 4] * 5
+    assert [r.nodes for r in rows] == [1, 2, 4] and rows[0].relative == 1.0
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    curve = budget.cached_verify_costs(target, "tiny", repeats=1)
+    path = next((tmp_path / "cache" / "tuning").glob("verify-*.json"))
+    data = json.loads(path.read_text())
+    assert data["timing"] == "rounds"
+    del data["timing"]
+    path.write_text(json.dumps({**data, "median_ms": {"1": 99.0}}))  # a curve from before: not trusted
+    order.clear()
+    assert sorted(budget.cached_verify_costs(target, "tiny", repeats=1)) == sorted(curve) and order
+
+
 def test_tune_caches_costs_and_the_best_tree_for_tree_auto(setup, tmp_path, monkeypatch):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     model, head = setup
