@@ -20,11 +20,13 @@ def plot_summary(summary: Summary, path: str | Path) -> Path:
     methods = list(dict.fromkeys(r.method for r in summary.rows))
     categories = list(dict.fromkeys(r.category for r in summary.rows if r.category != "overall")) + ["overall"]
     cell = {(r.method, r.dtype, r.category): r for r in summary.rows}
-    fig = Figure(figsize=(14, 4.5 * len(dtypes)), layout="constrained")
+    fig = Figure(figsize=(14, 5.2 * len(dtypes)), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(dtypes), 2, squeeze=False, width_ratios=(3, 1))
     width = 0.8 / max(len(methods), 1)
     color = {m: f"C{j % 10}" for j, m in enumerate(methods)}  # one colour per method in both panels
+    sampling = summary.meta.get("sampling")
+    how = "greedy" if sampling is None else f"sampled at temperature {sampling['temperature']:g}"
     for row, dtype in enumerate(dtypes):
         bars, hist = axes[row]
         for j, method in enumerate(methods):
@@ -42,8 +44,9 @@ def plot_summary(summary: Summary, path: str | Path) -> Path:
         bars.axhline(1.0, color="black", linewidth=0.8)
         bars.set_xticks(range(len(categories)), categories, rotation=30, ha="right")
         bars.set_ylabel(f"speed-up over plain ({dtype})")
-        bars.set_title(f"{dtype}: speed-up per category")
-        bars.legend(fontsize="small")
+        bars.set_title(f"{dtype}, {how}: speed-up per category")
+        bars.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=min(len(methods), 3),
+                    frameon=False)  # below the categories: inside, it hid the bars
         hist.set_xlabel("tokens accepted per target forward")
         hist.set_ylabel("share of steps")
         hist.set_title(f"{dtype}: accepted lengths")
