@@ -154,6 +154,16 @@ def _speed(answers: Sequence[Answer]) -> float:
     return mean(a.tokens_per_s for a in answers)
 
 
+def _differences(answers: Sequence[Answer], base: Sequence[Answer]) -> list[dict[str, Any]]:
+    """Per question: whether every turn is token-identical to ``base``'s answer, and where it first differs."""
+    diffs = []
+    for a, b in zip(answers, base, strict=True):
+        diff = first_difference(a, b)
+        diffs.append({"question_id": a.question_id, "category": a.category, "identical": diff is None,
+                      "first_difference": None if diff is None else {"turn": diff[0], "token": diff[1]}})
+    return diffs
+
+
 def summarize(runs: dict[tuple[str, str], list[Answer]], plain: str = "plain", meta: dict[str, Any] | None = None) -> Summary:
     """runs: (method, dtype) -> answers in question order. Every dtype needs a run of the ``plain`` method. A run
     whose meta names its ``sampling`` is not compared with plain decoding token for token."""
@@ -167,12 +177,8 @@ def summarize(runs: dict[tuple[str, str], list[Answer]], plain: str = "plain", m
     differences: dict[str, list[dict[str, Any]]] = {}
     for (method, dtype), answers in runs.items():
         base = runs[(plain, dtype)]
-        diffs = []
-        for a, b in zip(answers, base, strict=True):
-            diff = first_difference(a, b)
-            diffs.append({"question_id": a.question_id, "category": a.category, "identical": diff is None,
-                          "first_difference": None if diff is None else {"turn": diff[0], "token": diff[1]}})
-        if greedy:
+        diffs = _differences(answers, base) if greedy else None  # sampled answers are draws: not compared
+        if diffs is not None:
             differences[f"{method}/{dtype}"] = diffs
         categories = list(dict.fromkeys(a.category for a in answers))
         for category in [*categories, "overall"]:
@@ -184,7 +190,7 @@ def summarize(runs: dict[tuple[str, str], list[Answer]], plain: str = "plain", m
                 method=method, dtype=dtype, category=category, questions=len(pick),
                 mean_accepted=mean(lengths), tokens_per_s=_speed(mine),
                 speedup=_speed(mine) / _speed(theirs), speedup_vs_fastest_plain=_speed(mine) / _speed(fastest_base),
-                identical=sum(diffs[i]["identical"] for i in pick) if greedy else None,
+                identical=None if diffs is None else sum(diffs[i]["identical"] for i in pick),
             ))
     accept = {f"{m}/{d}": [n for a in answers for n in a.accept_lengths] for (m, d), answers in runs.items()}
     return Summary(rows=rows, fastest_plain=fastest, differences=differences, accept_lengths=accept, meta=meta or {})
