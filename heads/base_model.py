@@ -21,6 +21,7 @@ from transformers import (
 )
 
 from heads.config import ModelConfig
+from selfspec import hf
 from selfspec.models import load_model, parse_dtype
 
 TINY_NAME = "tiny-random-llama"
@@ -75,6 +76,9 @@ def load_base(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
     else:
         model, tokenizer = load_model(cfg.name, dtype=cfg.dtype, revision=cfg.revision,
                                       attn_implementation=cfg.attn_implementation)
+    reason = hf.unverifiable(model)
+    if reason is not None:  # refused before hours of training, not after
+        raise ValueError(f"model.name={cfg.name!r}: drafts for this model could never be verified: {reason}")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.requires_grad_(False)
@@ -83,7 +87,7 @@ def load_base(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
 
 def final_hidden(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """input_ids, attention_mask [B, T] -> [B, T, D]: the final hidden state (after the final norm), no LM head."""
-    out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, return_dict=True)
+    out = hf.decoder(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, return_dict=True)
     return out.last_hidden_state
 
 
@@ -92,8 +96,6 @@ def layer_and_final_hidden(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """input_ids, attention_mask [B, T] -> (layer ``layer``'s input [B, T, D], the final hidden state [B, T, D]),
     from one forward: what an exit head reads, and what the target's own logits come from."""
-    from selfspec import hf
-
     with hf.captured_output(hf.decoder_layers(model)[layer - 1]) as outputs:
         final = final_hidden(model, input_ids, attention_mask)
     return outputs[-1], final
@@ -104,7 +106,7 @@ def final_and_layer_states(model: PreTrainedModel, input_ids: torch.Tensor, atte
     """input_ids, attention_mask [B, T] -> [B, T, (1 + L) D]: the final hidden state, then the hidden states at
     ``layers`` (transformers' ``hidden_states`` indices: 0 the embeddings, i decoder layer i's output), from one
     forward: what an EAGLE-3 head reads (its loss reads the final one)."""
-    out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+    out = hf.decoder(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                               output_hidden_states=True, return_dict=True)
     states = out.hidden_states
     return torch.cat([states[-1]] + [states[i] for i in layers], dim=-1)

@@ -131,10 +131,24 @@ def decoder_config(model: PreTrainedModel, num_layers: int) -> dict:
             setattr(cfg, name, value)
     if getattr(cfg, "layer_types", None) is not None:
         cfg.layer_types = list(cfg.layer_types[:num_layers])
+    if getattr(cfg, "attention_layers", None) is not None:  # GPT-Neo: each layer's attention kind, from attention_types
+        cfg.attention_layers = list(cfg.attention_layers[:num_layers])
+        cfg.attention_types = [[cfg.attention_layers, 1]]
     out = cfg.to_dict()
     for name in ("_name_or_path", "architectures", "dtype", "torch_dtype", "transformers_version"):
         out.pop(name, None)
     return json.loads(json.dumps(out))  # as config.json will hold it (string keys, lists)
+
+
+def build_decoder(config) -> PreTrainedModel:
+    """The head's decoder (transformers' model of ``config``'s architecture) with sdpa attention, or eager attention
+    for the architectures that have no sdpa path (Gemma-2, gpt-oss)."""
+    try:
+        return AutoModel.from_config(config, attn_implementation="sdpa")
+    except ValueError as err:
+        if "scaled_dot_product_attention" not in str(err):
+            raise
+        return AutoModel.from_config(config, attn_implementation="eager")
 
 
 class EagleHead(nn.Module, DraftCheckpoint):
@@ -154,8 +168,7 @@ class EagleHead(nn.Module, DraftCheckpoint):
         self.fuse = nn.Linear(len(layers) * D, D, bias=False) if layers else None  # EAGLE-3: [L·D] -> [D]
         self.fc = nn.Linear(2 * D, D)
         dcfg = dict(config.decoder_config)
-        self.decoder = AutoModel.from_config(AutoConfig.for_model(dcfg.pop("model_type"), **dcfg),
-                                             attn_implementation="sdpa")
+        self.decoder = build_decoder(AutoConfig.for_model(dcfg.pop("model_type"), **dcfg))
         self.decoder.embed_tokens = None  # it reads the embeddings it is given: no unused (DDP-breaking) parameter
         self.draft_vocab = DraftVocab(config.draft_vocab_size, config.vocab_size)  # buffer draft_vocab.tokens [V']
         self._frozen = (embed, lm_head)  # a tuple: not registered, never in state_dict or the optimizer

@@ -105,7 +105,7 @@ class ExitHeadConfig:
 
 def final_norm(model: PreTrainedModel) -> nn.Module:
     """The decoder's final norm, which the LM head reads after (and the early-exit draft reuses)."""
-    decoder = model.get_decoder()
+    decoder = hf.decoder(model)
     for name in ("norm", "final_layernorm", "ln_f"):
         module = getattr(decoder, name, None)
         if isinstance(module, nn.Module):

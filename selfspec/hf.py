@@ -3,7 +3,8 @@
 - ``forward``: one call of a decoder-only model with an explicit 4D additive mask, position ids and the cache; it
   returns the logits and the hidden state of every layer (``hidden_states``: embeddings, each layer's output, final).
 - ``cache_keep``: the one cache operation a tree needs after acceptance: keep the given new entries, drop the rest.
-- ``decoder_layers``: the model's list of transformer blocks (for self-speculation drafters).
+- ``unverifiable``: why a tree cannot be verified losslessly on a model (ALiBi biases, recurrent layers), or None.
+- ``decoder`` / ``decoder_layers``: the decoder stack under the LM head and its list of transformer blocks.
 - self-speculation: ``replaced_layers`` (run the model with some layers swapped for ``Passthrough`` / ``Apply`` /
   ``Emit``), ``captured_output`` (a layer's output hidden state), ``forward_partial`` (a forward of such a model, with or
   without the LM head), and per-layer cache access (``layer_lengths``, ``cache_truncate``, ``layer_entries``,
@@ -14,11 +15,18 @@ Shapes: B batch (always 1 here), H kv heads, S cached length, N new tokens, V vo
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
 from contextlib import contextmanager
 from typing import Iterator, Mapping
 
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+RECURRENT_TYPES = ("rwkv", "xlstm")
+"""Recurrent models that keep no transformers ``Cache`` layers at all (the others show LinearAttention cache layers)."""
 
 
 def new_cache(model: PreTrainedModel) -> Cache:
@@ -83,14 +91,54 @@ def cache_keep(cache: Cache, start: int, keep: torch.Tensor) -> None:
         cache.crop(-(total - start - k))
 
 
+def decoder(model: PreTrainedModel) -> torch.nn.Module:
+    """The decoder stack under the LM head: transformers' ``get_decoder``, or the ``model`` / ``transformer`` attribute
+    of a causal LM whose ``base_model_prefix`` names neither (``get_decoder`` then returns the causal LM itself, e.g.
+    Llama-4's text model)."""
+    base = model.get_decoder()
+    if base is model:
+        for name in ("model", "transformer"):
+            inner = getattr(model, name, None)
+            if isinstance(inner, torch.nn.Module):
+                return inner
+    return base
+
+
 def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
     """The transformer blocks of a decoder-only model (Llama-like ``model.model.layers`` or GPT-2's ``transformer.h``)."""
-    base = model.get_decoder()
+    base = decoder(model)
     for name in ("layers", "h"):
         layers = getattr(base, name, None)
         if isinstance(layers, torch.nn.ModuleList):
             return layers
     raise TypeError(f"cannot find the decoder layers of {type(model).__name__}: expected `.layers` or `.h` on its decoder")
+
+
+def unverifiable(model: PreTrainedModel) -> str | None:
+    """Why a tree of drafts cannot be verified losslessly on ``model`` in one forward, or None when it can.
+
+    Tree verification needs every layer to mix positions through attention alone, under the tree mask, at explicit
+    positions. Two families break that: ALiBi biases (BLOOM, MPT, Falcon with ``alibi``) are computed from a key's index
+    in the sequence, not from position ids, so a tree's side branches would get wrong biases (MPT silently decodes
+    other text); recurrent, state-space and linear-attention layers (Mamba, Jamba, Qwen3-Next / Qwen3.5, LFM2, RWKV,
+    ...) run a state through every token in order, which a tree mask cannot branch and a rejection cannot roll back.
+    """
+    cfg = model.config.get_text_config()
+    kind = f"{type(model).__name__} (model_type={cfg.model_type!r})"
+    if cfg.model_type in ("bloom", "mpt") or getattr(cfg, "alibi", False) is True \
+            or getattr(getattr(cfg, "attn_config", None), "alibi", False) is True:
+        return (f"{kind} uses ALiBi attention biases, computed from a key's index in the sequence rather than from "
+                "position ids: the nodes of a draft tree would get wrong biases, so tree verification would not be lossless")
+    try:
+        layers = DynamicCache(config=model.config).layers
+    except (TypeError, ValueError, AttributeError):
+        layers = []
+    recurrent = [i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
+    if recurrent or cfg.model_type in RECURRENT_TYPES:
+        which = f"layers {recurrent} of {len(layers)} are" if recurrent else "its layers are"
+        return (f"{kind}: {which} recurrent (state-space or linear attention): their state runs through every token "
+                "in order, so a tree of drafts cannot be verified in one forward nor rolled back after a rejection")
+    return None
 
 
 def sliding_window(model: PreTrainedModel) -> int | None:
@@ -142,13 +190,36 @@ def replaced_layers(model: PreTrainedModel, replace: Mapping[int, torch.nn.Modul
     if bad:
         raise ValueError(f"layer indices {bad} are out of range: this model has {len(layers)} decoder layers (0..{len(layers) - 1})")
     saved = {i: layers[i] for i in replace}
+    as_tuple = layers_return_tuples(type(decoder(model)))
     try:
         for i, module in replace.items():
-            layers[i] = module
+            layers[i] = AsTuple(module) if as_tuple else module
         yield
     finally:
         for i, module in saved.items():
             layers[i] = module
+
+
+class AsTuple(torch.nn.Module):
+    """Returns ``(module(...),)``: a stand-in's output as older modeling files expect a layer's (``outputs[0]``)."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs) -> tuple[torch.Tensor]:
+        return (self.module(*args, **kwargs),)
+
+
+@functools.cache
+def layers_return_tuples(decoder_class: type) -> bool:
+    """Whether ``decoder_class.forward`` reads each layer's hidden state as ``outputs[0]`` (older modeling files: GPT-Neo,
+    Falcon, ...) rather than taking the layer's output itself (Llama, GPT-2 and most models in transformers 5)."""
+    try:
+        source = inspect.getsource(decoder_class.forward)
+    except (OSError, TypeError):
+        return False
+    return re.search(r"hidden_states\s*=\s*\w*outputs\[0\]", source) is not None
 
 
 @contextmanager
@@ -192,9 +263,9 @@ def forward_partial(
     """
     kwargs = dict(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=mask, cache=cache, use_cache=True)
     if not lm_head:
-        return None, model.get_decoder()(**kwargs, return_dict=True).last_hidden_state[0]
+        return None, decoder(model)(**kwargs, return_dict=True).last_hidden_state[0]
     final: list[torch.Tensor] = []
-    handle = model.get_decoder().register_forward_hook(lambda _m, _a, out: final.append(out.last_hidden_state))
+    handle = decoder(model).register_forward_hook(lambda _m, _a, out: final.append(out.last_hidden_state))
     try:
         out = model(**kwargs, return_dict=True)
     finally:

@@ -48,6 +48,10 @@ class Target:
                 f"expected a causal LM that transformers can generate with (a ...ForCausalLM), found "
                 f"{type(model).__name__} (model_type={model.config.model_type!r}), which cannot generate"
             )
+        reason = hf.unverifiable(model)
+        if reason is not None:
+            raise TypeError(f"selfspec cannot decode this model: {reason}. Supported: decoders whose layers all attend "
+                            "with rotary or learned positions (Llama, Qwen2/3, Mistral, Gemma, Phi-3, GPT-2, ...)")
         self.model = model.eval()
         cfg = model.config.get_text_config()
         self.vocab_size: int = model.get_output_embeddings().weight.shape[0]

@@ -1,0 +1,167 @@
+"""Beyond the five architectures every other test runs on (conftest.ARCHS): 20 more decoder families of transformers,
+each a tiny random model, decode token-identically to their own ``generate`` with every kind of draft, and the
+families whose trees cannot be verified (ALiBi biases, recurrent layers) are refused up front with the reason.
+
+The families differ where tree verification could go wrong: q/k norms (Qwen3, OLMo-2), fused or partial rotary
+(Phi-3, Phi, StableLM, GPT-NeoX, GPT-J), learned positions (OPT, GPT-BigCode, GPT-Neo), mixtures of experts
+(Mixtral, Qwen3-MoE, gpt-oss), multi-head latent attention (DeepSeek-V3), attention sinks and eager-only attention
+(gpt-oss, Gemma-2), layers that return tuples (Falcon, GPT-Neo), a decoder that ``get_decoder`` does not find
+(Llama-4's text model).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_prompts, reference
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from heads.eagle import EagleConfig, EagleHead
+from heads.eagle_drafter import EagleDrafter
+from selfspec import Target, Tree, generate, hf
+from selfspec.early_exit import EarlyExitDrafter
+from selfspec.layerskip import LayerSkipDrafter
+from selfspec.testing import OracleDrafter
+from selfspec.tree import DynamicTree
+
+VOCAB = 96
+NEW = 12
+BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, bos_token_id=None,
+            eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+SUPPORTED = {
+    "qwen3": dict(head_dim=8),
+    "qwen3_moe": dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "phi3": {},
+    "phi": {},
+    "gemma2": dict(head_dim=8, sliding_window=256),
+    "olmo2": {},
+    "stablelm": {},
+    "gpt_neox": {},
+    "falcon": dict(new_decoder_architecture=True, num_kv_heads=2),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "cohere": {},
+    "starcoder2": {},
+    "smollm3": {},
+    "gpt_bigcode": dict(n_embd=32, n_layer=2, n_head=4, n_positions=256),
+    "opt": dict(ffn_dim=64, word_embed_proj_dim=32),
+    "gptj": dict(n_embd=32, n_layer=2, n_head=4, n_positions=256, rotary_dim=4),
+    "gpt_neo": dict(num_layers=2, attention_types=[[["global", "local"], 1]], window_size=256),
+    "llama4_text": dict(head_dim=8, num_local_experts=1, interleave_moe_layer_step=1, intermediate_size_mlp=64),
+    "deepseek_v3": dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                        head_dim=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=16, first_k_dense_replace=1, n_group=1, topk_group=1),
+    "gpt_oss": dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=256),
+}
+ALIBI = {
+    "mpt": dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=256),
+    "bloom": dict(n_layer=2, n_head=4),
+    "falcon": dict(alibi=True, new_decoder_architecture=True, num_kv_heads=2),
+}
+RECURRENT = {
+    "mamba": dict(state_size=8),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, num_experts=2, mamba_d_state=8),
+    "qwen3_next": dict(head_dim=8, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
+                       linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"], num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16),
+    "lfm2": dict(layer_types=["conv", "full_attention"], block_ff_dim=64),
+    "rwkv": dict(attention_hidden_size=32),
+}
+
+
+def build(model_type: str, overrides: dict) -> torch.nn.Module:
+    config = AutoConfig.for_model(model_type, **{**BASE, **overrides})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    return model
+
+
+def eagle(model) -> EagleDrafter:
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_model(model, draft_vocab_size=64), model.get_input_embeddings(),
+                     model.get_output_embeddings())
+    return EagleDrafter(head.eval(), depth=4, topk=3, budget=10)
+
+
+@pytest.mark.parametrize("model_type", sorted(SUPPORTED))
+def test_every_kind_of_draft_is_lossless_on_more_architectures(model_type):
+    model = build(model_type, SUPPORTED[model_type])
+    target = Target(model)
+    prompts = random_prompts(3, VOCAB, seed=5)
+    refs = [reference(model, p, NEW) for p in prompts]
+    exit_chain = EarlyExitDrafter(target, 1, depth=3)
+    reusing = exit_chain.verifier()  # verifies the chains with the early layers' drafting work reused
+    drafters = {
+        "oracle tree": lambda ref: OracleDrafter(Tree.full([2, 2]), VOCAB, ref, branch_rank=1, seed=3),
+        "EAGLE head": lambda ref: eagle(model),
+        "early exit (chain)": lambda ref: exit_chain,
+        "early exit (dynamic tree)": lambda ref: EarlyExitDrafter(target, 1, tree=DynamicTree(6)),
+        "layer skip": lambda ref: LayerSkipDrafter(target, (1,), depth=3),
+    }
+    for name, make in drafters.items():
+        for prompt, ref in zip(prompts, refs):
+            drafter = make(ref)
+            out = generate(reusing if drafter is exit_chain else target, drafter, prompt, NEW)
+            assert out.tokens == ref, f"{model_type}, {name}: differs from generate"
+            if name == "oracle tree":  # the tree's rank-1 branch really is verified and kept
+                assert all(len(s.tokens) == 3 for s in out.steps[1:-1]), f"{model_type}: oracle branch not accepted"
+    assert reusing.reused > 0, f"{model_type}: no early-exit work was reused"
+
+
+def test_layers_that_return_tuples_are_recognised():
+    """Falcon's and GPT-Neo's decoders read ``outputs[0]`` of each layer: a stand-in layer must answer in kind."""
+    for model_type, expected in (("falcon", True), ("gpt_neo", True), ("llama", False), ("gpt2", False)):
+        model = build(model_type, SUPPORTED.get(model_type, {}))
+        assert hf.layers_return_tuples(type(hf.decoder(model))) is expected, model_type
+
+
+def test_the_decoder_is_found_where_get_decoder_returns_the_causal_lm():
+    model = build("llama4_text", SUPPORTED["llama4_text"])
+    assert model.get_decoder() is model  # transformers' lookup misses it (base_model_prefix names no attribute)
+    assert hf.decoder(model) is model.model and len(hf.decoder_layers(model)) == 2
+
+
+def test_an_eagle_head_on_an_architecture_without_sdpa_uses_eager_attention():
+    head = eagle(build("gemma2", SUPPORTED["gemma2"])).head
+    assert head.decoder.config._attn_implementation == "eager"
+    assert eagle(build("qwen3", SUPPORTED["qwen3"])).head.decoder.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("model_type", sorted(ALIBI))
+def test_alibi_models_are_refused(model_type):
+    model = build(model_type, ALIBI[model_type])
+    with pytest.raises(TypeError, match=f"model_type='{model_type}'.*ALiBi.*not be lossless"):
+        Target(model)
+
+
+def test_the_alibi_refusal_is_needed_mpt_trees_decode_other_text(monkeypatch):
+    """Without the refusal, MPT's ALiBi biases (from each key's index) make a verified tree's side branches wrong:
+    greedy output parts from generate. When transformers computes them from position ids, this test fails: lift the
+    refusal then."""
+    model = build("mpt", ALIBI["mpt"])
+    monkeypatch.setattr(hf, "unverifiable", lambda model: None)
+    target = Target(model)
+    differ = 0
+    for prompt in random_prompts(6, VOCAB, seed=5):
+        ref = reference(model, prompt, NEW)
+        out = generate(target, OracleDrafter(Tree.full([2, 2]), VOCAB, ref, branch_rank=1, seed=3), prompt, NEW)
+        differ += out.tokens != ref
+    assert differ >= 1
+
+
+@pytest.mark.parametrize("model_type", sorted(RECURRENT))
+def test_recurrent_models_are_refused(model_type):
+    model = build(model_type, RECURRENT[model_type])
+    with pytest.raises(TypeError, match=f"model_type='{model_type}'.*recurrent.*cannot be verified"):
+        Target(model)
+
+
+def test_training_drafts_for_a_recurrent_model_is_refused_before_it_starts():
+    from heads.base_model import load_base
+    from heads.config import ModelConfig
+
+    config = {"model_type": "mamba", **BASE, **RECURRENT["mamba"], "vocab_size": 300}  # the byte tokenizer's 259 fit
+    with pytest.raises(ValueError, match="model.name=.*could never be verified.*recurrent"):
+        load_base(ModelConfig(name="tiny-mamba", config=config))
