@@ -24,7 +24,7 @@ from heads.eagle_drafter import EagleDrafter
 from heads.draft_vocab import draft_vocabulary
 from heads.eagle_loss import eagle_loss
 from heads.losses import IGNORE_INDEX
-from selfspec import registry
+from selfspec import hf, registry
 from selfspec.drafter import DraftState
 from selfspec.generate import generate
 from selfspec.merge import MergedDrafter
@@ -70,12 +70,25 @@ def test_training_unroll_is_what_drafting_computes(arch, layers):
     """Step u of the unroll at pair i = the chain of true pairs 0..i-u and u of the head's own predictions, also for a
     right-padded row (padding changes nothing before it); with multi-layer features the true pairs read their fusion."""
     model = tiny_model(arch, initializer_range=0.1)
-    head = make_head(model, num_layers=2, feature_layers=layers)
+    check_unroll(model, make_head(model, num_layers=2, feature_layers=layers), layers)
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss", "falcon", "gpt_neo", "deepseek_v3", "opt"])
+def test_training_unroll_is_what_drafting_computes_on_more_architectures(model_type):
+    """The same on decoders whose layers differ most (eager-only attention with soft-capping or sinks, tuple-returning
+    layers, GPT-Neo's per-layer attention kinds, multi-head latent attention, learned positions)."""
+    from test_architectures import SUPPORTED, build
+
+    model = build(model_type, SUPPORTED[model_type])
+    check_unroll(model, make_head(model, num_layers=2), None)
+
+
+def check_unroll(model, head: EagleHead, layers) -> None:
     T = 11
     ids = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(1))
     lengths = torch.tensor([T, 8])
     with torch.no_grad():
-        states = model.model(input_ids=ids, output_hidden_states=True).hidden_states
+        states = hf.decoder(model)(input_ids=ids, output_hidden_states=True).hidden_states
         features = torch.cat([states[i] for i in layers or [-1]], dim=-1)  # [2, T, F]
         outs = head(features, ids, lengths, unroll=3)  # [3, 2, T - 1, D]
         true = head.true_features(features)  # [2, T, D]
