@@ -25,6 +25,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import datasets
 import torch
@@ -41,7 +42,7 @@ class DistillConfig:
     max_new_tokens: int = 256
     batch_size: int = 8
     shard_size: int = 64
-    """conversations per shard (the unit of resumption)."""
+    """conversations per shard (the unit of resumption); a shard's prompts are batched by length, turn by turn."""
     do_sample: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
@@ -80,8 +81,13 @@ def _generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt
 
 
 def regenerate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, conversations: list[list[dict]],
-               cfg: DistillConfig) -> list[list[dict]]:
-    """Replace every assistant turn by the model's own reply to the conversation so far (user turns kept)."""
+               cfg: DistillConfig, progress: Callable[[int], None] | None = None) -> list[list[dict]]:
+    """Replace every assistant turn by the model's own reply to the conversation so far (user turns kept).
+
+    Turn by turn, the prompts of all ``conversations`` are answered in batches of ``cfg.batch_size`` by length, so
+    each batch pads little (a short prompt batched with a long one waits through the long one's prefill and attends
+    over its padding). ``progress(n)``: n more conversations are finished.
+    """
     stop = [tokenizer.eos_token_id] + list(_as_list(model.generation_config.eos_token_id))
     stop = sorted({t for t in stop if t is not None})
     if not stop:
@@ -92,10 +98,12 @@ def regenerate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, conve
                            pad_token_id=pad, bos_token_id=None,
                            **({"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}  # top_k=0: off
                               if cfg.do_sample else {}))
+    progress = progress or (lambda n: None)
     users = [[m["content"] for m in conv if m["role"] == "user"] for conv in conversations]
     new = [[m] if m["role"] == "system" else [] for m in (conv[0] for conv in conversations)]
     active = [True] * len(conversations)
-    for turn in range(max(len(u) for u in users)):
+    progress(sum(not u for u in users))  # nothing to answer
+    for turn in range(max((len(u) for u in users), default=0)):
         pending = []  # (conversation index, prompt ids)
         for i, conv_users in enumerate(users):
             if not active[i] or turn >= len(conv_users):
@@ -105,12 +113,15 @@ def regenerate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, conve
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(ids) > cfg.max_prompt_length:
                 active[i] = False
+                progress(1)
                 continue
             pending.append((i, ids))
+        pending.sort(key=lambda item: len(item[1]))  # stable: equal lengths keep the conversations' order
         for start in range(0, len(pending), cfg.batch_size):
             chunk = pending[start : start + cfg.batch_size]
             for (i, _), reply in zip(chunk, _generate(model, tokenizer, [ids for _, ids in chunk], gen)):
                 new[i] += [{"role": "user", "content": users[i][turn]}, {"role": "assistant", "content": reply}]
+            progress(sum(turn == len(users[i]) - 1 for i, _ in chunk))
     return new
 
 
@@ -170,11 +181,7 @@ def distill(
             return None
         lo, hi = s * cfg.shard_size, min((s + 1) * cfg.shard_size, len(conversations))
         torch.manual_seed(cfg.seed + s)  # per shard: a resumed run samples what an uninterrupted one would
-        messages = []
-        for b in range(lo, hi, cfg.batch_size):
-            rows = conversations[b : min(b + cfg.batch_size, hi)]["messages"]
-            messages += regenerate(model, tokenizer, rows, cfg)
-            bar.update(len(rows))
+        messages = regenerate(model, tokenizer, conversations[lo:hi]["messages"], cfg, progress=bar.update)
         shard = datasets.Dataset.from_dict({"messages": messages, "source_index": list(range(lo, hi))},
                                            features=_OUT_FEATURES)
         _shard_dir(out, s).parent.mkdir(parents=True, exist_ok=True)

@@ -85,6 +85,38 @@ def test_sampled_resumed_run_equals_uninterrupted_run(model, tok, source, tmp_pa
     assert list(datasets.load_from_disk(str(other_seed))["messages"]) != whole_messages  # it really samples
 
 
+def test_a_shards_prompts_are_batched_by_length_turn_by_turn(model, tok):
+    """Each generate call gets prompts of neighbouring lengths (the shortest first), every reply still lands in its own
+    conversation (equal to answering it alone), and progress counts each conversation once, when it is finished."""
+    from heads.distill import regenerate
+
+    convs = [[{"role": "user", "content": "x" * n}, {"role": "assistant", "content": "-"}] for n in (40, 1, 30, 2, 20, 3)]
+    convs[1] += [{"role": "user", "content": "and then?"}, {"role": "assistant", "content": "-"}]  # two turns
+    calls, finished = [], []
+    generate = model.generate
+
+    def recording(input_ids, attention_mask, **kwargs):
+        calls.append(attention_mask.sum(-1).tolist())  # prompt lengths of this call
+        return generate(input_ids, attention_mask=attention_mask, **kwargs)
+
+    cfg = DistillConfig(max_new_tokens=3, batch_size=2)
+    model.generate = recording
+    try:
+        got = regenerate(model, tok, convs, cfg, progress=finished.append)
+    finally:
+        del model.generate
+    first_turn = sorted(len(tok(tok.apply_chat_template(c[:1], tokenize=False, add_generation_prompt=True),
+                                add_special_tokens=False)["input_ids"]) for c in convs)
+    assert [n for call in calls[:3] for n in call] == first_turn  # by length: 3 calls of 2
+    assert len(calls) == 4 and len(calls[3]) == 1  # the second turn of the one two-turn conversation
+    assert finished == [0, 1, 2, 2, 1]  # the two-turn conversation (in the first call) finishes last
+    for conv, out in zip(convs, got):
+        for i, m in enumerate(out):
+            if m["role"] == "assistant":
+                assert m["content"] == greedy_reply(model, tok, out[:i], 3)
+    assert [m["content"] for m in got[1] if m["role"] == "user"] == ["x", "and then?"]
+
+
 def test_resuming_with_other_settings_is_refused(model, tok, source, tmp_path):
     distill(model, tok, source, tmp_path / "out", DistillConfig(max_new_tokens=2, shard_size=1), max_shards=1)
     with pytest.raises(ValueError, match=r"other settings \(\['config'\] differ\)"):
