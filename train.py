@@ -8,6 +8,7 @@ import argparse
 import logging
 import sys
 
+from heads.base_model import UnsupportedModel
 from heads.config import describe, load_config
 from heads.hub import PublishError
 from heads.trainer import TrainingDiverged, check_publish, train
@@ -33,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingDiverged as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except UnsupportedModel as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     except PublishError as err:
         print(f"training finished and the checkpoint is saved, but publishing failed: {err}\n"
               f"retry with: python -m heads.publish <output_dir>/<heads or exit_head> {cfg.publish.repo_id}",

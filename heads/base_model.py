@@ -67,6 +67,10 @@ def random_model(config: dict, tokenizer: PreTrainedTokenizerBase, seed: int, dt
     return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
 
 
+class UnsupportedModel(ValueError):
+    """The recipe's target is a model selfspec cannot verify drafts on (``selfspec.hf.unverifiable``)."""
+
+
 def load_base(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The recipe's target (frozen, eval mode, on CPU) and its tokenizer."""
     if cfg.config is not None or cfg.name == TINY_NAME:
@@ -78,7 +82,9 @@ def load_base(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
                                       attn_implementation=cfg.attn_implementation)
     reason = hf.unverifiable(model)
     if reason is not None:  # refused before hours of training, not after
-        raise ValueError(f"model.name={cfg.name!r}: drafts for this model could never be verified: {reason}")
+        what = (f"model.name={cfg.name!r}" if cfg.config is None
+                else f"model.config (model_type={cfg.config.get('model_type')!r})")
+        raise UnsupportedModel(f"{what}: drafts for this model could never be verified: {reason}")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.requires_grad_(False)

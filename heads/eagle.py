@@ -48,6 +48,7 @@ from heads.checkpoint import DraftCheckpoint
 from heads.config import check_feature_layer_list
 from heads.draft_vocab import DraftVocab, check_draft_tokens
 from heads.medusa import _type_ok, base_name, base_sizes, strict_keys
+from selfspec import hf
 
 DRAFT_TYPE = "eagle"
 
@@ -143,12 +144,7 @@ def decoder_config(model: PreTrainedModel, num_layers: int) -> dict:
 def build_decoder(config) -> PreTrainedModel:
     """The head's decoder (transformers' model of ``config``'s architecture) with sdpa attention, or eager attention
     for the architectures that have no sdpa path (Gemma-2, gpt-oss)."""
-    try:
-        return AutoModel.from_config(config, attn_implementation="sdpa")
-    except ValueError as err:
-        if "scaled_dot_product_attention" not in str(err):
-            raise
-        return AutoModel.from_config(config, attn_implementation="eager")
+    return hf.sdpa_or_eager(lambda attn: AutoModel.from_config(config, attn_implementation=attn))
 
 
 class EagleHead(nn.Module, DraftCheckpoint):

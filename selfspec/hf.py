@@ -19,7 +19,7 @@ import functools
 import inspect
 import re
 from contextlib import contextmanager
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
@@ -89,6 +89,17 @@ def cache_keep(cache: Cache, start: int, keep: torch.Tensor) -> None:
             layer.values[:, :, start : start + k] = layer.values[:, :, idx]
     if total > start + k:
         cache.crop(-(total - start - k))
+
+
+def sdpa_or_eager(build: Callable[[str], PreTrainedModel]) -> PreTrainedModel:
+    """``build("sdpa")``, or ``build("eager")`` for an architecture transformers has no sdpa attention for (Gemma-2,
+    gpt-oss, Mamba, ...: it raises a ValueError naming scaled_dot_product_attention)."""
+    try:
+        return build("sdpa")
+    except ValueError as err:
+        if "scaled_dot_product_attention" not in str(err):
+            raise
+        return build("eager")
 
 
 def decoder(model: PreTrainedModel) -> torch.nn.Module:

@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from selfspec import hf
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -107,6 +109,9 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer. Refuses models that are not decoder-only causal LMs, with what was found.
 
+    attn_implementation "sdpa" (the default) falls back to "eager" for architectures without an sdpa path (Gemma-2,
+    gpt-oss).
+
     trust_remote_code: allow the model's own Python code (``auto_map``) to run; off by default, and then refused
     without asking (transformers would otherwise prompt on a terminal).
     """
@@ -117,9 +122,11 @@ def load_model(
     kwargs["trust_remote_code"] = trust_remote_code
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(
-            location, dtype=parse_dtype(dtype), attn_implementation=attn_implementation, **kwargs
-        )
+        def build(attn: str) -> PreTrainedModel:
+            return AutoModelForCausalLM.from_pretrained(location, dtype=parse_dtype(dtype), attn_implementation=attn,
+                                                        **kwargs)
+
+        model = hf.sdpa_or_eager(build) if attn_implementation == "sdpa" else build(attn_implementation)
     except ValueError as err:
         _refuse_remote_code(name_or_path, err)
         if "Unrecognized configuration class" in str(err):

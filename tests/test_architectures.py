@@ -158,10 +158,26 @@ def test_recurrent_models_are_refused(model_type):
         Target(model)
 
 
-def test_training_drafts_for_a_recurrent_model_is_refused_before_it_starts():
-    from heads.base_model import load_base
-    from heads.config import ModelConfig
+def test_training_drafts_for_a_recurrent_model_is_refused_before_it_starts(tmp_path, capsys):
+    import json
+
+    import train
 
     config = {"model_type": "mamba", **BASE, **RECURRENT["mamba"], "vocab_size": 300}  # the byte tokenizer's 259 fit
-    with pytest.raises(ValueError, match="model.name=.*could never be verified.*recurrent"):
-        load_base(ModelConfig(name="tiny-mamba", config=config))
+    code = train.main(["--config", "configs/medusa_tiny.yaml", f"model.config={json.dumps(config)}",
+                       f"output_dir={tmp_path / 'out'}", "logging.log_with=[]"])
+    assert code == 2
+    assert "model.config (model_type='mamba'): drafts for this model could never be verified" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_a_model_without_sdpa_loads_with_eager_attention(tmp_path):
+    """load_model's default, sdpa, falls back to eager where transformers has none (``infer.py --model DIR``)."""
+    from transformers import AutoTokenizer
+
+    from selfspec.models import DEFAULT_MODEL, load_model, resolve
+
+    build("gemma2", {**SUPPORTED["gemma2"], "vocab_size": 49152}).save_pretrained(tmp_path / "gemma2")
+    AutoTokenizer.from_pretrained(resolve(DEFAULT_MODEL)[0]).save_pretrained(tmp_path / "gemma2")
+    model, _ = load_model(str(tmp_path / "gemma2"))
+    assert model.config._attn_implementation == "eager"
