@@ -80,10 +80,13 @@ def check_request(target: Target, input_ids: torch.Tensor, max_new_tokens: int) 
             f"prompt ({t} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of {target.max_length}; "
             f"use max_new_tokens <= {target.max_length - t}"
         )
-    if target.sliding_window is not None and t + max_new_tokens >= target.sliding_window:
+    if target.window_limit is not None and t + max_new_tokens >= target.window_limit:
+        room = target.window_limit - t - 1
         raise ValueError(
-            f"prompt + max_new_tokens = {t + max_new_tokens} reaches this model's sliding attention window "
-            f"({target.sliding_window}); tree verification beyond the window is not supported yet"
+            f"prompt + max_new_tokens = {t + max_new_tokens} reaches this model's local attention window "
+            f"({target.window_limit}), which a tree's mask cannot express for this architecture: tree verification "
+            "beyond the window is not supported for it; "
+            + (f"use max_new_tokens <= {room}" if room >= 1 else "shorten the prompt")
         )
 
 
@@ -129,9 +132,9 @@ def stream(
                            new_hidden=new_hidden, new_states=new_states)
         draft = drafter.draft(state)
         draft = draft.truncated(min(max_new_tokens - produced - 1, target.max_length - start - 1))
-        # sliding-window layers keep only window - 1 entries: the whole tree must fit beside the cache (check_request
-        # guarantees that the root alone always does)
-        while target.sliding_window is not None and start + len(draft.tree) > target.sliding_window - 1:
+        # a window the mask cannot express (GPT-Neo's local layers count a node by its index): the whole tree stays
+        # inside it (check_request guarantees that the root alone does)
+        while target.window_limit is not None and start + len(draft.tree) > target.window_limit - 1:
             draft = draft.truncated(draft.tree.depth - 1)
 
         # 3. verify every node in one forward of the target

@@ -23,14 +23,19 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
-from transformers.cache_utils import LinearAttentionCacheLayerMixin
+from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
 RECURRENT_TYPES = ("rwkv", "xlstm")
 """Recurrent models that keep no transformers ``Cache`` layers at all (the others show LinearAttention cache layers)."""
 
 
 def new_cache(model: PreTrainedModel) -> Cache:
-    return DynamicCache(config=model.config)
+    """The model's cache, with every sliding-window layer keeping all its entries (as a full layer): a sliding layer
+    drops its oldest entries as new ones arrive, so a tree verified beyond the window would push out entries that the
+    accepted path still needs, and ``forward`` applies the window in the tree's mask instead (``layer_masks``)."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [DynamicLayer() if getattr(layer, "is_sliding", False) else layer for layer in cache.layers]
+    return cache
 
 
 def cache_length(cache: Cache) -> int:
@@ -63,7 +68,7 @@ def forward(
     out = model(
         input_ids=input_ids[None],
         position_ids=position_ids[None],
-        attention_mask=mask,
+        attention_mask=layer_masks(model, mask, position_ids),
         cache=cache,
         use_cache=True,
         output_hidden_states=True,
@@ -71,6 +76,44 @@ def forward(
         return_dict=True,
     )
     return out.logits[0], tuple(h[0] for h in out.hidden_states)  # [n, V], L + 1 x [N, D]
+
+
+def layer_masks(model: PreTrainedModel, mask: torch.Tensor | None, position_ids: torch.Tensor):
+    """A tree's mask [1, 1, N, K] over cache entries 0..K-1 (the entry at index k is position k, up to the tree's own
+    nodes: ``new_cache`` keeps every entry) -> what the model's forward takes: the mask itself when no layer slides;
+    with sliding-window layers, the window applied too (a query at position q sees the keys at positions > q - window,
+    transformers' rule), alone when every layer slides, else {"full_attention": mask, "sliding_attention": windowed}.
+
+    position_ids [N]. A tree's own nodes sit at indices >= the cache length, never further from a query than the tree
+    is deep: inside any window wider than the tree, whatever their index."""
+    window = sliding_window(model)
+    if mask is None or window is None:
+        return mask
+    keys = torch.arange(mask.shape[-1], device=mask.device)
+    outside = keys[None, :] <= position_ids.to(mask.device)[:, None] - window  # [N, K]
+    windowed = mask.masked_fill(outside[None, None], torch.finfo(mask.dtype).min)
+    types = set(getattr(model.config.get_text_config(), "layer_types", None) or ["sliding_attention"])
+    if types == {"sliding_attention"}:
+        return windowed
+    return {"full_attention": mask, "sliding_attention": windowed}
+
+
+def window_limit(model: PreTrainedModel) -> int | None:
+    """The attention window that prompt + new tokens must stay inside (None: no limit): a window a tree's mask cannot
+    express. GPT-Neo's local layers window by a key's index in the sequence (not its position); a model that mixes
+    sliding and full layers but whose decoder takes one mask for all (no per-layer-type dict, ``layer_masks``)."""
+    cfg = model.config.get_text_config()
+    if "local" in (getattr(cfg, "attention_layers", None) or []):
+        return int(cfg.window_size)
+    window = sliding_window(model)
+    types = set(getattr(cfg, "layer_types", None) or [])
+    if window is None or len(types) < 2:
+        return None
+    try:
+        source = inspect.getsource(type(decoder(model)).forward)
+    except (OSError, TypeError):
+        return window
+    return None if re.search(r"attention_mask,\s*dict\)", source) else window
 
 
 def cache_keep(cache: Cache, start: int, keep: torch.Tensor) -> None:
@@ -272,7 +315,8 @@ def forward_partial(
     may hold different lengths, so the mask and the positions say everything and the cache's own length is never used.
     lm_head=False runs the decoder alone (no LM head).
     """
-    kwargs = dict(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=mask, cache=cache, use_cache=True)
+    kwargs = dict(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=layer_masks(model, mask, position_ids),
+                  cache=cache, use_cache=True)
     if not lm_head:
         return None, decoder(model)(**kwargs, return_dict=True).last_hidden_state[0]
     final: list[torch.Tensor] = []

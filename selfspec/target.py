@@ -59,7 +59,8 @@ class Target:
         self.max_length: int = int(
             getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2**31
         )
-        self.sliding_window = hf.sliding_window(model)
+        self.window_limit: int | None = hf.window_limit(model)
+        """prompt + new tokens must stay inside this sliding window (None: no limit; see hf.window_limit)."""
         self._mask_dtype = next(model.parameters()).dtype
 
     @property

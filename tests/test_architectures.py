@@ -6,14 +6,14 @@ The families differ where tree verification could go wrong: q/k norms (Qwen3, OL
 (Phi-3, Phi, StableLM, GPT-NeoX, GPT-J), learned positions (OPT, GPT-BigCode, GPT-Neo), mixtures of experts
 (Mixtral, Qwen3-MoE, gpt-oss), multi-head latent attention (DeepSeek-V3), attention sinks and eager-only attention
 (gpt-oss, Gemma-2), layers that return tuples (Falcon, GPT-Neo), a decoder that ``get_decoder`` does not find
-(Llama-4's text model).
+(Llama-4's text model); and five of them again with a sliding window of 16, decoding far beyond it.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_prompts, reference
+from conftest import Recording, random_prompts, reference
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from heads.eagle import EagleConfig, EagleHead
@@ -58,6 +58,13 @@ ALIBI = {
     "bloom": dict(n_layer=2, n_head=4),
     "falcon": dict(alibi=True, new_decoder_architecture=True, num_kv_heads=2),
 }
+SLIDING = {  # a window of 16 (the models above have 256, beyond any test sequence)
+    "gemma2": dict(sliding_window=16),
+    "gpt_oss": dict(sliding_window=16),
+    "qwen3": dict(use_sliding_window=True, sliding_window=16, max_window_layers=1),
+    "cohere2": dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
+    "phi3": dict(sliding_window=16),
+}
 RECURRENT = {
     "mamba": dict(state_size=8),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, num_experts=2, mamba_d_state=8),
@@ -87,10 +94,23 @@ def eagle(model) -> EagleDrafter:
 
 @pytest.mark.parametrize("model_type", sorted(SUPPORTED))
 def test_every_kind_of_draft_is_lossless_on_more_architectures(model_type):
-    model = build(model_type, SUPPORTED[model_type])
+    check_every_kind_of_draft(build(model_type, SUPPORTED[model_type]), random_prompts(3, VOCAB, seed=5), NEW)
+
+
+@pytest.mark.parametrize("model_type", sorted(SLIDING))
+def test_decoding_beyond_the_sliding_window_is_lossless_on_more_architectures(model_type):
+    """A window of 16, prompts of 12-24 tokens, 30 new ones: far beyond the window, with every kind of draft."""
+    model = build(model_type, {**SUPPORTED.get(model_type, {}), **SLIDING[model_type]})
+    assert hf.sliding_window(model) == 16 and Target(model).window_limit is None
+    check_every_kind_of_draft(model, random_prompts(3, VOCAB, seed=5, min_len=12, max_len=24), 30)
+
+
+def check_every_kind_of_draft(model, prompts: list[torch.Tensor], new: int) -> None:
+    """Greedy decoding of ``prompts`` with a tree, an EAGLE head, early exit (chain and tree) and layer skipping equals
+    the model's own ``generate``; the tree's branch is accepted and early exit's work is reused (nothing vacuous)."""
+    model_type = model.config.model_type
     target = Target(model)
-    prompts = random_prompts(3, VOCAB, seed=5)
-    refs = [reference(model, p, NEW) for p in prompts]
+    refs = [reference(model, p, new) for p in prompts]
     exit_chain = EarlyExitDrafter(target, 1, depth=3)
     reusing = exit_chain.verifier()  # verifies the chains with the early layers' drafting work reused
     drafters = {
@@ -103,11 +123,24 @@ def test_every_kind_of_draft_is_lossless_on_more_architectures(model_type):
     for name, make in drafters.items():
         for prompt, ref in zip(prompts, refs):
             drafter = make(ref)
-            out = generate(reusing if drafter is exit_chain else target, drafter, prompt, NEW)
+            out = generate(reusing if drafter is exit_chain else target, drafter, prompt, new)
             assert out.tokens == ref, f"{model_type}, {name}: differs from generate"
             if name == "oracle tree":  # the tree's rank-1 branch really is verified and kept
                 assert all(len(s.tokens) == 3 for s in out.steps[1:-1]), f"{model_type}: oracle branch not accepted"
     assert reusing.reused > 0, f"{model_type}: no early-exit work was reused"
+
+
+def test_gpt_neo_trees_stay_inside_its_local_window():
+    """GPT-Neo's local layers window by index: up to the window decoding is exact, each tree cut to fit inside it."""
+    model = build("gpt_neo", {**SUPPORTED["gpt_neo"], "window_size": 32})
+    target = Target(model)
+    assert target.window_limit == 32
+    prompt = random_prompts(2, VOCAB, seed=4, min_len=14, max_len=14)[1]  # (the first repeats a span: longer)
+    ref = reference(model, prompt, 17)  # 14 + 17 = 31: the last token the window allows
+    rec = Recording(OracleDrafter(Tree.full([3, 2]), VOCAB, ref, branch_rank=1, seed=1))
+    assert generate(target, rec, prompt, 17).tokens == ref
+    fits = [state.tokens.shape[0] - 1 + len(draft.tree) for state, (draft, _) in zip(rec.states, rec.records)]
+    assert max(fits) <= 31 and any(len(draft.tree) < 10 for draft, _ in rec.records[:-1])
 
 
 def test_layers_that_return_tuples_are_recognised():

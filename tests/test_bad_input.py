@@ -59,12 +59,16 @@ def test_errors_come_before_any_step(target):
         next(steps)
 
 
-def test_sliding_window_reached():
-    gemma = Target(tiny_model("gemma3", max_positions=64))  # its sliding window is 64 as well
-    assert gemma.sliding_window == 64
-    with pytest.raises(ValueError, match=r"prompt \+ max_new_tokens = 64 reaches this model's sliding attention "
-                                         r"window \(64\); tree verification beyond the window is not supported"):
-        generate(gemma, NoDrafter(), torch.zeros(40, dtype=torch.long), 24)
+def test_a_local_window_a_tree_mask_cannot_express_is_reached():
+    """GPT-Neo's local layers window by a key's index in the sequence: beyond the window, refused (sliding windows by
+    position are verified, tests/test_equivalence.py::test_decoding_far_beyond_the_sliding_window_is_token_identical)."""
+    from test_architectures import SUPPORTED, build
+
+    neo = Target(build("gpt_neo", {**SUPPORTED["gpt_neo"], "window_size": 64}))
+    assert neo.window_limit == 64
+    with pytest.raises(ValueError, match=r"prompt \+ max_new_tokens = 64 reaches this model's local attention window "
+                                         r"\(64\), .* not supported for it; use max_new_tokens <= 23"):
+        generate(neo, NoDrafter(), torch.zeros(40, dtype=torch.long), 24)
 
 
 def _bert_config():

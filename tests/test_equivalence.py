@@ -179,17 +179,17 @@ def test_steps_add_up(case):
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "mistral"])
-def test_trees_near_the_sliding_window_are_cut_to_fit(arch):
-    """prompt + max_new_tokens just under the sliding window (allowed): a wide tree would push the sliding layers'
-    cache past the window - 1 entries they keep, in the middle of a verification. The loop cuts such trees to fit."""
-    overrides = {"sliding_window": 64} if arch == "mistral" else {}
-    model = tiny_model(arch, max_positions=64 if arch == "gemma3" else 128, initializer_range=REPEATING, **overrides)
+def test_decoding_far_beyond_the_sliding_window_is_token_identical(arch):
+    """A sliding window of 16 (Gemma-3: alternating with full layers; Mistral: every layer), prompts of 10-30 tokens and
+    40 new ones: the sliding layers' cache keeps every entry and the tree's mask applies the window, so trees are
+    verified beyond it exactly as generate's own sliding cache decodes."""
+    model = tiny_model(arch, initializer_range=REPEATING, sliding_window=16)
     target = Target(model)
-    assert target.sliding_window == 64
-    prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(4))
-    ref = reference(model, prompt, 23)
-    for drafter in (OracleDrafter(Tree.full([4, 2, 2]), VOCAB, ref), RandomDrafter(Tree.full([8, 2]), VOCAB)):
-        rec = Recording(drafter)
-        assert generate(target, rec, prompt, 23).tokens == ref
-        fits = [len(s.tokens) - 1 + len(d.tree) for s, (d, _) in zip(rec.states, rec.records)]
-        assert max(fits) <= 63 and any(len(d.tree) < len(drafter.tree) for d, _ in rec.records[:-1])
+    assert target.window_limit is None
+    for i, prompt in enumerate(random_prompts(8, VOCAB, seed=3, min_len=10, max_len=30)):
+        ref = reference(model, prompt, 40)
+        for drafter in (OracleDrafter(Tree.full([3, 2, 2]), VOCAB, ref, branch_rank=1, seed=i),
+                        RandomDrafter(Tree.full([4, 2]), VOCAB, seed=i), NGramDrafter(depth=4, max_nodes=8)):
+            rec = Recording(drafter)
+            assert generate(target, rec, prompt, 40).tokens == ref, f"{arch}, prompt {i}, {type(drafter).__name__}"
+        assert len(rec.states[-1].tokens) > 3 * 16  # far beyond the window

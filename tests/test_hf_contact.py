@@ -3,7 +3,7 @@
 - a tree verification (4D additive mask, explicit positions, cache) gives, at every node, the logits and final hidden
   state of a plain causal forward over the prefix and that node's root-to-node path;
 - cache_keep leaves the cache a plain forward over prefix + kept path would build;
-- the small helpers (additive_mask, decoder_layers, sliding_window) read the models as expected.
+- the small helpers (additive_mask, decoder_layers, sliding_window, layer_masks, new_cache) read the models as expected.
 """
 
 from __future__ import annotations
@@ -147,3 +147,28 @@ def test_sliding_window():
     # every layer full attention: no window even if the config names one
     gemma = tiny_model("gemma3", layer_types=["full_attention", "full_attention"])
     assert hf.sliding_window(gemma) is None
+
+
+def test_layer_masks_apply_the_sliding_window_by_position():
+    """A query at position q sees the keys at positions > q - window (transformers' rule); full layers keep the mask."""
+    mask = hf.additive_mask(torch.ones(3, 10, dtype=torch.bool), torch.float32)  # [1, 1, 3, 10]: every key allowed
+    positions = torch.tensor([7, 8, 8])
+    gemma = tiny_model("gemma3", sliding_window=4)
+    masks = hf.layer_masks(gemma, mask, positions)
+    assert set(masks) == {"full_attention", "sliding_attention"} and masks["full_attention"] is mask
+    seen = (masks["sliding_attention"][0, 0] == 0).tolist()
+    assert [[k for k, ok in enumerate(row) if ok] for row in seen] == [[4, 5, 6, 7, 8, 9], [5, 6, 7, 8, 9], [5, 6, 7, 8, 9]]
+    windowed = hf.layer_masks(tiny_model("mistral", sliding_window=4), mask, positions)  # every layer slides
+    assert torch.equal(windowed, masks["sliding_attention"])
+    assert hf.layer_masks(tiny_model("llama"), mask, positions) is mask
+    assert hf.layer_masks(gemma, None, positions) is None  # a prefill: the model builds its own masks
+
+
+def test_the_cache_keeps_every_entry_of_sliding_layers():
+    """Sliding layers would drop entries mid-verification: the target's cache holds them all (the mask windows)."""
+    gemma = tiny_model("gemma3", sliding_window=4)
+    cache = hf.new_cache(gemma)
+    assert not any(cache.is_sliding)
+    with torch.inference_mode():
+        gemma(input_ids=torch.arange(12)[None], cache=cache, use_cache=True)
+    assert hf.layer_lengths(cache) == [12, 12]
