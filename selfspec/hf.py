@@ -2,7 +2,11 @@
 
 - ``forward``: one call of a decoder-only model with an explicit 4D additive mask, position ids and the cache; it
   returns the logits and the hidden state of every layer (``hidden_states``: embeddings, each layer's output, final).
+- ``new_cache`` / ``layer_masks`` / ``window_limit``: sliding-window layers keep every entry and a tree's mask applies
+  the window by position (per layer type), so trees are verified beyond the window; where that cannot be expressed,
+  the window prompt + new tokens must stay inside.
 - ``cache_keep``: the one cache operation a tree needs after acceptance: keep the given new entries, drop the rest.
+- ``sdpa_or_eager``: build a model with sdpa attention, or eager where its architecture has none.
 - ``unverifiable``: why a tree cannot be verified losslessly on a model (ALiBi biases, recurrent layers), or None.
 - ``decoder`` / ``decoder_layers``: the decoder stack under the LM head and its list of transformer blocks.
 - self-speculation: ``replaced_layers`` (run the model with some layers swapped for ``Passthrough`` / ``Apply`` /
@@ -182,7 +186,8 @@ def unverifiable(model: PreTrainedModel) -> str | None:
     if cfg.model_type in ("bloom", "mpt") or getattr(cfg, "alibi", False) is True \
             or getattr(getattr(cfg, "attn_config", None), "alibi", False) is True:
         return (f"{kind} uses ALiBi attention biases, computed from a key's index in the sequence rather than from "
-                "position ids: the nodes of a draft tree would get wrong biases, so tree verification would not be lossless")
+                "position ids: the nodes of a draft tree would get wrong biases, so tree verification would not be "
+                "lossless")
     try:
         layers = DynamicCache(config=model.config).layers
     except (TypeError, ValueError, AttributeError):
@@ -315,8 +320,8 @@ def forward_partial(
     may hold different lengths, so the mask and the positions say everything and the cache's own length is never used.
     lm_head=False runs the decoder alone (no LM head).
     """
-    kwargs = dict(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=layer_masks(model, mask, position_ids),
-                  cache=cache, use_cache=True)
+    kwargs = dict(input_ids=input_ids[None], position_ids=position_ids[None],
+                  attention_mask=layer_masks(model, mask, position_ids), cache=cache, use_cache=True)
     if not lm_head:
         return None, decoder(model)(**kwargs, return_dict=True).last_hidden_state[0]
     final: list[torch.Tensor] = []
