@@ -132,7 +132,8 @@ def decoder_config(model: PreTrainedModel, num_layers: int) -> dict:
             setattr(cfg, name, value)
     # the head attends fully (its cache holds every committed pair; a window would drop some mid-draft)
     if getattr(cfg, "layer_types", None) is not None:
-        cfg.layer_types = ["full_attention" if t == "sliding_attention" else t for t in cfg.layer_types[:num_layers]]
+        cfg.layer_types = ["full_attention" if t in ("sliding_attention", "chunked_attention") else t
+                           for t in cfg.layer_types[:num_layers]]
     elif getattr(cfg, "sliding_window", None) is not None:  # Mistral: every layer slides
         cfg.sliding_window = None
     if getattr(cfg, "attention_layers", None) is not None:  # GPT-Neo: each layer's attention kind, from attention_types

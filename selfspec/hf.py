@@ -2,9 +2,10 @@
 
 - ``forward``: one call of a decoder-only model with an explicit 4D additive mask, position ids and the cache; it
   returns the logits and the hidden state of every layer (``hidden_states``: embeddings, each layer's output, final).
-- ``new_cache`` / ``layer_masks`` / ``window_limit``: sliding-window layers keep every entry and a tree's mask applies
-  the window by position (per layer type), so trees are verified beyond the window; where that cannot be expressed,
-  the window prompt + new tokens must stay inside.
+- ``new_cache`` / ``WindowLayer`` / ``slide`` / ``layer_masks`` / ``window_limit``: sliding-window layers keep what a
+  verification adds and drop, after each commit, what no later query sees; a tree's mask applies the window by
+  position (per layer type), so trees are verified beyond the window; where that cannot be expressed, the window
+  prompt + new tokens must stay inside.
 - ``cache_keep``: the one cache operation a tree needs after acceptance: keep the given new entries, drop the rest.
 - ``sdpa_or_eager``: build a model with sdpa attention, or eager where its architecture has none.
 - ``unverifiable``: why a tree cannot be verified losslessly on a model (ALiBi biases, recurrent layers), or None.
@@ -34,12 +35,62 @@ RECURRENT_TYPES = ("rwkv", "xlstm")
 
 
 def new_cache(model: PreTrainedModel) -> Cache:
-    """The model's cache, with every sliding-window layer keeping all its entries (as a full layer): a sliding layer
-    drops its oldest entries as new ones arrive, so a tree verified beyond the window would push out entries that the
-    accepted path still needs, and ``forward`` applies the window in the tree's mask instead (``layer_masks``)."""
+    """The model's cache, its sliding-window layers as ``WindowLayer``: transformers' sliding layer drops its oldest
+    entries as new ones arrive, so a tree verified near the window's edge would push out entries the accepted path
+    still needs. A WindowLayer keeps what a verification adds, a tree's mask applies the window (``layer_masks``), and
+    ``slide`` drops, after each commit, the entries no later query can see."""
     cache = DynamicCache(config=model.config)
-    cache.layers = [DynamicLayer() if getattr(layer, "is_sliding", False) else layer for layer in cache.layers]
+    window = sliding_window(model)
+    # chunked-attention layers (Llama-4) are sliding layers to transformers: inside one chunk (``window_limit``) they
+    # attend like full layers
+    other = WindowLayer if window is not None else (lambda _window: DynamicLayer())
+    cache.layers = [other(window) if getattr(layer, "is_sliding", False) else layer for layer in cache.layers]
     return cache
+
+
+class WindowLayer(DynamicLayer):
+    """A sliding-window cache layer for tree verification: ``offset`` entries (the oldest) are gone, so the entry at
+    index i is position offset + i; ``get_seq_length`` counts positions (dropped entries included), like a full layer."""
+
+    is_sliding = True  # transformers builds its own sliding masks (plain chains, prefills) from this layer's sizes
+
+    def __init__(self, window: int):
+        super().__init__()
+        self.window, self.offset = window, 0
+
+    def get_seq_length(self) -> int:
+        return self.offset + self.stored
+
+    @property
+    def stored(self) -> int:
+        return 0 if not self.is_initialized or self.keys.numel() == 0 else self.keys.shape[-2]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.stored + query_length, self.offset
+
+    def slide(self) -> None:
+        """Drop the entries no later query can see: a query at position q >= the cache length sees keys > q - window,
+        so the last window - 1 entries are all that stay visible."""
+        drop = self.stored - (self.window - 1)
+        if drop > 0:
+            self.keys, self.values = self.keys[..., drop:, :], self.values[..., drop:, :]
+            self.offset += drop
+
+    def reset(self) -> None:
+        super().reset()
+        self.offset = 0
+
+
+def slide(cache: Cache) -> None:
+    """After a commit: every sliding-window layer drops the entries no later query can see (``WindowLayer.slide``)."""
+    for layer in cache.layers:
+        if isinstance(layer, WindowLayer):
+            layer.slide()
+
+
+def window_offset(cache: Cache | None) -> int:
+    """How many of the oldest entries the sliding-window layers of ``cache`` have dropped (the same for all of them)."""
+    return next((layer.offset for layer in (cache.layers if cache is not None else []) if isinstance(layer, WindowLayer)), 0)
 
 
 def cache_length(cache: Cache) -> int:
@@ -72,7 +123,7 @@ def forward(
     out = model(
         input_ids=input_ids[None],
         position_ids=position_ids[None],
-        attention_mask=layer_masks(model, mask, position_ids),
+        attention_mask=layer_masks(model, mask, position_ids, cache),
         cache=cache,
         use_cache=True,
         output_hidden_states=True,
@@ -82,20 +133,22 @@ def forward(
     return out.logits[0], tuple(h[0] for h in out.hidden_states)  # [n, V], L + 1 x [N, D]
 
 
-def layer_masks(model: PreTrainedModel, mask: torch.Tensor | None, position_ids: torch.Tensor):
-    """A tree's mask [1, 1, N, K] over cache entries 0..K-1 (the entry at index k is position k, up to the tree's own
-    nodes: ``new_cache`` keeps every entry) -> what the model's forward takes: the mask itself when no layer slides;
-    with sliding-window layers, the window applied too (a query at position q sees the keys at positions > q - window,
-    transformers' rule), alone when every layer slides, else {"full_attention": mask, "sliding_attention": windowed}.
+def layer_masks(model: PreTrainedModel, mask: torch.Tensor | None, position_ids: torch.Tensor, cache: Cache | None):
+    """A tree's mask [1, 1, N, K] over positions 0..K-1 (every earlier position, then the tree's own nodes) -> what the
+    model's forward takes: the mask itself when no layer slides; with sliding-window layers, the window applied too (a
+    query at position q sees the keys at positions > q - window, transformers' rule) over the keys those layers still
+    hold (``WindowLayer``: from position ``window_offset`` on), alone when every layer slides, else
+    {"full_attention": mask, "sliding_attention": windowed}.
 
-    position_ids [N]. A tree's own nodes sit at indices >= the cache length, never further from a query than the tree
-    is deep: inside any window wider than the tree, whatever their index."""
+    position_ids [N]. A tree's own nodes sit at key positions >= the cache length, never further from a query than the
+    tree is deep: inside any window wider than the tree, whatever their column."""
     window = sliding_window(model)
     if mask is None or window is None:
         return mask
-    keys = torch.arange(mask.shape[-1], device=mask.device)
-    outside = keys[None, :] <= position_ids.to(mask.device)[:, None] - window  # [N, K]
-    windowed = mask.masked_fill(outside[None, None], torch.finfo(mask.dtype).min)
+    offset = window_offset(cache)
+    keys = torch.arange(offset, mask.shape[-1], device=mask.device)  # the positions the sliding layers hold
+    outside = keys[None, :] <= position_ids.to(mask.device)[:, None] - window  # [N, K - offset]
+    windowed = mask[..., offset:].masked_fill(outside[None, None], torch.finfo(mask.dtype).min)
     types = set(getattr(model.config.get_text_config(), "layer_types", None) or ["sliding_attention"])
     if types == {"sliding_attention"}:
         return windowed
@@ -104,13 +157,16 @@ def layer_masks(model: PreTrainedModel, mask: torch.Tensor | None, position_ids:
 
 def window_limit(model: PreTrainedModel) -> int | None:
     """The attention window that prompt + new tokens must stay inside (None: no limit): a window a tree's mask cannot
-    express. GPT-Neo's local layers window by a key's index in the sequence (not its position); a model that mixes
-    sliding and full layers but whose decoder takes one mask for all (no per-layer-type dict, ``layer_masks``)."""
+    express. GPT-Neo's local layers window by a key's index in the sequence (not its position); Llama-4's chunked
+    layers see their own chunk only; a model that mixes sliding and full layers but whose decoder takes one mask for
+    all (no per-layer-type dict, ``layer_masks``)."""
     cfg = model.config.get_text_config()
     if "local" in (getattr(cfg, "attention_layers", None) or []):
         return int(cfg.window_size)
-    window = sliding_window(model)
     types = set(getattr(cfg, "layer_types", None) or [])
+    if "chunked_attention" in types:  # Llama-4: tokens attend within their chunk only, by index
+        return int(cfg.attention_chunk_size)
+    window = sliding_window(model)
     if window is None or len(types) < 2:
         return None
     try:
@@ -128,12 +184,13 @@ def cache_keep(cache: Cache, start: int, keep: torch.Tensor) -> None:
     total = cache.get_seq_length()
     k = int(keep.numel())
     if k and not torch.equal(keep, torch.arange(k)):
-        idx = keep + start
         for layer in cache.layers:
-            if getattr(layer, "is_sliding", False) and layer.keys.shape[-2] != total:
-                raise RuntimeError("cache_keep: a sliding-window layer has dropped entries; lengths beyond the window are not supported")
-            layer.keys[:, :, start : start + k] = layer.keys[:, :, idx]  # [B, H, K, hd]
-            layer.values[:, :, start : start + k] = layer.values[:, :, idx]
+            local = start - getattr(layer, "offset", 0)  # a WindowLayer's index of position start
+            if local < 0 or layer.get_seq_length() != total:
+                raise RuntimeError(f"cache_keep: a cache layer holds {layer.get_seq_length()} positions, expected "
+                                   f"{total} from {start} on (a transformers sliding layer that dropped entries?)")
+            layer.keys[:, :, local : local + k] = layer.keys[:, :, keep + local]  # [B, H, K, hd]
+            layer.values[:, :, local : local + k] = layer.values[:, :, keep + local]
     if total > start + k:
         cache.crop(-(total - start - k))
 
@@ -321,7 +378,7 @@ def forward_partial(
     lm_head=False runs the decoder alone (no LM head).
     """
     kwargs = dict(input_ids=input_ids[None], position_ids=position_ids[None],
-                  attention_mask=layer_masks(model, mask, position_ids), cache=cache, use_cache=True)
+                  attention_mask=layer_masks(model, mask, position_ids, cache), cache=cache, use_cache=True)
     if not lm_head:
         return None, decoder(model)(**kwargs, return_dict=True).last_hidden_state[0]
     final: list[torch.Tensor] = []
@@ -349,9 +406,11 @@ def cache_truncate(cache: Cache, length: int) -> None:
 def layer_entries(cache: Cache, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values [B, H, end - start, hd] of cache layer ``layer`` at positions start..end-1."""
     entry = cache.layers[layer]
-    if entry.get_seq_length() < end or entry.keys.shape[-2] != entry.get_seq_length():
-        raise RuntimeError(f"cache layer {layer} holds {entry.get_seq_length()} entries, expected at least {end} (unwindowed)")
-    return entry.keys[:, :, start:end], entry.values[:, :, start:end]
+    offset = getattr(entry, "offset", 0)  # a WindowLayer's dropped entries
+    if entry.get_seq_length() < end or start < offset or entry.keys.shape[-2] + offset != entry.get_seq_length():
+        raise RuntimeError(f"cache layer {layer} holds positions {offset}..{entry.get_seq_length() - 1}, expected "
+                           f"{start}..{end - 1}")
+    return entry.keys[:, :, start - offset:end - offset], entry.values[:, :, start - offset:end - offset]
 
 
 def append_entries(cache: Cache, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:

@@ -101,3 +101,4 @@ class Target:
     def commit(self, cache: Cache, start: int, path: tuple[int, ...]) -> None:
         """Keep in the cache only the accepted path of the tree verified from position ``start``."""
         hf.cache_keep(cache, start, torch.tensor(path, dtype=torch.long))
+        hf.slide(cache)  # sliding-window layers drop what no later query can see

@@ -143,6 +143,17 @@ def test_gpt_neo_trees_stay_inside_its_local_window():
     assert max(fits) <= 31 and any(len(draft.tree) < 10 for draft, _ in rec.records[:-1])
 
 
+def test_llama4_chunked_attention_keeps_requests_inside_one_chunk():
+    """Llama-4's chunked layers attend within their chunk only (transformers keeps them as sliding layers): inside one
+    chunk they attend like full layers, so requests stay inside it."""
+    model = build("llama4_text", {**SUPPORTED["llama4_text"], "attention_chunk_size": 32})
+    target = Target(model)
+    assert target.window_limit == 32 and not any(target.new_cache().is_sliding)
+    check_every_kind_of_draft(model, random_prompts(2, VOCAB, seed=5, min_len=10, max_len=12), 12)  # <= 18 + 12 tokens
+    with pytest.raises(ValueError, match=r"reaches this model's local attention window \(32\)"):
+        generate(target, OracleDrafter(Tree.chain(2), VOCAB, [0] * 30, seed=0), torch.zeros(12, dtype=torch.long), 20)
+
+
 def test_layers_that_return_tuples_are_recognised():
     """Falcon's and GPT-Neo's decoders read ``outputs[0]`` of each layer: a stand-in layer must answer in kind."""
     for model_type, expected in (("falcon", True), ("gpt_neo", True), ("llama", False), ("gpt2", False)):

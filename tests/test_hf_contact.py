@@ -3,7 +3,8 @@
 - a tree verification (4D additive mask, explicit positions, cache) gives, at every node, the logits and final hidden
   state of a plain causal forward over the prefix and that node's root-to-node path;
 - cache_keep leaves the cache a plain forward over prefix + kept path would build;
-- the small helpers (additive_mask, decoder_layers, sliding_window, layer_masks, new_cache) read the models as expected.
+- the small helpers (additive_mask, decoder_layers, sliding_window, layer_masks) read the models as expected, and the
+  target's sliding-window layers keep what a verification adds and slide after a commit.
 """
 
 from __future__ import annotations
@@ -154,21 +155,33 @@ def test_layer_masks_apply_the_sliding_window_by_position():
     mask = hf.additive_mask(torch.ones(3, 10, dtype=torch.bool), torch.float32)  # [1, 1, 3, 10]: every key allowed
     positions = torch.tensor([7, 8, 8])
     gemma = tiny_model("gemma3", sliding_window=4)
-    masks = hf.layer_masks(gemma, mask, positions)
+    masks = hf.layer_masks(gemma, mask, positions, None)
     assert set(masks) == {"full_attention", "sliding_attention"} and masks["full_attention"] is mask
     seen = (masks["sliding_attention"][0, 0] == 0).tolist()
     assert [[k for k, ok in enumerate(row) if ok] for row in seen] == [[4, 5, 6, 7, 8, 9], [5, 6, 7, 8, 9], [5, 6, 7, 8, 9]]
-    windowed = hf.layer_masks(tiny_model("mistral", sliding_window=4), mask, positions)  # every layer slides
+    windowed = hf.layer_masks(tiny_model("mistral", sliding_window=4), mask, positions, None)  # every layer slides
     assert torch.equal(windowed, masks["sliding_attention"])
-    assert hf.layer_masks(tiny_model("llama"), mask, positions) is mask
-    assert hf.layer_masks(gemma, None, positions) is None  # a prefill: the model builds its own masks
+    assert hf.layer_masks(tiny_model("llama"), mask, positions, None) is mask
+    assert hf.layer_masks(gemma, None, positions, None) is None  # a prefill: the model builds its own masks
 
 
-def test_the_cache_keeps_every_entry_of_sliding_layers():
-    """Sliding layers would drop entries mid-verification: the target's cache holds them all (the mask windows)."""
-    gemma = tiny_model("gemma3", sliding_window=4)
-    cache = hf.new_cache(gemma)
-    assert not any(cache.is_sliding)
-    with torch.inference_mode():
-        gemma(input_ids=torch.arange(12)[None], cache=cache, use_cache=True)
-    assert hf.layer_lengths(cache) == [12, 12]
+def test_sliding_layers_keep_what_a_verification_adds_and_slide_after_a_commit():
+    """A verification near the window's edge needs entries a transformers sliding layer would drop mid-forward: the
+    target's sliding layers keep them, then ``slide`` drops what no later query can see (the last window - 1 stay)."""
+    gemma = tiny_model("gemma3", sliding_window=4)  # layer 0 slides, layer 1 attends fully
+    target = Target(gemma)
+    cache = target.new_cache()
+    assert cache.is_sliding == [True, False] and isinstance(cache.layers[0], hf.WindowLayer)
+    target.prefill(torch.arange(12), cache)
+    tree = Tree.from_choices([(0,), (1,), (0, 0)])
+    target.verify(tree, torch.tensor([12, 13, 14, 15]), cache)
+    assert hf.layer_lengths(cache) == [16, 16] and cache.layers[0].stored == 16  # nothing dropped mid-verification
+    target.commit(cache, 12, (0, 1, 3))  # root, node 1, node 3 (its child)
+    assert hf.layer_lengths(cache) == [15, 15] and hf.cache_length(cache) == 15
+    assert cache.layers[0].stored == 3 and cache.layers[0].offset == 12  # positions 12..14 stay, 0..11 are gone
+    full_keys = cache.layers[1].keys[:, :, 12:]
+    assert full_keys.shape[-2] == 3
+    with torch.inference_mode():  # the kept entries are those of the accepted path: a plain forward over it agrees
+        _, _, plain = _plain(gemma, torch.tensor(list(range(12)) + [12, 13, 15]))
+    torch.testing.assert_close(cache.layers[0].keys, plain.layers[0].keys[:, :, -3:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(full_keys, plain.layers[1].keys[:, :, 12:], rtol=1e-5, atol=1e-5)
