@@ -192,7 +192,19 @@ class SampledTreeDrafter:
 @pytest.fixture(scope="module")
 def loop_world():
     """A vocabulary-8 model and the exact joint of its first three sampled tokens after PROMPT."""
-    model = tiny_model("llama", vocab=V_LOOP, initializer_range=0.3, seed=1)
+    return world(tiny_model("llama", vocab=V_LOOP, initializer_range=0.3, seed=1))
+
+
+@pytest.fixture(scope="module")
+def sliding_world():
+    """The same with a Gemma-3 whose sliding window (2) is shorter than PROMPT: every sample is drawn beyond it."""
+    model = tiny_model("gemma3", vocab=V_LOOP, initializer_range=0.3, seed=1, sliding_window=2)
+    assert PROMPT.shape[0] > 2
+    return world(model)
+
+
+def world(model) -> tuple[Target, dict]:
+    """(Target, the exact joint of the first three sampled tokens after PROMPT, from full forwards without a cache)."""
     grid = torch.cartesian_prod(torch.arange(V_LOOP), torch.arange(V_LOOP))  # [V*V, 2] every (x1, x2)
     ids = torch.cat([PROMPT.expand(grid.shape[0], -1), grid], dim=1)  # [V*V, T + 2]
     with torch.inference_mode():
@@ -279,6 +291,19 @@ def test_loop_sampling_keeps_the_target_distribution(loop_world, drafter):
     counts = _loop_counts(target, make, n, seed=1000)
     assert goodness_of_fit(counts, exact, n) > ALPHA
     assert len(counts) >= 15  # really a distribution over many sequences, not a near-constant
+
+
+@pytest.mark.parametrize("drafter", ["sampled-q", "layerskip-dynamic"])
+def test_loop_sampling_beyond_a_sliding_window_keeps_the_target_distribution(sliding_world, drafter):
+    """As above, on a model whose sliding window the prompt already exceeds (the sliding layers slide every step)."""
+    target, exact = sliding_world
+    q_by_depth = torch.softmax(torch.randn(2, V_LOOP, generator=torch.Generator().manual_seed(5)), -1)
+    make = {"sampled-q": lambda: SampledTreeDrafter(TREE, q_by_depth, seed=3),
+            "layerskip-dynamic": lambda: LayerSkipDrafter(target, (1,), tree=DynamicTree(4, max_rank=2, depth=2))}[drafter]
+    n = 1000
+    counts = _loop_counts(target, make, n, seed=2000)
+    assert goodness_of_fit(counts, exact, n) > ALPHA
+    assert len(counts) >= 15
 
 
 def test_loop_check_catches_a_wrong_rule(loop_world, monkeypatch):
