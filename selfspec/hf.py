@@ -41,10 +41,11 @@ def new_cache(model: PreTrainedModel) -> Cache:
     ``slide`` drops, after each commit, the entries no later query can see."""
     cache = DynamicCache(config=model.config)
     window = sliding_window(model)
-    # chunked-attention layers (Llama-4) are sliding layers to transformers: inside one chunk (``window_limit``) they
-    # attend like full layers
-    other = WindowLayer if window is not None else (lambda _window: DynamicLayer())
-    cache.layers = [other(window) if getattr(layer, "is_sliding", False) else layer for layer in cache.layers]
+    for i, layer in enumerate(cache.layers):
+        if getattr(layer, "is_sliding", False):
+            # chunked-attention layers (Llama-4; no sliding window) are sliding layers to transformers: inside one chunk
+            # (``window_limit``) they attend like full layers
+            cache.layers[i] = WindowLayer(window) if window is not None else DynamicLayer()
     return cache
 
 
@@ -169,11 +170,8 @@ def window_limit(model: PreTrainedModel) -> int | None:
     window = sliding_window(model)
     if window is None or len(types) < 2:
         return None
-    try:
-        source = inspect.getsource(type(decoder(model)).forward)
-    except (OSError, TypeError):
-        return window
-    return None if re.search(r"attention_mask,\s*dict\)", source) else window
+    takes_dict = forward_source_matches(type(decoder(model)), r"attention_mask,\s*dict\)")
+    return None if takes_dict else window
 
 
 def cache_keep(cache: Cache, start: int, keep: torch.Tensor) -> None:
@@ -327,15 +325,21 @@ class AsTuple(torch.nn.Module):
         return (self.module(*args, **kwargs),)
 
 
-@functools.cache
 def layers_return_tuples(decoder_class: type) -> bool:
     """Whether ``decoder_class.forward`` reads each layer's hidden state as ``outputs[0]`` (older modeling files: GPT-Neo,
     Falcon, ...) rather than taking the layer's output itself (Llama, GPT-2 and most models in transformers 5)."""
+    return forward_source_matches(decoder_class, r"hidden_states\s*=\s*\w*outputs\[0\]")
+
+
+@functools.cache
+def forward_source_matches(decoder_class: type, pattern: str) -> bool:
+    """Whether the source of ``decoder_class.forward`` (transformers' modeling file) matches ``pattern``; False when the
+    source cannot be read. How the decoder treats its layers and masks, where transformers exposes no flag for it."""
     try:
         source = inspect.getsource(decoder_class.forward)
     except (OSError, TypeError):
         return False
-    return re.search(r"hidden_states\s*=\s*\w*outputs\[0\]", source) is not None
+    return re.search(pattern, source) is not None
 
 
 @contextmanager
