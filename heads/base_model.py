@@ -91,6 +91,11 @@ def load_base(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
     return model.eval(), tokenizer
 
 
+def final_width(model: PreTrainedModel) -> int:
+    """D of the final hidden state: the LM head's input width (OPT-350m's layers are wider: it projects to D)."""
+    return int(model.get_output_embeddings().weight.shape[1])
+
+
 def final_hidden(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """input_ids, attention_mask [B, T] -> [B, T, D]: the final hidden state (after the final norm), no LM head."""
     out = hf.decoder(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, return_dict=True)
@@ -128,11 +133,11 @@ def stored_feature_layers(model: PreTrainedModel, layers: list[int]) -> list[int
 def expand_feature_states(states: torch.Tensor, model: PreTrainedModel, layers: list[int]) -> torch.Tensor:
     """states [..., (1 + S) D]: the final hidden state, then the states of ``stored_feature_layers(model, layers)`` ->
     [..., (1 + L) D]: the final hidden state, then every one of ``layers``' states (the final one where L is listed)."""
-    D = model.config.get_text_config().hidden_size
     stored = stored_feature_layers(model, layers)
     if stored == list(layers):
         return states
-    blocks = states.split(D, dim=-1)  # final, then one per stored layer
+    blocks = states.split(final_width(model), dim=-1)  # final, then one per stored layer (the widths agree: EAGLE-3
+    # heads take no other feature layers where they differ, heads.eagle.check_feature_layers)
     by_layer = {layer: blocks[1 + j] for j, layer in enumerate(stored)}
     return torch.cat([blocks[0]] + [by_layer.get(layer, blocks[0]) for layer in layers], dim=-1)
 

@@ -70,7 +70,7 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
 def expected_shapes(config: MedusaConfig) -> dict[str, tuple[int, ...]]:
     """The tensors (name -> shape) that heads built from ``config`` hold, computed without allocating them."""
     with torch.device("meta"):
-        heads = MedusaHeads(config, nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        heads = MedusaHeads(config, nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias))
     return {name: tuple(t.shape) for name, t in heads.state_dict().items()}
 
 
@@ -119,6 +119,9 @@ class DraftCheckpoint:
     """
 
     WHAT = "draft"
+    READS = "lm_head"
+    """the width its config's hidden_size names: of the states the LM head reads, or of the decoder's "layers"
+    (``heads.medusa.base_sizes``)."""
 
     def card(self, location: str) -> str:
         raise NotImplementedError
@@ -151,7 +154,8 @@ class DraftCheckpoint:
         another hidden or vocabulary size (or whatever ``base_checks`` names)."""
         directory = resolve(path_or_repo_id, revision)
         config, tensors = cls.read_checkpoint(directory)
-        check_base_sizes(config, base_model, path_or_repo_id, cls.WHAT, extra=cls.base_checks(config, base_model))
+        check_base_sizes(config, base_model, path_or_repo_id, cls.WHAT, extra=cls.base_checks(config, base_model),
+                         at=cls.READS)
         module = cls.on_base(config, base_model)
         module.load_state_dict(tensors, strict=True)
         weight = base_model.get_output_embeddings().weight
@@ -238,10 +242,10 @@ def read_typed_checkpoint(directory: Path, draft_type: str, what: str, from_dict
 
 
 def check_base_sizes(config: Any, base_model: PreTrainedModel, location: str | Path, what: str,
-                     extra: tuple[tuple[str, int, int], ...] = ()) -> None:
+                     extra: tuple[tuple[str, int, int], ...] = (), at: str = "lm_head") -> None:
     """Refuse a base whose hidden or vocabulary size (or any (name, trained for, found) in ``extra``) differs from what
-    the draft ``config`` was trained for, naming the base it belongs on."""
-    hidden, vocab = base_sizes(base_model)
+    the draft ``config`` was trained for, naming the base it belongs on. ``at``: which width (``base_sizes``)."""
+    hidden, vocab = base_sizes(base_model, at=at)
     for name, want, have in (("hidden size", config.hidden_size, hidden), ("vocab size", config.vocab_size, vocab),
                              *extra):
         if want != have:

@@ -123,9 +123,17 @@ class EagleConfig:
 
 def decoder_config(model: PreTrainedModel, num_layers: int) -> dict:
     """The base's text config cut to ``num_layers`` layers and a one-entry vocabulary (the head's decoder reads
-    embeddings it is given; it has no vocabulary of its own), as a dict."""
+    embeddings it is given; it has no vocabulary of its own), as a dict. Its width is the LM head's (the features it
+    predicts), where the base's layers are wider (OPT-350m: layers 1,024 wide, ``word_embed_proj_dim`` 512)."""
     cfg = copy.deepcopy(model.config.get_text_config())
     cfg.num_hidden_layers = num_layers
+    width = base_sizes(model)[0]
+    if width != cfg.hidden_size:
+        if getattr(cfg, "word_embed_proj_dim", None) != width:
+            raise ValueError(f"an EAGLE head on {type(model).__name__}: its LM head reads states {width} wide, its "
+                             f"layers are {cfg.hidden_size} wide, and its config has no word_embed_proj_dim (OPT's) "
+                             "saying so: train Medusa or Hydra heads, or an exit head, for this model")
+        cfg.hidden_size = width  # one width for the head: no project_in / project_out of its own
     for name, value in (("vocab_size", 1), ("pad_token_id", None), ("bos_token_id", None), ("eos_token_id", None),
                         ("tie_word_embeddings", False)):
         if hasattr(cfg, name):
@@ -229,6 +237,11 @@ class EagleHead(nn.Module, DraftCheckpoint):
 
         B, T, _ = features.shape
         n = T - 1
+        limit = hf.key_limit(self.decoder)
+        if limit is not None and unroll * n > limit:
+            raise ValueError(f"the EAGLE head's unroll attends over {unroll} x {n} keys, but its {self.decoder.config.model_type} "
+                             f"layer attends over at most {limit} (max_position_embeddings): lower data.max_length to "
+                             f"{limit // unroll + 1} or eagle.unroll to {limit // n}")
         tokens = input_ids[:, 1:]  # [B, n] x_{i+1}
         positions = torch.arange(n, device=features.device).expand(B, n)
         cache = DynamicCache(config=self.decoder.config)
@@ -262,6 +275,11 @@ def check_feature_layers(layers: list[int] | None, model: PreTrainedModel) -> No
     if layers and max(layers) > count:
         raise ValueError(f"EAGLE head feature_layers {layers}: expected hidden-state indices 0..{count} (this base has "
                          f"{count} decoder layers), found {max(layers)}")
+    layer_width, width = base_sizes(model, at="layers")[0], base_sizes(model)[0]
+    if layers and layer_width != width and any(i != count for i in layers):
+        raise ValueError(f"EAGLE head feature_layers {layers}: this base's layers are {layer_width} wide but its LM "
+                         f"head reads {width} (it projects its final state), so only its final state ({count}) can be "
+                         "a feature; set eagle.feature_layers=null")
 
 
 def unroll_mask(u: int, n: int, lengths: torch.Tensor, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:

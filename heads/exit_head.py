@@ -97,27 +97,32 @@ class ExitHeadConfig:
     @classmethod
     def for_model(cls, model: PreTrainedModel, exit_layer: int, base_model: str | None = None,
                   **kwargs: Any) -> "ExitHeadConfig":
-        hidden, vocab = base_sizes(model)
+        hidden, vocab = base_sizes(model, at="layers")
         kwargs.setdefault("base_revision", None)
         return cls(base_model=base_name(model, base_model), hidden_size=hidden, vocab_size=vocab,
                    num_hidden_layers=len(hf.decoder_layers(model)), exit_layer=exit_layer, **kwargs)
 
 
+NORMS = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
+
+
 def final_norm(model: PreTrainedModel) -> nn.Module:
-    """The decoder's final norm, which the LM head reads after (and the early-exit draft reuses)."""
+    """What the decoder does to its last layer's output before the LM head reads it (and the early-exit draft reuses):
+    its final norm, then the projection to the LM head's width where it has one (OPT-350m's ``project_out``)."""
     decoder = hf.decoder(model)
-    for name in ("norm", "final_layernorm", "ln_f"):
-        module = getattr(decoder, name, None)
-        if isinstance(module, nn.Module):
-            return module
-    raise TypeError(f"expected the decoder of {type(model).__name__} to have a final norm (norm / final_layernorm / "
-                    f"ln_f), found none among {[n for n, _ in decoder.named_children()]}")
+    norm = next((m for m in (getattr(decoder, name, None) for name in NORMS) if isinstance(m, nn.Module)), None)
+    if norm is None:
+        raise TypeError(f"expected the decoder of {type(model).__name__} to have a final norm ({' / '.join(NORMS)}), "
+                        f"found none among {[n for n, _ in decoder.named_children()]}")
+    project_out = getattr(decoder, "project_out", None)
+    return nn.Sequential(norm, project_out) if isinstance(project_out, nn.Module) else norm
 
 
 class ExitHead(nn.Module, DraftCheckpoint):
     """hidden [..., D] (layer E's input) -> [..., D] for the final norm; the identity until trained."""
 
     WHAT = "exit head"
+    READS = "layers"  # layer E's input
 
     def __init__(self, config: ExitHeadConfig):
         super().__init__()

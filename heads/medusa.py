@@ -47,6 +47,8 @@ def _type_ok(value: Any, expected: str) -> bool:
         return is_num
     if expected.startswith("str"):
         return isinstance(value, str)
+    if expected.startswith("bool"):
+        return isinstance(value, bool)
     if expected.startswith("dict"):
         return isinstance(value, dict)
     if expected.startswith("list[int]") or expected.startswith("list[float]"):
@@ -106,6 +108,8 @@ class MedusaConfig(HeadsConfigIO):
     """r of the LoRA projection (used when projection == "lora")."""
     lora_alpha: float = 32.0
     """LoRA scaling numerator: the delta is scaled by lora_alpha / lora_rank (peft's convention)."""
+    lm_head_bias: bool = False
+    """the base's LM head has a bias (GPT-J, Phi): an "own" projection starts as a copy of both and trains both."""
     tree: list[list[int]] | None = None
     """Medusa-style choices, built from measured accuracy by heads.tree_search (never by hand)."""
     head_accuracy: list[list[float]] | None = None
@@ -118,6 +122,11 @@ class MedusaConfig(HeadsConfigIO):
     """written to config.json; selfspec's drafter registry dispatches on it."""
     recipe: dict | None = None
     """the training recipe that produced these heads."""
+
+    @classmethod
+    def for_model(cls, model: PreTrainedModel, base_model: str | None = None, **kwargs: Any) -> "MedusaConfig":
+        kwargs.setdefault("lm_head_bias", getattr(model.get_output_embeddings(), "bias", None) is not None)
+        return super().for_model(model, base_model, **kwargs)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -178,12 +187,18 @@ def base_name(model: PreTrainedModel, base_model: str | None = None) -> str:
     return str(name)
 
 
-def base_sizes(model: PreTrainedModel) -> tuple[int, int]:
-    """(hidden size D, vocab size V of the LM head) of a causal LM."""
+def base_sizes(model: PreTrainedModel, at: str = "lm_head") -> tuple[int, int]:
+    """(width D, vocab size V of the LM head) of a causal LM. D is the width of the states the LM head reads
+    (at="lm_head": what Medusa, Hydra and EAGLE heads read) or of the decoder's layers (at="layers": what an exit head
+    reads). The two differ where the decoder projects its final state before the LM head (OPT-350m's project_out:
+    1,024 -> 512)."""
     lm_head = model.get_output_embeddings()
     if lm_head is None:
         raise TypeError(f"expected a causal LM with an LM head, found {type(model).__name__} without one")
-    return int(model.config.get_text_config().hidden_size), int(lm_head.weight.shape[0])
+    if at not in ("lm_head", "layers"):
+        raise ValueError(f"base_sizes: expected at='lm_head' or 'layers', found {at!r}")
+    width = lm_head.weight.shape[1] if at == "lm_head" else model.config.get_text_config().hidden_size
+    return int(width), int(lm_head.weight.shape[0])
 
 
 def check_lm_head(config: MedusaConfig, lm_head: nn.Module, what: str = "this model") -> None:
@@ -248,11 +263,10 @@ class MedusaHead(nn.Module):
         self.blocks = nn.ModuleList([ResBlock(config.hidden_size) for _ in range(config.num_layers)])
         self.proj: nn.Module | None = None
         if config.projection == "own":
-            has_bias = getattr(lm_head, "bias", None) is not None
-            self.proj = nn.Linear(config.hidden_size, config.vocab_size, bias=has_bias)
+            self.proj = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
             with torch.no_grad():
                 self.proj.weight.copy_(lm_head.weight)
-                if has_bias:
+                if config.lm_head_bias:
                     self.proj.bias.copy_(lm_head.bias)
         elif config.projection == "lora":
             self.proj = LoraProjection(lm_head, config.lora_rank, config.lora_alpha)

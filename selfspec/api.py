@@ -244,7 +244,9 @@ class SpecModel:
 class TargetInfo:
     """What a model's config says, read without loading any weights."""
 
-    hidden_size: int
+    hidden_sizes: tuple[int, ...]
+    """the width of its layers, and of the LM head's input where the config says it differs (OPT's
+    word_embed_proj_dim): a draft's hidden_size is one of them."""
     vocab_size: int
     num_layers: int
     aliases: tuple[str, ...]
@@ -262,7 +264,8 @@ def target_info(model: str, revision: str | None = None, trust_remote_code: bool
         _refuse_remote_code(model, err)
         raise
     aliases = (location, BUILTIN[model]["hub_id"]) if model in BUILTIN else (location,)
-    return TargetInfo(int(cfg.hidden_size), int(cfg.vocab_size), int(cfg.num_hidden_layers), aliases)
+    widths = (int(cfg.hidden_size), int(getattr(cfg, "word_embed_proj_dim", None) or cfg.hidden_size))
+    return TargetInfo(tuple(dict.fromkeys(widths)), int(cfg.vocab_size), int(cfg.num_hidden_layers), aliases)
 
 
 def check_drafts(model: str, drafts: Sequence[registry.DraftSpec], revision: str | None = None,
@@ -272,7 +275,7 @@ def check_drafts(model: str, drafts: Sequence[registry.DraftSpec], revision: str
         return
     info = target_info(model, revision, trust_remote_code)
     for d in drafts:
-        registry.check_base(d, model, info.hidden_size, info.vocab_size, info.aliases, allow_other_base=allow_other_base)
+        registry.check_base(d, model, info.hidden_sizes, info.vocab_size, info.aliases, allow_other_base=allow_other_base)
 
 
 def load(model: str = DEFAULT_MODEL, draft: str = "ngram", dtype: str | torch.dtype = "float32",

@@ -174,6 +174,14 @@ def window_limit(model: PreTrainedModel) -> int | None:
     return None if takes_dict else window
 
 
+def key_limit(model: torch.nn.Module) -> int | None:
+    """The most keys its attention can see in one forward where a fixed causal-bias buffer bounds them (GPT-Neo
+    slices a [1, 1, M, M] ``bias`` by the key length; M = max_position_embeddings); None where nothing does."""
+    sizes = [buf.shape[-1] for name, buf in model.named_buffers()
+             if name.rsplit(".", 1)[-1] == "bias" and buf.dtype == torch.bool and buf.dim() == 4]
+    return min(sizes) if sizes else None
+
+
 def cache_keep(cache: Cache, start: int, keep: torch.Tensor) -> None:
     """Keep, of the entries from position ``start`` on, only those at offsets ``keep`` (in order); drop the rest.
 

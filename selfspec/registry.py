@@ -187,21 +187,23 @@ def _norm(name: str) -> str:
     return name.rstrip("/").split("/")[-1].lower()
 
 
-def check_base(spec: DraftSpec, model_name: str, hidden_size: int, vocab_size: int, aliases: tuple[str, ...] = (),
-               allow_other_base: bool = False) -> None:
-    """Refuse a checkpoint trained for another model. model_name and aliases name the target; sizes are its own."""
+def check_base(spec: DraftSpec, model_name: str, hidden_sizes: tuple[int, ...], vocab_size: int,
+               aliases: tuple[str, ...] = (), allow_other_base: bool = False) -> None:
+    """Refuse a checkpoint trained for another model. model_name and aliases name the target; sizes are its own
+    (hidden_sizes: its layers' width, and its LM head's input width where that differs)."""
     for part in spec.parts:
-        check_base(part, model_name, hidden_size, vocab_size, aliases, allow_other_base)
+        check_base(part, model_name, hidden_sizes, vocab_size, aliases, allow_other_base)
     if spec.location is None:
         return
     cfg = spec.config
     base = cfg.get("base_model")
-    for key, found in (("hidden_size", hidden_size), ("vocab_size", vocab_size)):
+    for key, found in (("hidden_size", hidden_sizes), ("vocab_size", (vocab_size,))):
         want = cfg.get(key)
-        if want is not None and want != found:
+        if want is not None and want not in found:
             raise ValueError(
                 f"these heads were trained for {base or 'another model'} with {key} {want}, but the target "
-                f"{model_name} has {key} {found}: pass the model they were trained for (--model {base or '...'})"
+                f"{model_name} has {key} {' or '.join(map(str, found))}: pass the model they were trained for "
+                f"(--model {base or '...'})"
             )
     names = {_norm(n) for n in (model_name, *aliases) if n}
     if base and not allow_other_base and _norm(base) not in names:

@@ -55,7 +55,8 @@ class Target:
         self.model = model.eval()
         cfg = model.config.get_text_config()
         self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
-        self.hidden_size: int = cfg.hidden_size
+        self.hidden_size: int = model.get_output_embeddings().weight.shape[1]
+        """D of the final hidden state, the LM head's input (OPT-350m projects its 1,024-wide layers to 512)."""
         self.max_length: int = int(
             getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2**31
         )

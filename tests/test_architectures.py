@@ -227,13 +227,63 @@ def test_a_model_without_sdpa_loads_with_eager_attention(tmp_path):
     assert model.config._attn_implementation == "eager"
 
 
-@pytest.mark.parametrize("model_type,method,overrides", [
-    ("gemma2", "eagle", {"sliding_window": 16}),  # eager attention, training rows far longer than the window
-    ("falcon", "exit_head", {}),  # layers that return tuples
+OPT_350M = {"word_embed_proj_dim": 32}  # OPT-350m's shape: layers 64 wide, projected to 32 for the LM head (project_out)
+
+
+def test_a_model_whose_lm_head_reads_a_projected_state_decodes_with_every_draft():
+    """OPT-350m's decoder projects its last layer's output (64 wide here) to the LM head's width (32): an EAGLE head
+    works at the LM head's width, early exit and layer skipping run the model's own project_out."""
+    model = build("opt", {**SUPPORTED["opt"], "hidden_size": 64, **OPT_350M})
+    assert model.model.decoder.project_out is not None and Target(model).hidden_size == 32
+    check_every_kind_of_draft(model, random_prompts(3, VOCAB, seed=5), NEW)
+
+
+@pytest.mark.parametrize("model_type,overrides", [("opt", {"hidden_size": 64, **OPT_350M}), ("gpt_neox", {}),
+                                                  ("falcon", {})])
+def test_what_an_exit_head_feeds_the_lm_head_is_what_the_decoder_does_after_its_last_layer(model_type, overrides):
+    """heads.exit_head.final_norm (the final norm, and OPT-350m's project_out) applied to the last layer's output is
+    the decoder's own final hidden state, exactly."""
+    from heads.base_model import final_hidden
+    from heads.exit_head import final_norm
+
+    model = build(model_type, {**SUPPORTED[model_type], **overrides})
+    ids = random_prompts(1, VOCAB, seed=1)[0][None]
+    with torch.no_grad(), hf.captured_output(hf.decoder_layers(model)[-1]) as outputs:
+        final = final_hidden(model, ids, torch.ones_like(ids))
+    assert torch.equal(final_norm(model)(outputs[-1]), final)
+
+
+def test_eagle3_features_of_another_width_than_the_lm_heads_are_refused():
+    model = build("opt", {**SUPPORTED["opt"], "hidden_size": 64, **OPT_350M})
+    with pytest.raises(ValueError, match=r"layers are 64 wide but its LM head reads 32 .* only its final state \(2\)"):
+        EagleConfig.for_model(model, feature_layers=[0, 2])
+    assert EagleConfig.for_model(model, feature_layers=[2]).hidden_size == 32
+
+
+def test_an_eagle_unroll_longer_than_gpt_neos_causal_buffer_is_refused_with_what_fits():
+    """GPT-Neo's attention slices a causal-bias buffer of max_position_embeddings (here 256) by the key length; the
+    unroll attends over unroll x (T - 1) keys."""
+    model = build("gpt_neo", SUPPORTED["gpt_neo"])
+    head = EagleHead(EagleConfig.for_model(model), model.get_input_embeddings(), model.get_output_embeddings())
+    ids = torch.randint(0, VOCAB, (1, 101))
+    features = torch.randn(1, 101, 32)
+    with pytest.raises(ValueError, match=r"attends over 3 x 100 keys.*at most 256.*data.max_length to 86 or eagle.unroll to 2"):
+        head(features, ids, torch.tensor([101]), unroll=3)
+    assert head(features, ids, torch.tensor([101]), unroll=2).shape == (2, 1, 100, 32)
+
+
+@pytest.mark.parametrize("model_type,method,overrides,args", [
+    ("gemma2", "eagle", {"sliding_window": 16}, []),  # eager attention, training rows far longer than the window
+    ("falcon", "exit_head", {}, []),  # layers that return tuples
+    ("gptj", "medusa", {}, ["heads.projection=own"]),  # an LM head with a bias: own projections copy and train it
+    ("gpt_neox", "exit_head", {}, []),  # the final norm is final_layer_norm
+    ("opt", "hydra", OPT_350M, ["hidden_cache.enabled=true"]),  # heads and cache at the LM head's width (32)
+    ("opt", "eagle", OPT_350M, []),  # the head's decoder at the LM head's width
+    ("opt", "exit_head", OPT_350M, []),  # layer E's input (64) -> final norm -> project_out -> LM head
 ])
-def test_train_py_trains_drafts_for_other_architectures(tmp_path, model_type, method, overrides):
-    """train.py on a tiny random target of another family (``model.config``), then the trained draft decodes
-    token-identically to that target's own generate."""
+def test_train_py_trains_drafts_for_other_architectures(tmp_path, model_type, method, overrides, args):
+    """train.py on a tiny random target of another family (``model.config``), then the trained draft loads strictly
+    and decodes token-identically to that target's own generate."""
     import json
 
     from conftest import train_losses
@@ -245,11 +295,14 @@ def test_train_py_trains_drafts_for_other_architectures(tmp_path, model_type, me
     config = {**BASE, **SUPPORTED[model_type], **overrides, "model_type": model_type, "vocab_size": 300,
               "hidden_size": 64, "initializer_range": 0.02}
     args = ["--config", "configs/medusa_tiny.yaml", f"method={method}", f"model.config={json.dumps(config)}",
-            "optim.max_steps=4", "eval.every=4", "checkpoint.every=0", "logging.log_with=[]", "exit.layer=1"]
+            "optim.max_steps=4", "eval.every=4", "checkpoint.every=0", "logging.log_with=[]", "exit.layer=1", *args]
     losses = train_losses(tmp_path / "out", args)
     assert len(losses) == 4 and all(loss == loss for loss in losses.values())  # 4 logged steps, no NaN
-    checkpoint = tmp_path / "out" / {"eagle": "eagle_head", "exit_head": "exit_head"}[method]
+    checkpoint = tmp_path / "out" / {"eagle": "eagle_head", "exit_head": "exit_head", "medusa": "heads",
+                                     "hydra": "hydra_heads"}[method]
     model, tokenizer = load_base(ModelConfig(config=config))
+    stored = json.loads((checkpoint / "config.json").read_text())["hidden_size"]
+    assert stored == (64 if method == "exit_head" or model_type != "opt" else 32)  # the width the draft reads
     target = Target(model)
     drafter = registry.build_drafter(registry.parse_draft(str(checkpoint)), target)
     prompt = torch.tensor(tokenizer("Hi there, how are you today?")["input_ids"])

@@ -70,13 +70,15 @@ def test_check_base():
     spec = registry.DraftSpec(kind="medusa", location="/x/heads",
                               config={"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "hidden_size": 576,
                                       "vocab_size": 49152})
-    registry.check_base(spec, "smollm2-135m-instruct", 576, 49152)  # the built-in's name matches the Hub id's
+    registry.check_base(spec, "smollm2-135m-instruct", (576,), 49152)  # the built-in's name matches the Hub id's
     with pytest.raises(ValueError, match="trained for HuggingFaceTB/SmolLM2-135M-Instruct with hidden_size 576, but the "
                                          "target /m/tiny has hidden_size 64"):
-        registry.check_base(spec, "/m/tiny", 64, 49152)
+        registry.check_base(spec, "/m/tiny", (64,), 49152)
     with pytest.raises(ValueError, match="trained for HuggingFaceTB/SmolLM2-135M-Instruct, but the target is /m/copy"):
-        registry.check_base(spec, "/m/copy", 576, 49152)
-    registry.check_base(spec, "/m/copy", 576, 49152, allow_other_base=True)
+        registry.check_base(spec, "/m/copy", (576,), 49152)
+    registry.check_base(spec, "/m/copy", (576,), 49152, allow_other_base=True)
+    # a target whose LM head reads another width than its layers (OPT-350m): heads of either width pass
+    registry.check_base(spec, "smollm2-135m-instruct", (1024, 576), 49152)
 
 
 def test_parse_tree(tmp_path):
