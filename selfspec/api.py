@@ -226,9 +226,11 @@ class SpecModel:
         counter = StepCounter()
         pad = self.model.generation_config.pad_token_id
         t0 = time.perf_counter()
+        if self.eos_token_id:  # the stop tokens selfspec uses (the tokenizer's where the generation config has none)
+            kwargs["eos_token_id"] = self.eos_token_id
         out = self.model.generate(ids, attention_mask=torch.ones_like(ids), streamer=counter,
                                   pad_token_id=pad if pad is not None else (self.eos_token_id or [None])[0],
-                                  **kwargs, **hf_kwargs)
+                                  **{**kwargs, **hf_kwargs})
         if self.target.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0

@@ -32,6 +32,8 @@ def test_greedy_generate_equals_transformers_generate(model_dir, draft):
 
 
 def test_stops_at_eos_where_generate_stops(ngram):
+    """selfspec stops at its eos_token_id (the generation config's, else the tokenizer's: models whose generation
+    config names none), and the plain `generate` it is compared with (--compare, bench's plain) stops there too."""
     full = ngram.generate(PROMPTS[0], max_new_tokens=30).tokens
     eos = full[12]  # a token the model produces mid-answer plays EOS
     stop = full.index(eos)
@@ -39,7 +41,7 @@ def test_stops_at_eos_where_generate_stops(ngram):
     ngram.eos_token_id = [eos]
     try:
         out = ngram.generate(PROMPTS[0], max_new_tokens=30)
-        plain = ngram.generate_plain(PROMPTS[0], max_new_tokens=30, eos_token_id=eos)
+        plain = ngram.generate_plain(PROMPTS[0], max_new_tokens=30)
     finally:
         ngram.eos_token_id = saved
     assert out.tokens == plain.tokens == full[: stop + 1]
