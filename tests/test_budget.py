@@ -102,6 +102,16 @@ def test_verify_costs_time_the_sizes_in_rounds(setup, tmp_path, monkeypatch):
     assert sorted(budget.cached_verify_costs(target, "tiny", repeats=1)) == sorted(curve) and order
 
 
+def test_verify_costs_on_a_model_with_fewer_positions_than_the_context():
+    """GPT-2 with 32 learned positions: the cost curve's default context (256) is cut to what the model holds (a
+    tree's nodes sit one position past the context) instead of indexing past its position embeddings."""
+    from selfspec import costs
+
+    target = Target(tiny_model("gpt2", max_positions=32))
+    rows = costs.verify_costs(target, sizes=(1, 4), repeats=1, warmup=0)
+    assert [r.nodes for r in rows] == [1, 4]
+
+
 def test_tune_caches_costs_and_the_best_tree_for_tree_auto(setup, tmp_path, monkeypatch):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     model, head = setup
