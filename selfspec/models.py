@@ -17,7 +17,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 
 from selfspec import hf
 
@@ -112,6 +113,9 @@ def load_model(
     attn_implementation "sdpa" (the default) falls back to "eager" for architectures without an sdpa path (Gemma-2,
     gpt-oss).
 
+    A vision-language model whose config has no causal-LM class in transformers (Qwen2.5-VL, Mistral-3, LLaVA) loads
+    as its image-text-to-text model and decodes text prompts (no images are passed).
+
     trust_remote_code: allow the model's own Python code (``auto_map``) to run; off by default, and then refused
     without asking (transformers would otherwise prompt on a terminal).
     """
@@ -122,11 +126,21 @@ def load_model(
     kwargs["trust_remote_code"] = trust_remote_code
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
-        def build(attn: str) -> PreTrainedModel:
-            return AutoModelForCausalLM.from_pretrained(location, dtype=parse_dtype(dtype), attn_implementation=attn,
-                                                        **kwargs)
+        def build(auto: type, attn: str) -> PreTrainedModel:
+            return auto.from_pretrained(location, dtype=parse_dtype(dtype), attn_implementation=attn, **kwargs)
 
-        model = hf.sdpa_or_eager(build) if attn_implementation == "sdpa" else build(attn_implementation)
+        def build_any(attn: str) -> PreTrainedModel:
+            try:
+                return build(AutoModelForCausalLM, attn)
+            except ValueError as err:
+                if "Unrecognized configuration class" not in str(err):
+                    raise
+                try:  # a vision-language model: its text decoding path
+                    return build(AutoModelForImageTextToText, attn)
+                except ValueError:
+                    raise err from None
+
+        model = hf.sdpa_or_eager(build_any) if attn_implementation == "sdpa" else build_any(attn_implementation)
     except ValueError as err:
         _refuse_remote_code(name_or_path, err)
         if "Unrecognized configuration class" in str(err):

@@ -308,3 +308,63 @@ def test_train_py_trains_drafts_for_other_architectures(tmp_path, model_type, me
     prompt = torch.tensor(tokenizer("Hi there, how are you today?")["input_ids"])
     out = generate(drafter.verifier() if hasattr(drafter, "verifier") else target, drafter, prompt, 40)
     assert out.tokens == reference(model, prompt, 40)
+
+
+VLM_TEXT = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256)
+VLMS = {  # vision-language models that transformers has no causal-LM class for
+    "qwen2_5_vl": dict(text_config=dict(VLM_TEXT, model_type="qwen2_5_vl_text",
+                                        rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
+                       vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32)),
+    "mistral3": dict(text_config=dict(VLM_TEXT, model_type="mistral"),
+                     vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, image_size=32, patch_size=8, head_dim=16)),
+    "llava": dict(text_config=dict(VLM_TEXT, model_type="llama"), image_token_id=299,
+                  vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8,
+                                     projection_dim=32)),
+}
+
+
+def save_vlm(model_type: str, directory) -> str:
+    """A tiny random vision-language model and a byte-level chat tokenizer saved to ``directory``."""
+    from transformers import AutoModelForImageTextToText
+
+    from heads.base_model import byte_tokenizer
+
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(AutoConfig.for_model(model_type, **VLMS[model_type])).save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.mark.parametrize("model_type", sorted(VLMS))
+def test_vision_language_models_decode_text_prompts(tmp_path, model_type):
+    """``--model`` a Qwen2.5-VL / Mistral-3 / LLaVA directory (no causal-LM class in transformers): loaded as its
+    image-text-to-text model, it decodes text prompts token-identically to its own generate (n-gram and early-exit
+    drafts; greedy, and sampling runs)."""
+    from selfspec import api
+
+    location = save_vlm(model_type, tmp_path / model_type)
+    for draft in ("ngram", "early-exit:layer=1"):
+        m = api.load(location, draft=draft)
+        assert type(m.model).__name__.endswith("ForConditionalGeneration")
+        prompt = "Hi there, tell me about the sea."
+        assert m.generate(prompt, max_new_tokens=24).tokens == m.generate_plain(prompt, max_new_tokens=24).tokens
+        assert len(m.generate(prompt, max_new_tokens=8, temperature=0.8, seed=0).tokens) == 8
+
+
+def test_train_py_trains_an_eagle_head_for_a_vision_language_model(tmp_path):
+    """train.py with ``model.name`` a Qwen2.5-VL directory: the head's decoder is its text model's layer; the trained
+    head decodes token-identically."""
+    from conftest import train_losses
+
+    from selfspec import api
+
+    location = save_vlm("qwen2_5_vl", tmp_path / "vlm")
+    args = ["--config", "configs/medusa_tiny.yaml", "method=eagle", f"model.name={location}", "optim.max_steps=3",
+            "eval.every=3", "checkpoint.every=0", "logging.log_with=[]"]
+    assert len(train_losses(tmp_path / "out", args)) == 3
+    m = api.load(location, draft=str(tmp_path / "out" / "eagle_head"))
+    prompt = "Hi there, tell me about the sea."
+    assert m.generate(prompt, max_new_tokens=24).tokens == m.generate_plain(prompt, max_new_tokens=24).tokens
