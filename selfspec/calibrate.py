@@ -89,6 +89,18 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=int, default=4, help="draft tokens per step (default: %(default)s)")
 
 
+def _allow_other_base(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-other-base", action="store_true",
+                   help="accept a draft checkpoint whose base_model names another model (e.g. a local copy of it)")
+
+
+def _check_drafts(model: str, drafts: Sequence[str], revision: str | None, allow_other_base: bool) -> None:
+    """Drafts trained for another model are refused before any weights load, as by infer.py."""
+    from selfspec.api import check_drafts
+
+    check_drafts(model, [registry.parse_draft(d) for d in drafts], revision, allow_other_base)
+
+
 def build_sweep_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="infer.py sweep-exit", description="Early exit at each exit layer E: mean "
                                 "accepted tokens and tokens/s against plain decoding, on calibration prompts, in one "
@@ -96,12 +108,14 @@ def build_sweep_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--layers", default=None, help="comma-separated exit layers (default: every 4th layer)")
     p.add_argument("--exit-heads", default="", help="comma-separated exit-head checkpoints to measure too")
+    _allow_other_base(p)
     p.add_argument("--out", default=None, help="also write the table (markdown) and the rows (JSON) here")
     return p
 
 
 def run_sweep_cli(argv: Sequence[str], out: TextIO) -> int:
     a = build_sweep_parser().parse_args(argv)
+    _check_drafts(a.model, [h for h in a.exit_heads.split(",") if h], a.revision, a.allow_other_base)
     model, tokenizer = load_model(a.model, dtype=a.dtype, revision=a.revision, device=a.device)
     num_layers = len(hf.decoder_layers(model))
     layers = [int(x) for x in a.layers.split(",")] if a.layers else list(range(4, num_layers, 4))
@@ -166,6 +180,7 @@ def build_tune_parser() -> argparse.ArgumentParser:
     p.add_argument("--depths", default="3,4,5,6,8", help="depths to try, comma-separated (default: %(default)s)")
     p.add_argument("--budgets", default="4,8,12,16,24,32,48,64", help="node budgets to try (default: %(default)s)")
     p.add_argument("--refresh-costs", action="store_true", help="measure the verify costs again")
+    _allow_other_base(p)
     return p
 
 
@@ -186,6 +201,7 @@ def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
                          f"heads); {a.draft} is a {spec.kind!r} draft")
     depths = [int(x) for x in a.depths.split(",")]
     budgets = [int(x) for x in a.budgets.split(",")]
+    _check_drafts(a.model, [a.draft], a.revision, a.allow_other_base)
     model, tokenizer = load_model(a.model, dtype=a.dtype, revision=a.revision, device=a.device)
     target = Target(model)
     drafter = registry.build_drafter(spec, target)

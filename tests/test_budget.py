@@ -209,6 +209,27 @@ def test_tune_tree_caches_nothing_when_the_machine_is_busier_than_its_cost_curve
     assert not list((tmp_path / "cache").rglob("tree-*.json"))
 
 
+def test_tune_tree_and_sweep_exit_refuse_a_draft_for_another_model_before_loading_it(model_dir, tmp_path, monkeypatch,
+                                                                                    capsys):
+    """As infer.py does: a checkpoint whose base_model names another model is refused from its config.json alone,
+    unless --allow-other-base says the target is a copy of it."""
+    from selfspec import calibrate, cli
+    from selfspec.layerskip import LayerSkipConfig
+
+    ckpt = tmp_path / "skip"
+    LayerSkipConfig(base_model="someone/other-model", num_hidden_layers=2, skip_layers=(1,), draft_depth=3).save(ckpt)
+    loaded = []
+    monkeypatch.setattr(calibrate, "load_model", lambda *a, **k: loaded.append(a) or (_ for _ in ()).throw(
+        FileNotFoundError("stop after the check")))
+    common = ["--model", str(model_dir), "--dtype", "fp32"]
+    for argv in (["tune-tree", *common, "--draft", str(ckpt)], ["sweep-exit", *common, "--exit-heads", str(ckpt)]):
+        assert cli.main(argv) == 2
+        assert "trained for someone/other-model, but the target is" in capsys.readouterr().err and not loaded
+        assert cli.main([*argv, "--allow-other-base"]) == 2
+        assert "stop after the check" in capsys.readouterr().err and loaded
+        loaded.clear()
+
+
 def test_tune_tree_tunes_a_layer_skip_draft_for_tree_auto(model_dir, tmp_path, monkeypatch, capsys):
     """infer.py tune-tree on a layer-skip checkpoint of the tiny chat model: the target's own layers grow the tree, the
     best (budget, depth) is cached, and --tree auto then builds that dynamic tree."""
