@@ -10,6 +10,7 @@ import sys
 
 from heads.base_model import UnsupportedModel
 from heads.config import describe, load_config
+from heads.data import DataError
 from heads.hub import PublishError
 from heads.trainer import TrainingDiverged, check_publish, train
 
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingDiverged as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    except UnsupportedModel as err:
+    except (UnsupportedModel, DataError, FileNotFoundError) as err:  # the model, the data or a file named: as given
         print(f"error: {err}", file=sys.stderr)
         return 2
     except PublishError as err:

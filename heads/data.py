@@ -55,6 +55,11 @@ ROW_FEATURES = datasets.Features({"input_ids": datasets.List(datasets.Value("int
                                   "labels": datasets.List(datasets.Value("int64"))})
 
 
+class DataError(ValueError):
+    """The training data cannot be used as given (no usable column, nothing left after filtering, a tokenizer that
+    cannot render it): the message says what was expected and what was found. ``train.py`` prints it on one line."""
+
+
 @dataclass
 class DataConfig:
     source: str = "sharegpt"
@@ -121,7 +126,7 @@ def load_source(source: str, split: str = "train") -> datasets.Dataset:
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
-                raise ValueError(f"{path} has splits {sorted(loaded)}, not the requested split {split!r}")
+                raise DataError(f"{path} has splits {sorted(loaded)}, not the requested split {split!r}")
             return loaded[split]
         return loaded
     if source.startswith((".", "/", "~")) or path.suffix:
@@ -141,8 +146,8 @@ def detect_column(column_names: list[str]) -> str:
     for name in ("messages", "conversations", "text"):
         if name in column_names:
             return name
-    raise ValueError(f"expected a 'messages' or 'conversations' column, found {sorted(column_names)} "
-                     "(or a 'text' column for plain text)")
+    raise DataError(f"expected a 'messages' or 'conversations' column, found {sorted(column_names)} "
+                    "(or a 'text' column for plain text)")
 
 
 def normalise_messages(raw: list[dict]) -> list[dict[str, str]]:
@@ -157,7 +162,7 @@ def normalise_messages(raw: list[dict]) -> list[dict[str, str]]:
         key_role, key_text = ("role", "content") if "role" in m and m["role"] is not None else ("from", "value")
         who = m.get(key_role)
         if who not in ROLES:
-            raise ValueError(f"unknown message role {who!r}: expected one of {sorted(ROLES)} (message {m!r:.120})")
+            raise DataError(f"unknown message role {who!r}: expected one of {sorted(ROLES)} (message {m!r:.120})")
         messages.append({"role": ROLES[who], "content": m.get(key_text) or ""})
     out = [messages.pop(0)] if messages and messages[0]["role"] == "system" else []
     while messages and messages[0]["role"] != "user":
@@ -212,7 +217,7 @@ def load_conversations(cfg: DataConfig) -> datasets.Dataset:
         dropped = (f"{n_norm - n_reply} without a user -> assistant exchange, "
                    f"{n_reply - len(ds)} repeating an MT-bench question")
     if len(ds) == 0:
-        raise ValueError(f"no usable rows left in {cfg.source!r} after filtering: {n_raw} loaded, {dropped}")
+        raise DataError(f"no usable rows left in {cfg.source!r} after filtering: {n_raw} loaded, {dropped}")
     log.info("%s: %d rows loaded, %s, %d kept", cfg.source, n_raw, dropped, len(ds))
     if cfg.max_conversations is not None and cfg.max_conversations < len(ds):
         ds = ds.select(range(cfg.max_conversations))
@@ -236,8 +241,10 @@ def tokenize_conversation(
     boundary). Tokens after the reply's last end-of-turn token (e.g. the "\\n" after <|im_end|>) stay -100.
     """
     if tokenizer.chat_template is None:
-        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat template: expected a chat model's "
-                         "tokenizer (or use a dataset with a plain 'text' column)")
+        raise DataError(f"tokenizer {tokenizer.name_or_path!r} has no chat template: expected a chat model's "
+                        "tokenizer. For a base model, train on a dataset with a plain 'text' column, or give its "
+                        "tokenizer the template you will prompt it with (tokenizer.chat_template = ...; "
+                        "save_pretrained) so training and decoding format turns alike")
     full = _render(tokenizer, messages)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, starts = enc["input_ids"], [a for a, _ in enc["offset_mapping"]]
@@ -248,9 +255,9 @@ def tokenize_conversation(
             continue
         before, through = _render(tokenizer, messages[:i], True), _render(tokenizer, messages[: i + 1])
         if not (full.startswith(before) and full.startswith(through)):
-            raise ValueError(f"the chat template of {tokenizer.name_or_path!r} does not render conversations "
-                             f"incrementally (turn {i} renders differently as a prefix); "
-                             "cannot locate assistant tokens")
+            raise DataError(f"the chat template of {tokenizer.name_or_path!r} does not render conversations "
+                            f"incrementally (turn {i} renders differently as a prefix); "
+                            "cannot locate assistant tokens")
         lo, hi = bisect.bisect_left(starts, len(before)), bisect.bisect_left(starts, len(through))
         if lo >= max_length:
             break
@@ -317,8 +324,8 @@ def split_indices(n: int, eval_fraction: float, seed: int) -> tuple[list[int], l
     """A seeded permutation of range(n) -> (train, eval) index lists, each sorted; eval has ceil(n * fraction)."""
     n_eval = math.ceil(n * eval_fraction) if eval_fraction > 0 else 0
     if n_eval >= n:
-        raise ValueError(f"eval_fraction={eval_fraction} leaves no training rows out of {n} conversations: "
-                         "use more data or a smaller eval_fraction")
+        raise DataError(f"eval_fraction={eval_fraction} leaves no training rows out of {n} conversations: "
+                        "use more data or a smaller eval_fraction")
     perm = list(range(n))
     random.Random(seed).shuffle(perm)
     return sorted(perm[n_eval:]), sorted(perm[:n_eval])
@@ -339,7 +346,7 @@ def build_datasets(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tuple
             continue
         rows = tokenize_dataset(conversations.select(idx), tokenizer, cfg.max_length)
         if name == "train" and len(rows) == 0:
-            raise ValueError(f"no training rows left from {cfg.source!r}: all {len(idx)} conversations lose every "
-                             f"assistant token to truncation at max_length={cfg.max_length}")
+            raise DataError(f"no training rows left from {cfg.source!r}: all {len(idx)} conversations lose every "
+                            f"assistant token to truncation at max_length={cfg.max_length}")
         out.append(pack_dataset(rows, cfg.max_length) if cfg.pack and len(rows) else rows)
     return out[0], out[1]

@@ -173,8 +173,8 @@ class SpecModel:
         if isinstance(prompt, str) and not chat:
             return self.tokenizer(prompt).input_ids
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"the tokenizer of {self.name or 'this model'} has no chat template: pass chat=False "
-                             f"(plain text) or token ids")
+            raise ValueError(f"the tokenizer of {self.name or 'this model'} has no chat template (a base model?): "
+                             "feed the prompt as plain text (infer.py --no-chat; chat=False in Python) or as token ids")
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.tokenizer(text, add_special_tokens=False).input_ids

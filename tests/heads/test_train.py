@@ -164,6 +164,20 @@ def test_nan_loss_stops_naming_the_step_and_the_last_good_checkpoint(tmp_path):
     assert f"last good checkpoint: {out / 'checkpoints' / 'step_0000001'}" in message
 
 
+def test_unusable_data_is_one_error_line_not_a_traceback(tmp_path):
+    """Data that cannot be used (here: no messages / conversations / text column; a missing file) stops train.py
+    before any training with what was expected and what was found, on one line, exit status 2."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "hi", "answer": "hello"}\n' * 4)
+    for source, expected in ((bad, "error: expected a 'messages' or 'conversations' column, found ['answer', "
+                                   "'question']"),
+                             (tmp_path / "missing.jsonl", f"error: data file {tmp_path / 'missing.jsonl'} does not exist")):
+        result = run(train_cmd(tmp_path / "out", f"data.source={source}", "logging.log_with=[]"))
+        assert result.returncode == 2
+        assert result.stderr.strip().splitlines()[-1].startswith(expected), result.stderr[-2000:]
+        assert "Traceback" not in result.stderr
+
+
 def test_two_cpu_processes_both_train(tmp_path):
     out = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu_2proc.yaml",
