@@ -177,7 +177,10 @@ class EagleHead(nn.Module, DraftCheckpoint):
         self.fc = nn.Linear(2 * D, D)
         dcfg = dict(config.decoder_config)
         self.decoder = build_decoder(AutoConfig.for_model(dcfg.pop("model_type"), **dcfg))
-        self.decoder.embed_tokens = None  # it reads the embeddings it is given: no unused (DDP-breaking) parameter
+        # it reads the embeddings it is given: no unused parameter (DDP refuses those). Where the decoder names its
+        # embedding otherwise (GPT-Neo's wte, OPT's nested one) it stays, for the checkpoints' tensor names, untrained
+        self.decoder.get_input_embeddings().requires_grad_(False)
+        self.decoder.embed_tokens = None
         self.draft_vocab = DraftVocab(config.draft_vocab_size, config.vocab_size)  # buffer draft_vocab.tokens [V']
         self._frozen = (embed, lm_head)  # a tuple: not registered, never in state_dict or the optimizer
         self.register_load_state_dict_pre_hook(_upgrade_state_hook)  # checkpoints and resumable runs from before

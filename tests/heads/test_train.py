@@ -189,6 +189,32 @@ def test_two_cpu_processes_both_train(tmp_path):
     assert (out / "heads" / "model.safetensors").exists()
 
 
+def test_two_cpu_processes_train_an_eagle_head_whose_decoder_names_its_embeddings_otherwise(tmp_path):
+    """DDP refuses parameters that get no gradient: the EAGLE head's decoder reads the embeddings it is given, and
+    GPT-Neo's own input embedding (``wte``, not ``embed_tokens``) must not be trained (the run failed with "parameters
+    that were not used in producing loss")."""
+    import json
+
+    from heads.base_model import load_base
+    from heads.config import ModelConfig
+    from heads.eagle import EagleHead
+    from selfspec import Target, registry
+
+    config = dict(model_type="gpt_neo", vocab_size=300, hidden_size=64, num_layers=2, num_heads=4,
+                  attention_types=[[["global", "local"], 1]], window_size=256, max_position_embeddings=256,
+                  intermediate_size=64, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    out = tmp_path / "ddp-eagle"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu_2proc.yaml",
+           "train.py", *TINY, "method=eagle", f"model.config={json.dumps(config)}", "data.max_length=64",
+           f"output_dir={out}", "optim.max_steps=2", "checkpoint.every=0", "eval.every=0", "logging.log_with=[]"]
+    result = run(cmd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "process 0/2 on cpu" in result.stderr and "process 1/2 on cpu" in result.stderr
+    model, _ = load_base(ModelConfig(config=config))
+    head = registry.build_drafter(registry.parse_draft(str(out / "eagle_head")), Target(model)).head
+    assert isinstance(head, EagleHead) and not head.decoder.get_input_embeddings().weight.requires_grad
+
+
 def test_deepspeed_zero2_one_process(tmp_path):
     out = tmp_path / "ds2"
     cmd = [sys.executable, "-m", "accelerate.commands.launch",
