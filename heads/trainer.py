@@ -39,9 +39,9 @@ from transformers import get_scheduler
 
 from heads.base_model import load_base
 from heads.config import TrainConfig, to_dict
-from heads.checkpoint import push_folder
+from heads.checkpoint import push_folder, write_checkpoint
 from heads.data import build_datasets
-from heads.eagle import EagleConfig, EagleHead
+from heads.eagle import EagleConfig, EagleHead, eagle_card
 from heads.draft_vocab import draft_vocabulary, end_of_turn
 from heads.eagle_loss import eagle_loss
 from heads.exit_head import ExitHead, ExitHeadConfig, ExitLogits, final_norm
@@ -462,10 +462,12 @@ def save_eagle(accelerator: Accelerator, head, ecfg: EagleConfig, model, accurac
     state = accelerator.get_state_dict(head)  # every process takes part (DeepSpeed gathers partitioned weights)
     if accelerator.is_main_process:
         agreement = None if accuracy is None else [float(row[0]) for row in accuracy]
-        final = EagleHead(replace(ecfg, top1_agreement=agreement), model.get_input_embeddings(),
-                          model.get_output_embeddings())
-        final.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
-        final.save_pretrained(directory)
+        config = replace(ecfg, top1_agreement=agreement)
+        state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+        # the gathered tensors (the trained head's own state dict) are written as they are: a fresh head to load them
+        # into would be built empty under DeepSpeed ZeRO-3, whose transformers integration partitions every new model
+        # (zero.Init); the checkpoint is checked against its config when it is read
+        write_checkpoint(directory, state, config.to_dict(), eagle_card(config, str(directory)))
         log.info("saved the EAGLE head to %s (top-1 agreement with the target per step: %s)", directory, agreement)
     accelerator.wait_for_everyone()
     return directory
