@@ -37,7 +37,7 @@ from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from heads.base_model import load_base
+from heads.base_model import UnsupportedModel, load_base
 from heads.config import TrainConfig, to_dict
 from heads.checkpoint import push_folder, write_checkpoint
 from heads.data import build_datasets
@@ -186,6 +186,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     scheduler = get_scheduler(cfg.optim.scheduler, optimizer,
                               num_warmup_steps=cfg.optim.warmup_steps * accelerator.num_processes,
                               num_training_steps=total_steps * accelerator.num_processes)
+    check_zero3(accelerator, heads)
     prepared = accelerator.prepare(heads, optimizer, train_dl, scheduler, *([eval_dl] if eval_dl else []))
     heads, optimizer, train_dl, scheduler = prepared[:4]
     eval_dl = prepared[4] if eval_dl else None
@@ -455,6 +456,21 @@ def save_exit_head(accelerator: Accelerator, module, ecfg: ExitHeadConfig, accur
         log.info("saved the exit head to %s (top-1 agreement with the target %s)", directory, agreement)
     accelerator.wait_for_everyone()
     return directory
+
+
+def check_zero3(accelerator: Accelerator, heads: torch.nn.Module) -> None:
+    """Refuse, before any step, what DeepSpeed ZeRO-3 cannot train: an EAGLE head whose layer is a mixture of experts
+    (a module with an ``experts`` child, on an MoE target). ZeRO-3's gradient reduction fails on its experts
+    (``assert len(set(p.ds_id ...))``), with or without them as leaf modules; ZeRO-2 and DDP train it."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None or plugin.zero_stage != 3:
+        return
+    moe = sorted({type(m).__name__ for m in heads.modules() if isinstance(getattr(m, "experts", None), torch.nn.Module)})
+    if moe:
+        raise UnsupportedModel(f"DeepSpeed ZeRO-3 cannot train this head: its layer is a mixture of experts "
+                               f"({', '.join(moe)}) and ZeRO-3's gradient reduction fails on it; use "
+                               "configs/accelerate/deepspeed_zero2.yaml or plain multi-process training (a one-layer "
+                               "head fits either)")
 
 
 def save_eagle(accelerator: Accelerator, head, ecfg: EagleConfig, model, accuracy, directory: Path) -> Path:

@@ -246,6 +246,25 @@ def test_deepspeed_zero3_one_process_saves_a_whole_eagle_head(tmp_path):
     decode_with_tiny_draft(out / "eagle_head")
 
 
+def test_deepspeed_zero3_refuses_an_eagle_head_whose_layer_is_a_mixture_of_experts(tmp_path):
+    """ZeRO-3's gradient reduction fails inside DeepSpeed on an MoE layer's experts (an assertion, at the first step):
+    refused before any step, naming what to use instead."""
+    import json
+
+    config = dict(model_type="mixtral", vocab_size=300, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch",
+           "--config_file", "configs/accelerate/deepspeed_zero3.yaml", "train.py", *TINY, "method=eagle",
+           f"model.config={json.dumps(config)}", f"output_dir={tmp_path / 'ds3-moe'}", "optim.max_steps=2",
+           "checkpoint.every=0", "eval.every=0", "logging.log_with=[]"]
+    result = run(cmd)
+    assert result.returncode != 0
+    assert ("error: DeepSpeed ZeRO-3 cannot train this head: its layer is a mixture of experts (MixtralSparseMoeBlock)"
+            in result.stderr), result.stderr[-3000:]
+    assert "use configs/accelerate/deepspeed_zero2.yaml" in result.stderr and "AssertionError" not in result.stderr
+
+
 def test_random_target_from_a_config_dict_is_frozen():
     model, tokenizer = load_base(ModelConfig(config={"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64,
                                                      "num_hidden_layers": 1, "num_attention_heads": 4,
