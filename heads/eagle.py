@@ -242,9 +242,10 @@ class EagleHead(nn.Module, DraftCheckpoint):
         n = T - 1
         limit = hf.key_limit(self.decoder)
         if limit is not None and unroll * n > limit:
-            raise ValueError(f"the EAGLE head's unroll attends over {unroll} x {n} keys, but its {self.decoder.config.model_type} "
-                             f"layer attends over at most {limit} (max_position_embeddings): lower data.max_length to "
-                             f"{limit // unroll + 1} or eagle.unroll to {limit // n}")
+            raise ValueError(f"the EAGLE head's unroll attends over {unroll} x {n} keys, but its "
+                             f"{self.decoder.config.model_type} layer attends over at most {limit} "
+                             f"(max_position_embeddings): lower data.max_length to {limit // unroll + 1} or eagle.unroll "
+                             f"to {limit // n}")
         tokens = input_ids[:, 1:]  # [B, n] x_{i+1}
         positions = torch.arange(n, device=features.device).expand(B, n)
         cache = DynamicCache(config=self.decoder.config)

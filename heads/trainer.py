@@ -465,7 +465,8 @@ def check_zero3(accelerator: Accelerator, heads: torch.nn.Module) -> None:
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is None or plugin.zero_stage != 3:
         return
-    moe = sorted({type(m).__name__ for m in heads.modules() if isinstance(getattr(m, "experts", None), torch.nn.Module)})
+    moe = sorted({type(m).__name__ for m in heads.modules()
+                  if isinstance(getattr(m, "experts", None), torch.nn.Module)})
     if moe:
         raise UnsupportedModel(f"DeepSpeed ZeRO-3 cannot train this head: its layer is a mixture of experts "
                                f"({', '.join(moe)}) and ZeRO-3's gradient reduction fails on it; use "

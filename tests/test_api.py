@@ -104,7 +104,8 @@ def test_no_chat_template_is_a_clear_error(ngram):
     template = ngram.tokenizer.chat_template
     ngram.tokenizer.chat_template = None
     try:
-        with pytest.raises(ValueError, match=r"no chat template \(a base model\?\): feed the prompt as plain text \(infer.py --no-chat"):
+        with pytest.raises(ValueError, match=r"no chat template \(a base model\?\): feed the prompt as plain text "
+                                             r"\(infer.py --no-chat"):
             ngram.encode("hi")
     finally:
         ngram.tokenizer.chat_template = template

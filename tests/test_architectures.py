@@ -267,7 +267,7 @@ def test_an_eagle_unroll_longer_than_gpt_neos_causal_buffer_is_refused_with_what
     head = EagleHead(EagleConfig.for_model(model), model.get_input_embeddings(), model.get_output_embeddings())
     ids = torch.randint(0, VOCAB, (1, 101))
     features = torch.randn(1, 101, 32)
-    with pytest.raises(ValueError, match=r"attends over 3 x 100 keys.*at most 256.*data.max_length to 86 or eagle.unroll to 2"):
+    with pytest.raises(ValueError, match=r"attends over 3 x 100 keys.*at most 256.*max_length to 86 or eagle.unroll to 2"):
         head(features, ids, torch.tensor([101]), unroll=3)
     assert head(features, ids, torch.tensor([101]), unroll=2).shape == (2, 1, 100, 32)
 
