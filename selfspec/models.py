@@ -135,10 +135,13 @@ def load_model(
             except ValueError as err:
                 if "Unrecognized configuration class" not in str(err):
                     raise
-                try:  # a vision-language model: its text decoding path
-                    return build(AutoModelForImageTextToText, attn)
-                except ValueError:
-                    raise err from None
+                not_causal = err
+            try:  # a vision-language model: its text decoding path
+                return build(AutoModelForImageTextToText, attn)
+            except ValueError as err:  # neither: say it is not a causal LM (any other error, e.g. no sdpa, as it is)
+                if "Unrecognized configuration class" in str(err):
+                    raise not_causal from None
+                raise
 
         model = hf.sdpa_or_eager(build_any) if attn_implementation == "sdpa" else build_any(attn_implementation)
     except ValueError as err:
