@@ -21,6 +21,7 @@ from transformers import (
 )
 
 from heads.config import ModelConfig
+from heads.medusa import base_sizes
 from selfspec import hf
 from selfspec.models import load_model, parse_dtype
 
@@ -91,11 +92,6 @@ def load_base(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
     return model.eval(), tokenizer
 
 
-def final_width(model: PreTrainedModel) -> int:
-    """D of the final hidden state: the LM head's input width (OPT-350m's layers are wider: it projects to D)."""
-    return int(model.get_output_embeddings().weight.shape[1])
-
-
 def final_hidden(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """input_ids, attention_mask [B, T] -> [B, T, D]: the final hidden state (after the final norm), no LM head."""
     out = hf.decoder(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, return_dict=True)
@@ -136,8 +132,9 @@ def expand_feature_states(states: torch.Tensor, model: PreTrainedModel, layers: 
     stored = stored_feature_layers(model, layers)
     if stored == list(layers):
         return states
-    blocks = states.split(final_width(model), dim=-1)  # final, then one per stored layer (the widths agree: EAGLE-3
-    # heads take no other feature layers where they differ, heads.eagle.check_feature_layers)
+    # final, then one per stored layer; the widths agree (EAGLE-3 heads take no other feature layers where the LM head's
+    # input is narrower than the layers, heads.eagle.check_feature_layers)
+    blocks = states.split(base_sizes(model)[0], dim=-1)
     by_layer = {layer: blocks[1 + j] for j, layer in enumerate(stored)}
     return torch.cat([blocks[0]] + [by_layer.get(layer, blocks[0]) for layer in layers], dim=-1)
 

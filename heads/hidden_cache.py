@@ -40,8 +40,9 @@ from typing import Callable, ContextManager
 import numpy as np
 import torch
 
-from heads.base_model import (expand_feature_states, final_and_layer_states, final_hidden, final_width,
-                              layer_and_final_hidden, lm_logits, stored_feature_layers)
+from heads.base_model import (expand_feature_states, final_and_layer_states, final_hidden, layer_and_final_hidden,
+                              lm_logits, stored_feature_layers)
+from heads.medusa import base_sizes
 
 log = logging.getLogger(__name__)
 STORAGE = {"float16": (np.float16, torch.float16), "bfloat16": (np.uint16, torch.bfloat16)}
@@ -184,8 +185,8 @@ def make_caches(cfg, accelerator, model, splits: dict) -> dict[str, HiddenCache]
         target["feature_layers"] = list(layers)
         if stored != list(layers):  # the final state listed among them is stored once (a layout of its own)
             target["stored_layers"] = stored
-    layer_width = model.config.get_text_config().hidden_size
-    first = layer_width if cfg.method == "exit_head" else final_width(model)  # layer E's input, or the final states
+    layer_width, final_width = base_sizes(model, at="layers")[0], base_sizes(model)[0]
+    first = layer_width if cfg.method == "exit_head" else final_width  # layer E's input, or the final states
     width = first + layer_width * len(stored)
     fingerprints = {}
     for split, rows in splits.items():
@@ -248,7 +249,7 @@ class TargetStates:
         if self.feature_layers:
             hidden = expand_feature_states(hidden, self.model, self.feature_layers)  # [B, T, (1 + L) D]
         if self.layer is None:
-            final = hidden[..., : final_width(self.model)]  # [B, T, D]
+            final = hidden[..., : base_sizes(self.model)[0]]  # [B, T, D]
         target_logits = lm_logits(self.model, final) if self.loss_kind == "kl" else None  # [B, T, V]
         elapsed = time.perf_counter() - start
         self.seconds += elapsed
