@@ -57,6 +57,10 @@ class BenchConfig:
     methods: tuple[str, ...] = ("plain", "pld", "aee", "ngram")
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
     model: str = DEFAULT_MODEL
+    revision: str | None = None
+    """Hub revision of ``model``."""
+    draft_revision: str | None = None
+    """Hub revision of every draft checkpoint named by a Hub id."""
     max_new_tokens: int = 192
     limit: int | None = None
     """answer only the first N questions."""
@@ -224,6 +228,7 @@ def _manifest(cfg: BenchConfig, questions: list[Question], methods: list[Method]
                 "dtypes": dtypes}
     if cfg.sampling is not None:  # greedy runs keep the manifest they always had (their logs stay resumable)
         manifest["sampling"] = cfg.sampling
+    manifest.update({k: v for k, v in (("revision", cfg.revision), ("draft_revision", cfg.draft_revision)) if v})
     return manifest
 
 
@@ -269,8 +274,9 @@ def run_bench(cfg: BenchConfig) -> specbench.Summary:
     # 1. validate everything a run needs, and the log of the run it may resume, before any model is loaded
     questions = specbench.load_questions(cfg.questions, cfg.limit, cfg.per_category)
     dtypes = [DTYPE_NAMES[d] for d in dict.fromkeys(parse_dtype(d) for d in cfg.dtypes)]
-    methods = parse_methods(cfg.methods, target_info(cfg.model).num_layers)
-    check_drafts(cfg.model, [m.draft for m in methods if m.draft is not None], allow_other_base=cfg.allow_other_base)
+    methods = parse_methods(cfg.methods, target_info(cfg.model, cfg.revision).num_layers, cfg.draft_revision)
+    check_drafts(cfg.model, [m.draft for m in methods if m.draft is not None], cfg.revision,
+                 allow_other_base=cfg.allow_other_base)
     model_id = Path(cfg.model.rstrip("/")).name
     out = Path(cfg.out_dir)
     log = BenchLog.open(out, _manifest(cfg, questions, methods, dtypes), {**_machine(), **_code()}, resume=cfg.resume)
@@ -278,7 +284,7 @@ def run_bench(cfg: BenchConfig) -> specbench.Summary:
     # 2. one target per dtype, all loaded up front, shared by every method of that dtype
     runners: dict[str, dict[str, SpecModel]] = {}
     for dname in dtypes:
-        model, tokenizer = load_model(cfg.model, dtype=parse_dtype(dname), device=cfg.device)
+        model, tokenizer = load_model(cfg.model, dtype=parse_dtype(dname), revision=cfg.revision, device=cfg.device)
         target = Target(model)
         runners[dname] = {m.label: _runner(m, target, tokenizer, cfg.model) for m in methods}
     # 3. warm-up (every resumed segment too: a fresh process is cold)

@@ -202,28 +202,48 @@ def format_tuning(t: Tuning) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- 3. the tuned tree
-def tuned_key(draft_location: str, target, model_id: str) -> dict:
-    path = Path(draft_location).expanduser()
-    weights = path / "model.safetensors"
-    stamp = hashlib.sha256(weights.read_bytes()).hexdigest()[:16] if weights.is_file() else draft_location
-    return {"draft": stamp, **machine_key(target, model_id)}
+def draft_stamp(location: str, revision: str | None = None) -> str:
+    """What identifies a draft's contents: the sha256 of its weights, or of its config.json for a draft without
+    weights (a layer-skip config), from the directory or, for a Hub id, from the Hub cache at ``revision`` (two
+    revisions of one repo are two drafts). Falls back to 'location@revision' where neither file can be read."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
+
+    from selfspec.registry import looks_local
+
+    for name in ("model.safetensors", "config.json"):
+        if looks_local(location):
+            file = Path(location).expanduser() / name
+        else:
+            try:
+                file = Path(hf_hub_download(location, name, revision=revision))
+            except (EntryNotFoundError, LocalEntryNotFoundError, HfHubHTTPError, OSError):
+                continue
+        if file.is_file():
+            return hashlib.sha256(file.read_bytes()).hexdigest()[:16]
+    return f"{location}@{revision}" if revision else location
 
 
-def save_tuned(draft_location: str, target, model_id: str, tuning: Tuning) -> Path:
-    path = _cache_file("tree", tuned_key(draft_location, target, model_id))
-    _write_json(path, {"key": tuned_key(draft_location, target, model_id), "draft": draft_location,
-                       "best": asdict(tuning.best), "table": [asdict(c) for c in tuning.table]})
-    return path
+def tuned_key(draft_location: str, target, model_id: str, revision: str | None = None) -> dict:
+    return {"draft": draft_stamp(draft_location, revision), **machine_key(target, model_id)}
 
 
-def load_tuned(draft_location: str, target, model_id: str) -> DynamicTree:
+def save_tuned(draft_location: str, target, model_id: str, tuning: Tuning, revision: str | None = None) -> Path:
+    key = tuned_key(draft_location, target, model_id, revision)
+    _write_json(_cache_file("tree", key), {"key": key, "draft": draft_location, "revision": revision,
+                                          "best": asdict(tuning.best), "table": [asdict(c) for c in tuning.table]})
+    return _cache_file("tree", key)
+
+
+def load_tuned(draft_location: str, target, model_id: str, revision: str | None = None) -> DynamicTree:
     """The tuned DynamicTree (budget, depth) for this draft on this target, dtype and machine (``--tree auto``)."""
-    key = tuned_key(draft_location, target, model_id)
+    key = tuned_key(draft_location, target, model_id, revision)
     path = _cache_file("tree", key)
     if not path.is_file():
-        raise FileNotFoundError(f"--tree auto: no tuned tree for {draft_location} on {model_id} ({key['dtype']}, "
+        at, flag = (f" at revision {revision}", f" --draft-revision {revision}") if revision else ("", "")
+        raise FileNotFoundError(f"--tree auto: no tuned tree for {draft_location}{at} on {model_id} ({key['dtype']}, "
                                 f"{key['threads']} threads) on this machine; run `python infer.py tune-tree --draft "
-                                f"{draft_location} --model {model_id} --dtype {key['dtype'].removeprefix('torch.')}` "
-                                f"first (a few minutes)")
+                                f"{draft_location}{flag} --model {model_id} --dtype "
+                                f"{key['dtype'].removeprefix('torch.')}` first (a few minutes)")
     best = json.loads(path.read_text())["best"]
     return DynamicTree(budget=int(best["budget"]), depth=int(best["depth"]))

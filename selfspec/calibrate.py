@@ -94,11 +94,12 @@ def _allow_other_base(p: argparse.ArgumentParser) -> None:
                    help="accept a draft checkpoint whose base_model names another model (e.g. a local copy of it)")
 
 
-def _check_drafts(model: str, drafts: Sequence[str], revision: str | None, allow_other_base: bool) -> None:
+def _check_drafts(model: str, drafts: Sequence[str], revision: str | None, allow_other_base: bool,
+                  draft_revision: str | None = None) -> None:
     """Drafts trained for another model are refused before any weights load, as by infer.py."""
     from selfspec.api import check_drafts
 
-    check_drafts(model, [registry.parse_draft(d) for d in drafts], revision, allow_other_base)
+    check_drafts(model, [registry.parse_draft(d, draft_revision) for d in drafts], revision, allow_other_base)
 
 
 def build_sweep_parser() -> argparse.ArgumentParser:
@@ -177,6 +178,8 @@ def build_tune_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--draft", required=True, help="the draft checkpoint whose dynamic tree to tune: an EAGLE head, "
                                                   "Medusa or Hydra heads, an exit head or a layer-skip config")
+    p.add_argument("--draft-revision", default=None, help="Hub revision of a --draft checkpoint (each revision is "
+                   "tuned on its own; --tree auto with the same --draft-revision uses it)")
     p.add_argument("--depths", default="3,4,5,6,8", help="depths to try, comma-separated (default: %(default)s)")
     p.add_argument("--budgets", default="4,8,12,16,24,32,48,64", help="node budgets to try (default: %(default)s)")
     p.add_argument("--refresh-costs", action="store_true", help="measure the verify costs again")
@@ -192,7 +195,7 @@ def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
     from selfspec.tree import DynamicTree
 
     a = build_tune_parser().parse_args(argv)
-    spec = registry.parse_draft(a.draft)
+    spec = registry.parse_draft(a.draft, a.draft_revision)
     if spec.parts:
         raise ValueError(f"tune-tree tunes one draft's tree: run it on the checkpoint part of {a.draft!r} alone; "
                          f"--draft {a.draft} --tree auto then uses that tree for it")
@@ -201,7 +204,7 @@ def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
                          f"heads); {a.draft} is a {spec.kind!r} draft")
     depths = [int(x) for x in a.depths.split(",")]
     budgets = [int(x) for x in a.budgets.split(",")]
-    _check_drafts(a.model, [a.draft], a.revision, a.allow_other_base)
+    _check_drafts(a.model, [a.draft], a.revision, a.allow_other_base, a.draft_revision)
     model, tokenizer = load_model(a.model, dtype=a.dtype, revision=a.revision, device=a.device)
     target = Target(model)
     drafter = registry.build_drafter(spec, target)
@@ -230,7 +233,7 @@ def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
                   f"cost measured now does not match them and the choice above is not to be trusted. Run tune-tree "
                   f"again with nothing else running (or with --refresh-costs if the machine itself changed)\n")
         return 1
-    path = budget.save_tuned(a.draft, target, a.model, tuning)
+    path = budget.save_tuned(a.draft, target, a.model, tuning, a.draft_revision)
     b = tuning.best
     out.write(f"{a.model} {a.dtype}, {a.prompts} calibration prompts x {a.max_new_tokens} tokens, one-token step "
               f"{tuning.plain_ms:.1f} ms (this run's verifications: {tuning.verify_ratio:.2f}x the cached costs):\n"

@@ -75,7 +75,7 @@ def drafter_loaders() -> dict[str, Any]:
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
-def _looks_local(spec: str) -> bool:
+def looks_local(spec: str) -> bool:
     """A Hub id is exactly 'owner/name' (or 'name'); anything else with a path shape is meant as a local path."""
     return spec.startswith((".", "/", "~")) or spec.count("/") > 1 or "\\" in spec or Path(spec).expanduser().exists()
 
@@ -157,7 +157,7 @@ def parse_draft(spec: str, revision: str | None = None) -> DraftSpec:
         return DraftSpec(kind="ngram", config=parse_ngram(spec[len("ngram:"):]))
     if spec == "early-exit" or spec.startswith("early-exit:"):
         return DraftSpec(kind="early-exit", config=parse_early_exit(spec[len("early-exit:"):]))
-    if _looks_local(spec):
+    if looks_local(spec):
         path = Path(spec).expanduser()
         if not path.is_dir():
             raise FileNotFoundError(f"draft checkpoint directory {path} does not exist. --draft expects {ACCEPTED}.")
@@ -259,7 +259,7 @@ def resolve_tree(tree: str | Tree | DynamicTree | None, spec: DraftSpec, target:
                              f"({', '.join(TUNABLE_KINDS)}); --draft {spec.kind} takes a --tree of its own")
         from selfspec.budget import load_tuned
 
-        return load_tuned(spec.location, target, model_id)
+        return load_tuned(spec.location, target, model_id, spec.revision)
     return parse_tree(tree) if isinstance(tree, str) else tree
 
 

@@ -223,7 +223,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(key, value)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        if not head_only:
+        if not head_only and self.command != "HEAD":  # an answer to HEAD has no body, errors included (keep-alive)
             self.wfile.write(body)
 
     def _send_json(self, status: int, payload, headers: dict[str, str] | None = None) -> None:

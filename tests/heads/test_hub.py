@@ -305,3 +305,60 @@ def test_hydra_heads_push_to_hub_round_trip(chat, hub, tmp_path):
     assert len(load_drafter("tester/hydra", Target(model)).tree) == 4
     saved = heads.save_pretrained(tmp_path / "hydra-local")
     assert push_folder(saved, "tester/hydra-2", dry_run=True) == ["config.json", "model.safetensors", "README.md"]
+
+
+def test_tuned_trees_belong_to_one_revision_of_a_hub_draft(chat, hub, monkeypatch, tmp_path):
+    """`infer.py tune-tree --draft REPO --draft-revision R` caches the tree for R's weights: `--tree auto` finds it
+    for R (also offline, from the Hub cache) and not for main, whose heads differ (a tuning once keyed by the repo id
+    alone served any revision)."""
+    from selfspec import budget
+    from selfspec.registry import resolve_tree
+    from selfspec.tree import DynamicTree
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "selfspec-cache"))
+    model, _ = chat
+    target = Target(model)
+    heads_for(model, seed=0).push_to_hub(REPO)
+    heads_for(model, seed=1).push_to_hub(REPO, revision="exp")
+    choice = budget.Choice(depth=2, budget=4, accepted=1.5, step_ms=2.0)
+    budget.save_tuned(REPO, target, "tiny-chat", budget.Tuning(best=choice, plain_ms=1.0, table=[choice]), "exp")
+
+    assert resolve_tree("auto", parse_draft(REPO, revision="exp"), target, "tiny-chat") == DynamicTree(4, depth=2)
+    with pytest.raises(FileNotFoundError, match=f"run `python infer.py tune-tree --draft {REPO} --model tiny-chat"):
+        resolve_tree("auto", parse_draft(REPO), target, "tiny-chat")
+    seen = len(hub.requests)
+    with pytest.MonkeyPatch.context() as offline:
+        offline.setattr(constants, "HF_HUB_OFFLINE", True)
+        assert budget.load_tuned(REPO, target, "tiny-chat", "exp") == DynamicTree(4, depth=2)
+    assert len(hub.requests) == seen
+
+
+def test_bench_reads_the_model_and_drafts_at_their_hub_revisions(chat, hub, tmp_path, capsys):
+    """`infer.py bench --revision R --draft-revision S`: the model and the Hub drafts come from those branches (main
+    holds neither here); the revisions are part of the run's manifest."""
+    import json
+
+    from huggingface_hub import HfApi
+
+    from selfspec import cli
+
+    model, tokenizer = chat
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    api = HfApi()
+    api.create_repo("tester/tiny-chat")
+    api.create_branch("tester/tiny-chat", branch="v2")
+    api.upload_folder(repo_id="tester/tiny-chat", folder_path=model_dir, revision="v2")
+    heads_for(model).push_to_hub(REPO, revision="exp")
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["say hello"]}) + "\n")
+    out = tmp_path / "bench"
+    argv = ["bench", "--model", "tester/tiny-chat", "--questions", str(questions), "--out-dir", str(out), "--methods",
+            f"plain,{REPO}", "--dtype", "fp32", "--max-new-tokens", "8", "--warmup-tokens", "0", "--no-progress",
+            "--allow-other-base"]
+    assert cli.main(argv + ["--revision", "v2", "--draft-revision", "exp"]) == 0, capsys.readouterr().err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["meta"]["revision"] == "v2" and summary["meta"]["draft_revision"] == "exp"
+    assert {row["method"] for row in summary["rows"]} >= {"plain", "tiny-heads"}
+    assert cli.main(argv + ["--resume"]) == 2  # main has no model: the revision was not ignored
