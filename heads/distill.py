@@ -151,6 +151,7 @@ def _check_manifest(out: Path, manifest: dict) -> None:
 def distill(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, data: DataConfig, out: str | Path,
     cfg: DistillConfig = DistillConfig(), max_shards: int | None = None, model_name: str | None = None,
+    revision: str | None = None,
 ) -> Path | None:
     """Regenerate the conversations of ``data`` (source, split, max_conversations, MT-bench exclusion) into ``out``.
 
@@ -166,8 +167,13 @@ def distill(
                          "(a 'messages' or 'conversations' column)")
     n_shards = -(-len(conversations) // cfg.shard_size)
     source = {k: getattr(data, k) for k in ("source", "split", "max_conversations", "exclude_questions")}
-    _check_manifest(out, {"model": model_name or model.config.name_or_path, "source": source,
-                          "conversations": len(conversations), "config": dataclasses.asdict(cfg)})
+    manifest = {"model": model_name or model.config.name_or_path, "source": source,
+                "conversations": len(conversations), "config": dataclasses.asdict(cfg)}
+    dtype = next(model.parameters()).dtype
+    # recorded where they differ from what every earlier run used (the Hub's main, fp32): those runs stay resumable
+    manifest.update({k: v for k, v in (("revision", revision),
+                                       ("dtype", None if dtype == torch.float32 else str(dtype))) if v})
+    _check_manifest(out, manifest)
     done = [s for s in range(n_shards) if _shard_dir(out, s).exists()]
     written = 0
     bar = tqdm(total=len(conversations), initial=min(len(done) * cfg.shard_size, len(conversations)),
@@ -217,6 +223,7 @@ def main(argv: list[str] | None = None) -> Path | None:
                     "usable as the data source of training (DataConfig source=OUT).")
     p.add_argument("--model", required=True, help="target model: a Hub id, a local directory, a .gguf file, or "
                                                    "'smollm2-135m-instruct' (the offline default)")
+    p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of --model")
     p.add_argument("--source", default="sharegpt",
                    help="conversations: 'sharegpt', a .json/.jsonl/.parquet file, a save_to_disk directory "
                         "or a Hub dataset id (default: sharegpt)")
@@ -250,12 +257,13 @@ def main(argv: list[str] | None = None) -> Path | None:
 
     from selfspec.models import load_model
 
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, revision=args.revision, device=args.device)
     data = DataConfig(source=args.source, split=args.split, max_conversations=args.max_conversations)
     cfg = DistillConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, shard_size=args.shard_size,
                         do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                         max_prompt_length=args.max_prompt_length, seed=args.seed)
-    result = distill(model, tokenizer, data, args.out, cfg, max_shards=args.max_shards, model_name=args.model)
+    result = distill(model, tokenizer, data, args.out, cfg, max_shards=args.max_shards, model_name=args.model,
+                     revision=args.revision)
     print(f"distilled dataset: {result}" if result
           else f"stopped after --max-shards {args.max_shards}; rerun to resume")
     return result

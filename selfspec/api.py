@@ -278,7 +278,7 @@ def check_drafts(model: str, drafts: Sequence[registry.DraftSpec], revision: str
     info = target_info(model, revision, trust_remote_code)
     for d in drafts:
         registry.check_base(d, model, info.hidden_sizes, info.vocab_size, info.aliases,
-                            allow_other_base=allow_other_base)
+                            allow_other_base=allow_other_base, revision=revision)
 
 
 def load(model: str = DEFAULT_MODEL, draft: str = "ngram", dtype: str | torch.dtype = "float32",

@@ -94,6 +94,11 @@ def run_cli(argv: Sequence[str], out: TextIO) -> int:
         raise ValueError(f"the run measured {manifest['dtypes']}, not {dtype}: pass one of those as --dtype")
     if a.model.rstrip("/") != manifest["model"].rstrip("/"):
         raise ValueError(f"the run measured {manifest['model']}, but --model is {a.model}: pass the run's model")
+    if manifest.get("draft_revision"):
+        raise ValueError(f"the run read its Hub drafts at revision {manifest['draft_revision']}; a policy names its "
+                         "arms as --draft strings, which load at their default revision: run the bench without "
+                         "--draft-revision (on local copies of the drafts) to fit a policy")
+    revision = manifest.get("revision")  # the model's Hub revision the run measured
     arms = _split(a.arms)
     if len(set(arms)) != len(arms) or len(arms) < 2:
         raise ValueError(f"--arms needs at least two distinct drafts, found {list(arms)}")
@@ -105,12 +110,12 @@ def run_cli(argv: Sequence[str], out: TextIO) -> int:
     questions = {q.question_id: q for q in specbench.load_questions(manifest["questions"])}
     ordered = [questions[i] for i in manifest["question_ids"]]
     train, held = split(ordered, a.hold_out)
-    check_drafts(a.model, [m.draft for m in methods])  # arms trained for another model: refused before it loads
+    check_drafts(a.model, [m.draft for m in methods], revision)  # arms for another model: refused before it loads
     answers = read_answers(run_dir)
     reqs = requests(train, answers, labels, dtype)
 
     # 2. features: one prefill per training request, with plain decoding's earlier answers as the conversation
-    model, tokenizer = load_model(a.model, dtype=parse_dtype(a.dtype), device=a.device)
+    model, tokenizer = load_model(a.model, dtype=parse_dtype(a.dtype), revision=revision, device=a.device)
     target = Target(model)
     encoder = SpecModel(target, tokenizer, NoDrafter(), a.model)
     rows = []

@@ -187,12 +187,21 @@ def _norm(name: str) -> str:
     return name.rstrip("/").split("/")[-1].lower()
 
 
+def _same_revision(a: str | None, b: str | None) -> bool:
+    """Hub revisions that name the same thing without asking the Hub: equal (None is 'main'), or a commit hash and
+    its abbreviation."""
+    a, b = (a or "main").lower(), (b or "main").lower()
+    hashes = all(len(r) >= 7 and all(c in "0123456789abcdef" for c in r) for r in (a, b))
+    return a == b or (hashes and (a.startswith(b) or b.startswith(a)))
+
+
 def check_base(spec: DraftSpec, model_name: str, hidden_sizes: tuple[int, ...], vocab_size: int,
-               aliases: tuple[str, ...] = (), allow_other_base: bool = False) -> None:
-    """Refuse a checkpoint trained for another model. model_name and aliases name the target; sizes are its own
-    (hidden_sizes: its layers' width, and its LM head's input width where that differs)."""
+               aliases: tuple[str, ...] = (), allow_other_base: bool = False, revision: str | None = None) -> None:
+    """Refuse a checkpoint trained for another model, or for another Hub revision of it. model_name and aliases name
+    the target, revision its Hub revision (None: main); sizes are its own (hidden_sizes: its layers' width, and its
+    LM head's input width where that differs)."""
     for part in spec.parts:
-        check_base(part, model_name, hidden_sizes, vocab_size, aliases, allow_other_base)
+        check_base(part, model_name, hidden_sizes, vocab_size, aliases, allow_other_base, revision)
     if spec.location is None:
         return
     cfg = spec.config
@@ -210,6 +219,13 @@ def check_base(spec: DraftSpec, model_name: str, hidden_sizes: tuple[int, ...], 
         raise ValueError(
             f"these heads were trained for {base}, but the target is {model_name}: pass --model {base}, "
             f"or allow_other_base=True (--allow-other-base) if {model_name} is a copy of the same model"
+        )
+    trained_at = cfg.get("base_revision")
+    if base and trained_at and not allow_other_base and not _same_revision(trained_at, revision):
+        raise ValueError(
+            f"these heads were trained for {base} at revision {trained_at}, but the target is at revision "
+            f"{revision or 'main'}: pass --revision {trained_at}, or allow_other_base=True (--allow-other-base) if "
+            f"the two revisions hold the same weights"
         )
 
 

@@ -168,3 +168,9 @@ def test_fit_policy_refuses_arms_the_run_did_not_measure(model_dir, tmp_path):
     with pytest.raises(ValueError, match="measured \\['float32'\\], not bfloat16"):
         policy_fit.run_cli(["--bench-dir", str(run), "--arms", "ngram,none", "--out", str(tmp_path / "p"),
                             "--dtype", "bf16", "--model", str(model_dir)], out=None)
+    # a run that read its Hub drafts at a revision: the policy's arms (plain --draft strings) would load others
+    manifest = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**manifest, "draft_revision": "exp"}))
+    with pytest.raises(ValueError, match="read its Hub drafts at revision exp; a policy names its arms"):
+        policy_fit.run_cli(["--bench-dir", str(run), "--arms", "ngram,none", "--out", str(tmp_path / "p"),
+                            "--dtype", "fp32", "--model", str(model_dir)], out=None)

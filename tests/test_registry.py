@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -79,6 +80,25 @@ def test_check_base():
     registry.check_base(spec, "/m/copy", (576,), 49152, allow_other_base=True)
     # a target whose LM head reads another width than its layers (OPT-350m): heads of either width pass
     registry.check_base(spec, "smollm2-135m-instruct", (1024, 576), 49152)
+
+
+@pytest.mark.parametrize("trained_at, target_at, same", [
+    (None, "v2", True),  # trained on whatever main was: nothing to compare
+    ("main", None, True), ("v2", "v2", True), ("0123abcd" * 5, "0123abc", True), ("0123ABCD" * 5, "0123abcd", True),
+    ("v2", None, False), ("v2", "main", False), ("0123abcd" * 5, "0123abce", False), ("v2", "v3", False),
+])
+def test_check_base_compares_hub_revisions(trained_at, target_at, same):
+    """Heads trained for one revision of a Hub model are refused on another (its weights may differ), unless told."""
+    spec = registry.DraftSpec(kind="medusa", location="/x/heads",
+                              config={"base_model": "me/model", "base_revision": trained_at, "hidden_size": 64})
+    check = functools.partial(registry.check_base, spec, "me/model", (64,), 100, revision=target_at)
+    if same:
+        check()
+        return
+    with pytest.raises(ValueError, match=f"trained for me/model at revision {trained_at}, but the target is at "
+                                         f"revision {target_at or 'main'}: pass --revision {trained_at}"):
+        check()
+    check(allow_other_base=True)
 
 
 def test_parse_tree(tmp_path):

@@ -3,6 +3,7 @@ saved dataset with a messages column, and an interrupted run resumes to exactly 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
@@ -121,6 +122,12 @@ def test_resuming_with_other_settings_is_refused(model, tok, source, tmp_path):
     distill(model, tok, source, tmp_path / "out", DistillConfig(max_new_tokens=2, shard_size=1), max_shards=1)
     with pytest.raises(ValueError, match=r"other settings \(\['config'\] differ\)"):
         distill(model, tok, source, tmp_path / "out", DistillConfig(max_new_tokens=3, shard_size=1))
+    # the target at another Hub revision, or in another dtype, writes other replies: not mixed into one dataset
+    with pytest.raises(ValueError, match=r"other settings \(\['revision'\] differ\)"):
+        distill(model, tok, source, tmp_path / "out", DistillConfig(max_new_tokens=2, shard_size=1), revision="v2")
+    with pytest.raises(ValueError, match=r"other settings \(\['dtype'\] differ\)"):
+        distill(copy.deepcopy(model).to(torch.bfloat16), tok, source, tmp_path / "out",
+                DistillConfig(max_new_tokens=2, shard_size=1))
 
 
 def test_cli_help_explains(capsys):
@@ -128,7 +135,7 @@ def test_cli_help_explains(capsys):
         main(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    for flag in ("--model", "--source", "--out", "--max-conversations", "--do-sample", "--max-shards"):
+    for flag in ("--model", "--revision", "--source", "--out", "--max-conversations", "--do-sample", "--max-shards"):
         assert flag in text
     assert "Resumable" in text
 
