@@ -313,9 +313,18 @@ TYPED_DRAFTS = {
 def publish_files(directory: Path, repo_id: str) -> dict[str, Path | bytes]:
     """What a publish of ``directory`` to ``repo_id`` uploads: config.json and model.safetensors as saved (after a
     strict check), and README.md generated from config.json for ``repo_id`` (so its usage snippet names the repo).
-    Medusa heads, exit heads (draft_type "exit-head"), EAGLE heads ("eagle") and Hydra heads ("hydra") alike."""
+    Medusa heads, exit heads (draft_type "exit-head"), EAGLE heads ("eagle") and Hydra heads ("hydra") alike; a
+    layer-skip config ("layerskip") has no weights: config.json and its card."""
     config_file = directory / CONFIG
     kind = read_json_object(config_file, "the checkpoint's config").get("draft_type") if config_file.is_file() else None
+    if kind == "layerskip":  # a searched skip set: config.json alone (the target's own layers draft), read strictly
+        from selfspec.layerskip import LayerSkipConfig, layerskip_card
+
+        return {CONFIG: config_file, CARD: layerskip_card(LayerSkipConfig.load(directory), repo_id).encode()}
+    if kind not in (None, "medusa", *TYPED_DRAFTS):
+        raise ValueError(f"{config_file} says draft_type {kind!r}; heads.publish publishes Medusa, Hydra, EAGLE and "
+                         f"exit heads and layer-skip configs ({', '.join(['medusa', *TYPED_DRAFTS, 'layerskip'])})"
+                         + (": a policy names its arms by local paths, publish those instead" if kind == "policy" else ""))
     if kind in TYPED_DRAFTS:  # read strictly (config against tensors), then carded for the repo
         module = importlib.import_module(TYPED_DRAFTS[kind][0])
         read, card_for = getattr(module, TYPED_DRAFTS[kind][1]), getattr(module, TYPED_DRAFTS[kind][2])
@@ -328,7 +337,7 @@ def publish_files(directory: Path, repo_id: str) -> dict[str, Path | bytes]:
 
 def push_folder(
     directory: str | Path, repo_id: str, private: bool = False, revision: str | None = None, token: str | None = None,
-    dry_run: bool = False, commit_message: str = "Upload Medusa heads (selfspec)", endpoint: str | None = None,
+    dry_run: bool = False, commit_message: str = "Upload a draft checkpoint (selfspec)", endpoint: str | None = None,
 ) -> list[str] | Published:
     """Publish a saved checkpoint directory to the Hub in one commit (heads.hub.publish: all files or none).
 

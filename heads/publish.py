@@ -1,9 +1,9 @@
-"""Publish a saved heads checkpoint directory to the Hugging Face Hub.
+"""Publish a saved draft checkpoint directory (Medusa, Hydra, EAGLE or exit heads, a layer-skip config) to the Hub.
 
     python -m heads.publish runs/medusa-smollm2 me/smollm2-medusa-heads [--private] [--revision BRANCH] [--dry-run]
 
-The checkpoint is checked strictly first (config.json against model.safetensors); config.json, model.safetensors and
-a model card written for the repo go up in one commit, so the repo gets all of them or none. The token comes from
+The checkpoint is checked strictly first (config.json against model.safetensors); config.json, model.safetensors (none
+for a layer-skip config) and a model card written for the repo go up in one commit, so the repo gets all of them or none. The token comes from
 --token, HF_TOKEN, or a saved `hf auth login`; HF_ENDPOINT points at another Hub-compatible endpoint.
 Exit status: 0 published (or dry run), 1 the upload failed, 2 the checkpoint or the arguments are wrong.
 """
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="branch to commit to (created from main); default main")
     parser.add_argument("--token", default=None,
                         help="a Hub token with write access (default: HF_TOKEN or the saved login)")
-    parser.add_argument("--message", default="Upload Medusa heads (selfspec)", help="the commit message")
+    parser.add_argument("--message", default="Upload a draft checkpoint (selfspec)", help="the commit message")
     parser.add_argument("--dry-run", action="store_true", help="check everything local, list the files, send nothing")
     return parser
 

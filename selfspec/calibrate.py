@@ -45,8 +45,10 @@ class ExitRow:
 
 
 def sweep_exit_layers(target: Target, prompts: Sequence[torch.Tensor], layers: Sequence[int], depth: int = 4,
-                      exit_heads: Sequence[str] = (), max_new_tokens: int = 64) -> list[ExitRow]:
-    """Plain decoding once, then early exit at each E in ``layers`` and each exit-head checkpoint, on ``prompts``."""
+                      exit_heads: Sequence[str] = (), max_new_tokens: int = 64,
+                      draft_revision: str | None = None) -> list[ExitRow]:
+    """Plain decoding once, then early exit at each E in ``layers`` and each exit-head checkpoint (Hub ids at
+    ``draft_revision``), on ``prompts``."""
     num_layers = len(hf.decoder_layers(target.model))
     for e in layers:
         check_exit_layer(e, num_layers)
@@ -58,7 +60,7 @@ def sweep_exit_layers(target: Target, prompts: Sequence[torch.Tensor], layers: S
         rows.append(ExitRow(e, "early-exit", measure(verifier_for(drafter, target), drafter, prompts, max_new_tokens),
                             plain))
     for ckpt in exit_heads:
-        drafter = registry.build_drafter(registry.parse_draft(ckpt), target)
+        drafter = registry.build_drafter(registry.parse_draft(ckpt, draft_revision), target)
         if not isinstance(drafter, EarlyExitDrafter):
             raise ValueError(f"{ckpt} is a {type(drafter).__name__} checkpoint; expected an exit head (draft_type "
                              "'exit-head', from train.py with method=exit_head)")
@@ -109,6 +111,7 @@ def build_sweep_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--layers", default=None, help="comma-separated exit layers (default: every 4th layer)")
     p.add_argument("--exit-heads", default="", help="comma-separated exit-head checkpoints to measure too")
+    p.add_argument("--draft-revision", default=None, help="Hub revision of the --exit-heads named by Hub id")
     _allow_other_base(p)
     p.add_argument("--out", default=None, help="also write the table (markdown) and the rows (JSON) here")
     return p
@@ -116,14 +119,16 @@ def build_sweep_parser() -> argparse.ArgumentParser:
 
 def run_sweep_cli(argv: Sequence[str], out: TextIO) -> int:
     a = build_sweep_parser().parse_args(argv)
-    _check_drafts(a.model, [h for h in a.exit_heads.split(",") if h], a.revision, a.allow_other_base)
+    _check_drafts(a.model, [h for h in a.exit_heads.split(",") if h], a.revision, a.allow_other_base,
+                  a.draft_revision)
     model, tokenizer = load_model(a.model, dtype=a.dtype, revision=a.revision, device=a.device)
     num_layers = len(hf.decoder_layers(model))
     layers = [int(x) for x in a.layers.split(",")] if a.layers else list(range(4, num_layers, 4))
     heads = [h for h in a.exit_heads.split(",") if h]
     target = Target(model)
     rows = sweep_exit_layers(target, [p.to(target.device) for p in calibration_inputs(tokenizer, a.prompts)], layers,
-                             depth=a.depth, exit_heads=heads, max_new_tokens=a.max_new_tokens)
+                             depth=a.depth, exit_heads=heads, max_new_tokens=a.max_new_tokens,
+                             draft_revision=a.draft_revision)
     table = format_exit_rows(rows)
     out.write(f"{a.model} {a.dtype}, {a.prompts} calibration prompts x {a.max_new_tokens} tokens, chain of {a.depth}:\n"
               f"{table}\n")

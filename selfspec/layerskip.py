@@ -337,6 +337,33 @@ class LayerSkipConfig:
         return cls.from_dict(read_json_object(path, "the layer-skip config"), source=str(path))
 
 
+def layerskip_card(config: LayerSkipConfig, location: str) -> str:
+    """README.md for a published skip set: Hub metadata, what it skips, what its search measured, and usage."""
+    m = config.measured
+    measured = (f" Measured by its search: {m['mean_accepted']:.2f} mean accepted tokens per step, "
+                f"{m['tokens_per_s']:.1f} tokens/s against {m['plain_tokens_per_s']:.1f} for plain decoding "
+                f"({m['tokens_per_s'] / m['plain_tokens_per_s']:.2f}x) on the machine it was searched on."
+                if {"mean_accepted", "tokens_per_s", "plain_tokens_per_s"} <= m.keys() else "")
+    vocab = (f" Drafts come from a draft vocabulary of {len(config.draft_vocab)} tokens." if config.draft_vocab else "")
+    return f"""---
+library_name: selfspec
+base_model: {config.base_model}
+tags: [speculative-decoding, layer-skipping, selfspec]
+---
+# Layer-skip draft for {config.base_model}
+
+No weights: the base model drafts {config.draft_depth} tokens per step through its own layers, skipping layers
+{list(config.skip_layers)} of {config.num_hidden_layers}, and verifies them with all of them, so greedy output is the
+base's own.{measured}{vocab}
+
+```python
+from selfspec.api import load
+model = load("{config.base_model}", draft="{location}")
+print(model.generate("Hello!", max_new_tokens=64).text)
+```
+"""
+
+
 def load_drafter(
     path_or_repo_id: str | Path, target: Target, revision: str | None = None,
     tree: Tree | DynamicTree | Sequence[Sequence[int]] | None = None,

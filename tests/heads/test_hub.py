@@ -362,3 +362,34 @@ def test_bench_reads_the_model_and_drafts_at_their_hub_revisions(chat, hub, tmp_
     assert summary["meta"]["revision"] == "v2" and summary["meta"]["draft_revision"] == "exp"
     assert {row["method"] for row in summary["rows"]} >= {"plain", "tiny-heads"}
     assert cli.main(argv + ["--resume"]) == 2  # main has no model: the revision was not ignored
+
+
+def test_a_layer_skip_config_is_published_and_drafts_by_repo_id(chat, hub, tmp_path, capsys):
+    """A searched skip set has no weights: config.json and its card go up, and `--draft owner/name` decodes with it,
+    token-identical to plain greedy decoding. A policy (arms named by local paths) is refused, saying why."""
+    from selfspec.layerskip import LayerSkipConfig
+
+    model, tokenizer = chat
+    config = LayerSkipConfig(base_model="tiny-chat", num_hidden_layers=2, skip_layers=(1,), draft_depth=3,
+                             measured={"mean_accepted": 1.5, "tokens_per_s": 30.0, "plain_tokens_per_s": 20.0})
+    config.save(tmp_path / "skip")
+    assert publish_cli.main([str(tmp_path / "skip"), "tester/skip", "--dry-run"]) == 0
+    assert "config.json" in capsys.readouterr().out
+    assert publish_cli.main([str(tmp_path / "skip"), "tester/skip"]) == 0
+    stored = hub.files("tester/skip")
+    assert set(stored) == {".gitattributes", "config.json", "README.md"}
+    card = stored["README.md"].decode()
+    assert "skipping layers\n[1] of 2" in card and "1.50x" in card and 'draft="tester/skip"' in card
+    assert LayerSkipConfig.load("tester/skip") == config
+
+    drafter = build_drafter(parse_draft("tester/skip"), Target(model))
+    tokens, _ = decode(model, tokenizer, drafter)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "write a short story about the sea"}],
+                                        add_generation_prompt=True, return_tensors="pt")["input_ids"]
+    plain = model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert tokens == plain[:len(tokens)] and len(tokens) == 24
+
+    (tmp_path / "policy").mkdir()
+    (tmp_path / "policy" / "config.json").write_text('{"draft_type": "policy", "arms": ["ngram", "none"]}')
+    assert publish_cli.main([str(tmp_path / "policy"), "tester/policy"]) == 2
+    assert "draft_type 'policy'; heads.publish publishes" in capsys.readouterr().err
