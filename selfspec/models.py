@@ -9,7 +9,6 @@ safetensors; later loads read that directory. The cache lives in ``$SELFSPEC_CAC
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import shutil
@@ -23,6 +22,11 @@ from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, Aut
                           PreTrainedTokenizerBase)
 
 from selfspec import hf
+
+try:
+    import fcntl
+except ImportError:  # not POSIX (Windows): builds are not serialised there
+    fcntl = None
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +63,9 @@ def build_lock(final: Path):
     final.parent.mkdir(parents=True, exist_ok=True)
     locks = cache_dir() / "locks"
     locks.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        yield
+        return
     with open(locks / f"{final.parent.name}-{final.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
