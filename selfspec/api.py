@@ -15,6 +15,7 @@ or a transformers peer such as ``prompt_lookup_num_tokens=10``) and reports the 
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -145,6 +146,19 @@ class StepCounter(BaseStreamer):
         return None
 
 
+UNAPPLIED = {"no_repeat_ngram_size": 0, "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+             "min_length": 0, "min_new_tokens": 0, "forced_bos_token_id": None, "forced_eos_token_id": None,
+             "sequence_bias": None, "exponential_decay_length_penalty": None, "epsilon_cutoff": 0.0,
+             "eta_cutoff": 0.0, "typical_p": 1.0, "min_p": None, "watermarking_config": None}
+"""logits processors a generation config may ask for that selfspec does not apply, with their neutral values."""
+
+
+def unapplied_processors(generation_config: Any) -> dict[str, Any]:
+    """The settings of ``generation_config`` that model.generate would apply and selfspec does not."""
+    found = {k: getattr(generation_config, k, None) for k in UNAPPLIED}
+    return {k: v for k, v in found.items() if v is not None and v != UNAPPLIED[k] and v != []}
+
+
 class SpecModel:
     """A target model, its tokenizer and a drafter; decoding is always lossless (exact acceptance)."""
 
@@ -157,6 +171,13 @@ class SpecModel:
         if eos is None:
             eos = tokenizer.eos_token_id
         self.eos_token_id: list[int] = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        # the checkpoint's own repetition penalty, as model.generate applies it (Qwen2.5's instruct models: 1.05)
+        self.repetition_penalty = float(model.generation_config.repetition_penalty or 1.0)
+        unapplied = unapplied_processors(model.generation_config)
+        if unapplied:
+            warnings.warn(f"the generation config of {name or 'this model'} asks for "
+                          f"{', '.join(f'{k}={v!r}' for k, v in unapplied.items())}, which selfspec does not apply: "
+                          "its output can differ from model.generate's", stacklevel=2)
 
     # ---------------------------------------------------------------------------------------------------- prompts
     def encode(self, prompt: Prompt, chat: bool = True) -> torch.Tensor:
@@ -180,11 +201,17 @@ class SpecModel:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     # --------------------------------------------------------------------------------------------------- decoding
+    def _sampling(self, temperature: float, top_p: float, top_k: int, repetition_penalty: float | None) -> Sampling:
+        penalty = self.repetition_penalty if repetition_penalty is None else repetition_penalty
+        return Sampling(temperature=temperature, top_p=top_p, top_k=top_k, repetition_penalty=penalty)
+
     def stream(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-               top_k: int = 0, seed: int | None = None, chat: bool = True) -> TextStream:
-        """Text pieces as they are accepted; the returned TextStream holds .text, .tokens and .stats afterwards."""
+               top_k: int = 0, seed: int | None = None, chat: bool = True,
+               repetition_penalty: float | None = None) -> TextStream:
+        """Text pieces as they are accepted; the returned TextStream holds .text, .tokens and .stats afterwards.
+        repetition_penalty: None takes the model's generation config's (as ``model.generate``), 1.0 is off."""
         ids = self.encode(prompt, chat)
-        sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k)
+        sampling = self._sampling(temperature, top_p, top_k, repetition_penalty)
         generator = None
         if seed is not None:
             generator = torch.Generator(device=self.target.device).manual_seed(seed)
@@ -193,10 +220,11 @@ class SpecModel:
         return TextStream(steps, self.tokenizer)
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | None = None, chat: bool = True) -> Result:
-        """Generate to the end; the text is decoded once, after timing stops."""
+                 top_k: int = 0, seed: int | None = None, chat: bool = True,
+                 repetition_penalty: float | None = None) -> Result:
+        """Generate to the end; the text is decoded once, after timing stops. repetition_penalty as ``stream``."""
         ids = self.encode(prompt, chat)
-        sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k)
+        sampling = self._sampling(temperature, top_p, top_k, repetition_penalty)
         generator = None if seed is None else torch.Generator(device=self.target.device).manual_seed(seed)
         tokens: list[int] = []
         lengths: list[int] = []
@@ -211,12 +239,14 @@ class SpecModel:
 
     @torch.inference_mode()
     def generate_plain(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-                       top_k: int = 0, seed: int | None = None, chat: bool = True, **hf_kwargs: Any) -> Result:
+                       top_k: int = 0, seed: int | None = None, chat: bool = True,
+                       repetition_penalty: float | None = None, **hf_kwargs: Any) -> Result:
         """The same request through transformers' ``model.generate`` (extra kwargs, e.g. prompt_lookup_num_tokens=10,
         go to it). accept_lengths are the tokens each of its steps added, as its streamer sees them."""
         ids = self.encode(prompt, chat)[None]  # [1, T]
         sample = temperature > 0
-        kwargs: dict[str, Any] = dict(do_sample=sample, max_new_tokens=max_new_tokens)
+        penalty = self._sampling(temperature, top_p, top_k, repetition_penalty).repetition_penalty
+        kwargs: dict[str, Any] = dict(do_sample=sample, max_new_tokens=max_new_tokens, repetition_penalty=penalty)
         if sample:
             kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
             if seed is not None:

@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="0 = greedy (default, exact); > 0 samples, with the same distribution as plain sampling")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep tokens up to this mass (1.0 = off)")
     p.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens (0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="transformers' repetition penalty, greedy or sampled (1.0 = off; default: the model's "
+                        "generation config's, as its generate applies it)")
     p.add_argument("--seed", type=int, default=None, help="random seed, for repeatable sampling")
     p.add_argument("--dtype", default="float32", help="float32/fp32 (default), bfloat16/bf16 or float16/fp16")
     p.add_argument("--compare", action="store_true",
@@ -155,7 +158,8 @@ def _split(text: str) -> tuple[str, ...]:
 
 def _start(model: api.SpecModel, prompt: api.Prompt, args: argparse.Namespace) -> api.TextStream:
     return model.stream(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                        top_k=args.top_k, seed=args.seed, chat=not args.no_chat)
+                        top_k=args.top_k, seed=args.seed, chat=not args.no_chat,
+                        repetition_penalty=args.repetition_penalty)
 
 
 def _reply(model: api.SpecModel, prompt: api.Prompt, args: argparse.Namespace, out: TextIO, err: TextIO,
@@ -181,7 +185,8 @@ def _show(stream: api.TextStream, out: TextIO) -> None:
 
 def _compare(model: api.SpecModel, args: argparse.Namespace, spec: api.TextStream, err: TextIO) -> None:
     plain = model.generate_plain(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=not args.no_chat)
+                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=not args.no_chat,
+                                 repetition_penalty=args.repetition_penalty)
     err.write(f"[plain generate] {plain.stats}\n")
     err.write(f"[compare] speed-up {spec.stats.tokens_per_s / plain.stats.tokens_per_s:.2f}x; ")
     if args.temperature > 0:

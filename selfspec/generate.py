@@ -3,7 +3,8 @@
     prompt ─ 1. prefill ─▶ root token x0 (the target's own)
     loop:    2. draft      drafter.draft(state)            → tree of N candidates rooted at the last token
              3. verify     target.verify(tree)             → logits [N, V], hidden [N, D]   (one forward)
-             4. accept     greedy / lossless sampling      → accepted path + bonus token
+             4. accept     greedy / lossless sampling      → accepted path + bonus token (each node's scores
+                                                               penalised for its own text, with a repetition penalty)
              5. commit     cache keeps root + accepted path, drops the rest
              6. update     drafter.update(draft, acceptance)
              7. emit       accepted drafts + bonus, cut at EOS and max_new_tokens (where plain decoding stops)
@@ -21,7 +22,7 @@ import torch
 
 from selfspec.accept import Acceptance, greedy_accept, sample_accept, typical_accept
 from selfspec.drafter import Drafter, DraftState, LayerStates
-from selfspec.sampling import Sampling, next_token, process_logits
+from selfspec.sampling import Sampling, next_token, penalize_repeats, process_logits, repeat_mask
 from selfspec.target import Target
 
 AcceptRule = Literal["exact", "typical"]
@@ -114,7 +115,10 @@ def stream(
     # 1. prefill: the prompt in one causal forward; the target's own first token becomes the root
     t0 = time.perf_counter()
     pre = target.prefill(prompt, cache)
-    root = next_token(pre.logits[-1], sampling, generator)
+    last = pre.logits[-1:]  # [1, V]
+    if sampling.repetition_penalty != 1.0:
+        last = penalize_repeats(last, repeat_mask(prompt, last.shape[-1]), sampling.repetition_penalty)
+    root = next_token(last[0], sampling, generator)
     sync()
     tokens = torch.cat([prompt, prompt.new_tensor([root])])  # [T]
     hidden, new_hidden = pre.hidden[-1], pre.hidden  # [D], [T, D]
@@ -143,12 +147,17 @@ def stream(
         sync()
         verify_s = time.perf_counter() - t_verify
 
-        # 4. accept: the longest path the target agrees with, plus the target's own next token
+        # 4. accept: the longest path the target agrees with, plus the target's own next token (scores penalised for
+        #    the tokens before each node, where a repetition penalty is asked for)
+        logits = out.logits  # [N, V]
+        if sampling.repetition_penalty != 1.0:
+            seen = repeat_mask(tokens, logits.shape[-1], draft.tree, draft.tokens)
+            logits = penalize_repeats(logits, seen, sampling.repetition_penalty)
         acc: Acceptance
         if sampling.greedy:
-            acc = greedy_accept(draft.tree, draft.tokens, out.logits)
+            acc = greedy_accept(draft.tree, draft.tokens, logits)
         else:
-            p_target = process_logits(out.logits, sampling)  # [N, V]
+            p_target = process_logits(logits, sampling)  # [N, V]
             if accept_rule == "exact":
                 acc = sample_accept(draft.tree, draft.tokens, p_target, draft.q, generator)
             else:

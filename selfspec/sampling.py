@@ -1,7 +1,11 @@
 """How a next-token distribution is drawn from logits: one function for speculative and plain decoding alike.
 
-The order and the tie rules match transformers' logits warpers (temperature, then top-k, then top-p), so sampling
-through selfspec and ``model.generate(do_sample=True, ...)`` draw from the same distribution; a test pins this.
+The order and the tie rules match transformers' logits processors (the repetition penalty, then temperature, top-k
+and top-p), so greedy and sampled decoding through selfspec and ``model.generate(...)`` pick from the same scores;
+tests pin this. The repetition penalty depends on the text before each position: in a tree, each node's text is the
+committed tokens and the drafts on its path (``repeat_mask``).
+
+Shapes: T committed tokens, N tree nodes, V vocabulary.
 """
 
 from __future__ import annotations
@@ -9,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from selfspec.tree import Tree
 
 
 @dataclass(frozen=True)
@@ -21,9 +27,13 @@ class Sampling:
     """keep only the k most likely tokens (0 = off)."""
     top_p: float = 1.0
     """keep the smallest set of tokens whose probability reaches top_p (1.0 = off)."""
+    repetition_penalty: float = 1.0
+    """transformers' repetition penalty (CTRL): the logits of tokens already in the text (the prompt included) are
+    divided by it, multiplied where negative, before anything else; greedy decoding too. 1.0 = off."""
 
     def __post_init__(self) -> None:
-        for name, types in (("temperature", (int, float)), ("top_k", (int,)), ("top_p", (int, float))):
+        for name, types in (("temperature", (int, float)), ("top_k", (int,)), ("top_p", (int, float)),
+                            ("repetition_penalty", (int, float))):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, types):
                 expected = "an int" if types == (int,) else "a number"
@@ -34,10 +44,33 @@ class Sampling:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0 (1.0 = off), got {self.repetition_penalty}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def repeat_mask(text: torch.Tensor, vocab: int, tree: Tree | None = None,
+                tree_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """The tokens already in the text before each next token: text [T] -> bool [1, V]; with a tree rooted at the
+    text's last token and its tokens [N] -> bool [N, V], row i adding the drafts on the path to node i."""
+    seen = torch.zeros(1, vocab, dtype=torch.bool, device=text.device)
+    seen[0, text] = True
+    if tree is None:
+        return seen
+    seen = seen.expand(len(tree), vocab).clone()
+    node, ancestor = tree.ancestor_mask.to(text.device).nonzero(as_tuple=True)  # node i, then each j on its path
+    seen[node, tree_tokens[ancestor]] = True
+    return seen
+
+
+def penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """logits [N, V], seen bool [N, V] (``repeat_mask``) -> float32 logits [N, V] with the repetition penalty applied
+    as transformers applies it (on float32 scores: divided where positive, multiplied where negative)."""
+    scores = logits.float()
+    return torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
 
 
 def process_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:

@@ -47,6 +47,39 @@ def test_stops_at_eos_where_generate_stops(ngram):
     assert out.tokens == plain.tokens == full[: stop + 1]
 
 
+def test_the_model_generation_configs_repetition_penalty_is_applied_as_generate_applies_it(model_dir):
+    """A checkpoint whose generation config asks for a repetition penalty (Qwen2.5's instruct models: 1.05):
+    selfspec's greedy output is what model.generate(do_sample=False) gives with nothing else passed, and so is the
+    plain decoding it is compared with; an explicit repetition_penalty=1.0 turns it off for both."""
+    m = api.load(str(model_dir), draft="ngram:depth=4,max_nodes=8")
+    ids = m.encode(PROMPTS[1])
+    before = m.generate(ids, max_new_tokens=40).tokens
+    m.model.generation_config.repetition_penalty = 1.5
+    try:
+        m = api.SpecModel(m.target, m.tokenizer, m.drafter, str(model_dir))
+        expected = m.model.generate(ids[None], attention_mask=torch.ones_like(ids[None]), do_sample=False,
+                                    max_new_tokens=40)[0, ids.shape[0]:].tolist()
+        out = m.generate(ids, max_new_tokens=40)
+        assert out.tokens == expected == m.generate_plain(ids, max_new_tokens=40).tokens
+        assert expected != before  # the penalty changes this answer
+        assert m.generate(ids, max_new_tokens=40, repetition_penalty=1.0).tokens == before
+        assert m.generate_plain(ids, max_new_tokens=40, repetition_penalty=1.0).tokens == before
+    finally:
+        m.model.generation_config.repetition_penalty = 1.0
+
+
+def test_generation_config_processors_selfspec_does_not_apply_are_named(ngram, recwarn):
+    config = ngram.model.generation_config
+    config.no_repeat_ngram_size, config.min_length = 3, 0  # 0: the neutral value older configs save
+    try:
+        with pytest.warns(UserWarning, match=r"asks for no_repeat_ngram_size=3, which selfspec does not apply"):
+            api.SpecModel(ngram.target, ngram.tokenizer, ngram.drafter, "m")
+    finally:
+        config.no_repeat_ngram_size = None
+    api.SpecModel(ngram.target, ngram.tokenizer, ngram.drafter, "m")
+    assert not [w for w in recwarn if "selfspec does not apply" in str(w.message)]
+
+
 def test_generate_plain_peers_and_step_counts(ngram):
     plain = ngram.generate_plain(PROMPTS[0], max_new_tokens=24)
     assert plain.stats.accept_lengths == (1,) * 24

@@ -108,6 +108,8 @@ def test_not_a_causal_lm(make, message):
         (dict(temperature="0.8"), TypeError, r"temperature must be a number, got str '0.8'"),
         (dict(temperature=0.8, top_k=2.5), TypeError, r"top_k must be an int, got float 2.5"),
         (dict(temperature=0.8, top_p=True), TypeError, r"top_p must be a number, got bool True"),
+        (dict(repetition_penalty=0.0), ValueError, r"repetition_penalty must be > 0 \(1.0 = off\), got 0.0"),
+        (dict(repetition_penalty=float("nan")), ValueError, r"repetition_penalty must be > 0 \(1.0 = off\), got nan"),
     ],
 )
 def test_bad_sampling(kwargs, error, message):

@@ -203,12 +203,20 @@ def sliding_world():
     return world(model)
 
 
-def world(model) -> tuple[Target, dict]:
+def world(model, penalty: float = 1.0) -> tuple[Target, dict]:
     """(Target, the exact joint of the first three sampled tokens after PROMPT, from full forwards without a cache)."""
     grid = torch.cartesian_prod(torch.arange(V_LOOP), torch.arange(V_LOOP))  # [V*V, 2] every (x1, x2)
     ids = torch.cat([PROMPT.expand(grid.shape[0], -1), grid], dim=1)  # [V*V, T + 2]
     with torch.inference_mode():
-        probs = process_logits(model(ids).logits[:, -3:], SAMPLING)  # [V*V, 3, V]
+        logits = model(ids).logits[:, -3:].float()  # [V*V, 3, V]
+    logits = logits.clone()  # a normal tensor (inference tensors cannot be updated in place outside inference mode)
+    if penalty != 1.0:  # each position penalised for the text before it, by transformers' own processor
+        from transformers import RepetitionPenaltyLogitsProcessor
+
+        rule = RepetitionPenaltyLogitsProcessor(penalty)
+        for k in range(3):
+            logits[:, k] = rule(ids[:, : ids.shape[1] - 2 + k], logits[:, k].clone())
+    probs = process_logits(logits, SAMPLING)  # [V*V, 3, V]
     p1 = probs[0, 0]  # [V]
     p2 = probs[::V_LOOP, 1]  # [V, V] row x1
     p3 = probs[:, 2].reshape(V_LOOP, V_LOOP, V_LOOP)  # [x1, x2, x3]
@@ -217,11 +225,11 @@ def world(model) -> tuple[Target, dict]:
     return Target(model), exact
 
 
-def _loop_counts(target: Target, make_drafter: Callable, n: int, seed: int) -> Counter:
+def _loop_counts(target: Target, make_drafter: Callable, n: int, seed: int, sampling: Sampling = SAMPLING) -> Counter:
     counts: Counter = Counter()
     drafter = make_drafter()
     for i in range(n):
-        out = generate(target, drafter, PROMPT, 4, sampling=SAMPLING, generator=torch.Generator().manual_seed(seed + i))
+        out = generate(target, drafter, PROMPT, 4, sampling=sampling, generator=torch.Generator().manual_seed(seed + i))
         counts[tuple(out.tokens[:3])] += 1
     return counts
 
@@ -304,6 +312,29 @@ def test_loop_sampling_beyond_a_sliding_window_keeps_the_target_distribution(sli
     counts = _loop_counts(target, make, n, seed=2000)
     assert goodness_of_fit(counts, exact, n) > ALPHA
     assert len(counts) >= 15
+
+
+@pytest.fixture(scope="module")
+def penalised_world():
+    """The loop world's model with a repetition penalty of 4 (a vocabulary of 8 repeats often: it matters here)."""
+    return world(tiny_model("llama", vocab=V_LOOP, initializer_range=0.3, seed=1), penalty=4.0)
+
+
+@pytest.mark.parametrize("drafter", ["sampled-q", "random-deterministic"])
+def test_loop_sampling_with_a_repetition_penalty_keeps_the_target_distribution(penalised_world, loop_world, drafter):
+    """With repetition_penalty, every tree node's distribution is penalised for the tokens on its own path: the joint
+    of the first three tokens equals plain sampling with transformers' penalty, and differs from the joint without.
+    (Penalising a node for the committed text only, not its own path, fails the random-deterministic check:
+    p ~ 3e-8.)"""
+    target, exact = penalised_world
+    q_by_depth = torch.softmax(torch.randn(2, V_LOOP, generator=torch.Generator().manual_seed(5)), -1)
+    make = {"sampled-q": lambda: SampledTreeDrafter(TREE, q_by_depth, seed=3),
+            "random-deterministic": lambda: RandomDrafter(TREE, V_LOOP, seed=3)}
+    n = 1000
+    sampling = Sampling(temperature=SAMPLING.temperature, top_p=SAMPLING.top_p, repetition_penalty=4.0)
+    counts = _loop_counts(target, make[drafter], n, seed=3000, sampling=sampling)
+    assert goodness_of_fit(counts, exact, n) > ALPHA
+    assert goodness_of_fit(counts, loop_world[1], n) < ALPHA  # the penalty changed the distribution, visibly
 
 
 def test_loop_check_catches_a_wrong_rule(loop_world, monkeypatch):

@@ -30,7 +30,8 @@ def test_help_explains_every_option():
     result = infer("--help")
     assert result.returncode == 0
     for option in ("--model", "--draft", "--tree", "--prompt", "--temperature", "--top-p", "--top-k", "--seed",
-                   "--max-new-tokens", "--dtype", "--compare", "chain:K", ".gguf", "interactive", "bench", "costs"):
+                   "--repetition-penalty", "--max-new-tokens", "--dtype", "--compare", "chain:K", ".gguf", "interactive",
+                   "bench", "costs"):
         assert option in result.stdout, option
 
 
