@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     model, _ = load_model(a.model or config.base_model, dtype=a.dtype)
     sizes = tuple(n for n in (1, 2, 4, 8, 16, 32, 48, 64, 96, 128) if n <= a.max_nodes + 1) + (a.max_nodes + 1,)
-    costs = {c.nodes: c.median_ms for c in verify_costs(Target(model), sizes=tuple(sorted(set(sizes))), repeats=a.repeats)}
+    rows = verify_costs(Target(model), sizes=tuple(sorted(set(sizes))), repeats=a.repeats, progress=True)
+    costs = {c.nodes: c.median_ms for c in rows}
     choices, rate = fastest_choices(config.head_accuracy, costs, a.max_nodes)
     heads = MedusaHeads.from_pretrained(a.checkpoint, model)
     old = heads.config.tree or []

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+from tqdm import tqdm
 
 from selfspec.accept import Acceptance
 from selfspec.costs import verify_costs
@@ -73,7 +74,7 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def cached_verify_costs(target, model_id: str, refresh: bool = False, context: int = 256,
-                        repeats: int = 10) -> dict[int, float]:
+                        repeats: int = 10, progress: bool = False) -> dict[int, float]:
     """{nodes: median verify ms} for SIZES on this machine, read from the cache or measured once and stored."""
     key = machine_key(target, model_id)
     path = _cache_file("verify", key)
@@ -81,7 +82,7 @@ def cached_verify_costs(target, model_id: str, refresh: bool = False, context: i
         data = json.loads(path.read_text())
         if data.get("key") == key and data.get("timing") == TIMING:  # curves timed size by size are measured again
             return {int(n): ms for n, ms in data["median_ms"].items()}
-    rows = verify_costs(target, sizes=SIZES, context=context, repeats=repeats)
+    rows = verify_costs(target, sizes=SIZES, context=context, repeats=repeats, progress=progress)
     curve = {r.nodes: r.median_ms for r in rows}
     _write_json(path, {"key": key, "context": context, "timing": TIMING, "median_ms": curve})
     return curve
@@ -162,16 +163,19 @@ class Tuning:
 
 
 def tune(target, make_drafter: Callable[[int, int], Drafter], prompts: Sequence[torch.Tensor], curve: dict[int, float],
-         depths: Sequence[int], budgets: Sequence[int], max_new_tokens: int = 64) -> Tuning:
+         depths: Sequence[int], budgets: Sequence[int], max_new_tokens: int = 64, progress: bool = False) -> Tuning:
     """Record one greedy decode per depth at the largest budget; predict tokens/s for every (depth, budget)."""
     big = max(budgets)
     generate(target, NoDrafter(), prompts[0], 2)  # warm-up
     table, ratios = [], []
+    bar = tqdm(total=len(depths) * len(prompts), desc="calibrating", unit="decode", disable=not progress, leave=False)
     for d in depths:
         recorder = _Recorder(make_drafter(d, big))
         other = []
         for prompt in prompts:
+            bar.set_postfix_str(f"depth {d}")
             out = generate(target, recorder, prompt, max_new_tokens)
+            bar.update()
             other += [s.other_s for s in out.steps[1:]]
             ratios += [1000 * s.verify_s / interpolate(curve, s.tree_size) for s in out.steps[1:]]
         records = recorder.steps
@@ -180,6 +184,7 @@ def tune(target, make_drafter: Callable[[int, int], Drafter], prompts: Sequence[
             gains = [accepted_at(scores, dep, path, n, d) for scores, dep, path in records]
             acc = sum(gains) / max(len(gains), 1)
             table.append(Choice(depth=d, budget=n, accepted=acc, step_ms=interpolate(curve, n + 1) + other_ms))
+    bar.close()
     best = max(table, key=lambda c: c.tokens_per_s)
     return Tuning(best=best, plain_ms=curve[1], table=table, verify_ratio=statistics.median(ratios or [1.0]))
 

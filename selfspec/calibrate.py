@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Sequence, TextIO
 
 import torch
+from tqdm import tqdm
 
 from selfspec import hf, registry
 from selfspec.drafter import NoDrafter, verifier_for
@@ -46,19 +47,23 @@ class ExitRow:
 
 def sweep_exit_layers(target: Target, prompts: Sequence[torch.Tensor], layers: Sequence[int], depth: int = 4,
                       exit_heads: Sequence[str] = (), max_new_tokens: int = 64,
-                      draft_revision: str | None = None) -> list[ExitRow]:
+                      draft_revision: str | None = None, progress: bool = False) -> list[ExitRow]:
     """Plain decoding once, then early exit at each E in ``layers`` and each exit-head checkpoint (Hub ids at
     ``draft_revision``), on ``prompts``."""
     num_layers = len(hf.decoder_layers(target.model))
     for e in layers:
         check_exit_layer(e, num_layers)
     generate(target, NoDrafter(), prompts[0], 2)  # warm-up: first-call costs stay out of every measurement
+    bar = tqdm(total=1 + len(layers) + len(exit_heads), desc="sweep-exit", unit="draft", disable=not progress,
+               leave=False)
     plain = measure(target, NoDrafter(), prompts, max_new_tokens)
+    bar.update()
     rows = []
     for e in layers:
         drafter = EarlyExitDrafter(target, e, depth=depth)
         rows.append(ExitRow(e, "early-exit", measure(verifier_for(drafter, target), drafter, prompts, max_new_tokens),
                             plain))
+        bar.update()
     for ckpt in exit_heads:
         drafter = registry.build_drafter(registry.parse_draft(ckpt, draft_revision), target)
         if not isinstance(drafter, EarlyExitDrafter):
@@ -66,6 +71,8 @@ def sweep_exit_layers(target: Target, prompts: Sequence[torch.Tensor], layers: S
                              "'exit-head', from train.py with method=exit_head)")
         rows.append(ExitRow(drafter.exit_layer, ckpt,
                             measure(verifier_for(drafter, target), drafter, prompts, max_new_tokens), plain))
+        bar.update()
+    bar.close()
     return rows
 
 
@@ -89,6 +96,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, default=4, help="calibration prompts (1..8, default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="per prompt (default: %(default)s)")
     p.add_argument("--depth", type=int, default=4, help="draft tokens per step (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _allow_other_base(p: argparse.ArgumentParser) -> None:
@@ -128,7 +136,7 @@ def run_sweep_cli(argv: Sequence[str], out: TextIO) -> int:
     target = Target(model)
     rows = sweep_exit_layers(target, [p.to(target.device) for p in calibration_inputs(tokenizer, a.prompts)], layers,
                              depth=a.depth, exit_heads=heads, max_new_tokens=a.max_new_tokens,
-                             draft_revision=a.draft_revision)
+                             draft_revision=a.draft_revision, progress=not a.no_progress)
     table = format_exit_rows(rows)
     out.write(f"{a.model} {a.dtype}, {a.prompts} calibration prompts x {a.max_new_tokens} tokens, chain of {a.depth}:\n"
               f"{table}\n")
@@ -164,7 +172,7 @@ def run_search_cli(argv: Sequence[str], out: TextIO) -> int:
     prompts = [p.to(target.device) for p in calibration_inputs(tokenizer, a.prompts)]
     result = search_skip_layers(target, prompts, depth=a.depth, stop_below=a.stop_below,
                                 max_new_tokens=a.max_new_tokens, per_round=a.per_round or None, patience=a.patience,
-                                seed=a.seed)
+                                seed=a.seed, progress=not a.no_progress)
     name = Path(a.model.rstrip("/")).name if Path(a.model).expanduser().is_dir() else a.model
     config = result.config(name, len(hf.decoder_layers(model)), a.depth, a.stop_below)
     config.save(a.out)
@@ -228,9 +236,9 @@ def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
     else:
         raise TypeError(f"{a.draft} built a {type(drafter).__name__}; tune-tree expected EAGLE, Medusa or Hydra heads, "
                         "an exit head or a layer-skip draft")
-    curve = budget.cached_verify_costs(target, a.model, refresh=a.refresh_costs)
+    curve = budget.cached_verify_costs(target, a.model, refresh=a.refresh_costs, progress=not a.no_progress)
     prompts = [p.to(target.device) for p in calibration_inputs(tokenizer, a.prompts)]
-    tuning = budget.tune(target, make, prompts, curve, depths, budgets, a.max_new_tokens)
+    tuning = budget.tune(target, make, prompts, curve, depths, budgets, a.max_new_tokens, progress=not a.no_progress)
     if tuning.busy:
         out.write(f"{budget.format_tuning(tuning)}\n\nerror: nothing cached for --tree auto. This run's verifications "
                   f"took {tuning.verify_ratio:.1f}x the time the cached verify costs say (one-token step "

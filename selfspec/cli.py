@@ -136,6 +136,7 @@ def build_costs_parser() -> argparse.ArgumentParser:
                    help="MT-bench first turns decoded with --loop-draft to measure the loop's overhead (0 = skip)")
     p.add_argument("--loop-draft", default="ngram", help="the draft used for the overhead measurement")
     p.add_argument("--loop-tokens", type=int, default=64, help="new tokens per overhead prompt")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
@@ -271,7 +272,8 @@ def run_costs_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
         model, tokenizer = load_model(a.model, dtype=dtype, revision=a.revision, device=a.device)
         target = Target(model)
         out.write(f"\n{a.model} {dtype}, cache of {a.context} tokens, median of {a.repeats}:\n")
-        out.write(format_costs(verify_costs(target, sizes=sizes, context=a.context, repeats=a.repeats)) + "\n")
+        costs = verify_costs(target, sizes=sizes, context=a.context, repeats=a.repeats, progress=not a.no_progress)
+        out.write(format_costs(costs) + "\n")
         if questions:
             drafter = registry.build_drafter(draft, target)
             spec_model = api.SpecModel(target, tokenizer, drafter, a.model)

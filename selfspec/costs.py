@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from selfspec import hf
 from selfspec.drafter import Drafter
@@ -32,7 +33,7 @@ class VerifyCost:
 
 def verify_costs(
     target: Target, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), context: int = 256, repeats: int = 20,
-    warmup: int = 3, seed: int = 0,
+    warmup: int = 3, seed: int = 0, progress: bool = False,
 ) -> list[VerifyCost]:
     """Median wall time of ``target.verify`` for a tree of each size over a cache of ``context`` tokens (fewer where
     the model holds fewer positions).
@@ -50,7 +51,7 @@ def verify_costs(
     trees = {n: Tree.chain(n - 1) if n <= 2 else Tree.from_parents([-1] + [0] * (n - 1)) for n in sizes}
     tokens = {n: torch.randint(0, target.vocab_size, (n,), generator=g).to(target.device) for n in sizes}
     times: dict[int, list[float]] = {n: [] for n in sizes}
-    for i in range(warmup + repeats):
+    for i in tqdm(range(warmup + repeats), desc="verify costs", unit="round", disable=not progress, leave=False):
         for n in sizes:
             t0 = time.perf_counter()
             target.verify(trees[n], tokens[n], cache)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from selfspec import hf
@@ -118,12 +119,14 @@ def search_skip_layers(
     patience: int = 1,
     seed: int = 0,
     score: Score | None = None,
+    progress: bool = False,
 ) -> SearchResult:
     """Greedy forward search for the skip set with the most tokens per second.
 
     candidates: the layers that may be skipped (default: all). max_skip: the largest set tried (default: all but one
     layer). per_round: try only this many random candidates per round (default: all). score: measures a skip set
     (default: ``measure`` with a ``LayerSkipDrafter`` of ``depth`` / ``stop_below`` on ``prompts``); tests pass their own.
+    progress: a progress bar of the trials (stderr), with the best skip set so far.
     """
     num_layers = len(hf.decoder_layers(target.model))
     pool = sorted({int(i) for i in (range(num_layers) if candidates is None else candidates)})
@@ -148,18 +151,24 @@ def search_skip_layers(
     current: tuple[int, ...] = ()
     best: tuple[tuple[int, ...], Measurement] | None = None
     stale = 0
+    bar = tqdm(desc="search-skip", unit="trial", disable=not progress, leave=False)
     while len(current) < max_skip:
         options = [i for i in pool if i not in current]
         if per_round is not None and len(options) > per_round:
             options = sorted(rng.sample(options, per_round))
-        measured = [(skip, score(skip)) for skip in (tuple(sorted(current + (i,))) for i in options)]
+        measured = []
+        for skip in (tuple(sorted(current + (i,))) for i in options):
+            measured.append((skip, score(skip)))
+            bar.update()
         trials.extend(measured)
         current, fastest = max(measured, key=lambda t: t[1].tokens_per_s)  # first fastest on ties
         if best is None or fastest.tokens_per_s > best[1].tokens_per_s:
             best, stale = (current, fastest), 0
+            bar.set_postfix_str(f"best skip {list(current)}: {fastest.tokens_per_s / plain.tokens_per_s:.2f}x plain")
         else:
             stale += 1
             if stale >= patience:
                 break
+    bar.close()
     assert best is not None  # max_skip >= 1: at least one round ran
     return SearchResult(skip_layers=best[0], best=best[1], plain=plain, trials=tuple(trials))

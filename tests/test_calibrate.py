@@ -22,7 +22,8 @@ def test_sweep_measures_plain_early_exit_per_layer_and_exit_heads(model_dir, tmp
     assert cli.main(["sweep-exit", "--model", str(model_dir), "--dtype", "float32", "--layers", "1",
                      "--exit-heads", str(tmp_path / "exit1"), "--prompts", "2", "--max-new-tokens", "6",
                      "--out", str(tmp_path / "sweep")]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "sweep-exit" in err and "3/3" in err  # a progress bar over plain, each exit layer and each exit head
     rows = [line.split("|")[1:3] for line in out.splitlines() if line.startswith("| ") and "---" not in line]
     assert [[c.strip() for c in r] for r in rows] == [
         ["exit layer", "draft"], ["—", "plain"], ["1", "early-exit"], ["1", str(tmp_path / "exit1")]]
@@ -40,7 +41,9 @@ def test_search_writes_a_layer_skip_draft_that_decodes_losslessly(model_dir, tmp
     out_dir = tmp_path / "skip"
     assert cli.main(["search-skip", "--model", str(model_dir), "--dtype", "float32", "--prompts", "2",
                      "--max-new-tokens", "6", "--per-round", "0", "--patience", "1", "--out", str(out_dir)]) == 0
-    assert f"saved to {out_dir}" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert f"saved to {out_dir}" in printed.out
+    assert "search-skip" in printed.err and "trial" in printed.err and "best skip" in printed.err  # progress
     config = json.loads((out_dir / "config.json").read_text())
     assert config["skip_layers"] and config["measured"]["trials"] >= 1
     model, tokenizer = load_model(str(model_dir))
