@@ -81,6 +81,8 @@ class BenchConfig:
     """0: no top-k cut."""
     seed: int = 0
     """with sampling, every turn of every method is seeded with seed + 1000 * question_id + turn."""
+    repetition_penalty: float | None = None
+    """for every method, plain decoding included; None: the model's generation config's (as its generate)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.repeats < 1 or self.warmup_tokens < 0:
@@ -95,6 +97,8 @@ class BenchConfig:
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ValueError(f"expected temperature >= 0, 0 < top_p <= 1 and top_k >= 0, found temperature "
                              f"{self.temperature}, top_p {self.top_p}, top_k {self.top_k}")
+        if self.repetition_penalty is not None and not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1.0 = off), found {self.repetition_penalty}")
 
     @property
     def sampling(self) -> dict[str, Any] | None:
@@ -228,7 +232,8 @@ def _manifest(cfg: BenchConfig, questions: list[Question], methods: list[Method]
                 "dtypes": dtypes}
     if cfg.sampling is not None:  # greedy runs keep the manifest they always had (their logs stay resumable)
         manifest["sampling"] = cfg.sampling
-    manifest.update({k: v for k, v in (("revision", cfg.revision), ("draft_revision", cfg.draft_revision)) if v})
+    manifest.update({k: v for k, v in (("revision", cfg.revision), ("draft_revision", cfg.draft_revision),
+                                       ("repetition_penalty", cfg.repetition_penalty)) if v is not None})
     return manifest
 
 
@@ -287,6 +292,9 @@ def run_bench(cfg: BenchConfig) -> specbench.Summary:
         model, tokenizer = load_model(cfg.model, dtype=parse_dtype(dname), revision=cfg.revision, device=cfg.device)
         target = Target(model)
         runners[dname] = {m.label: _runner(m, target, tokenizer, cfg.model) for m in methods}
+        if cfg.repetition_penalty is not None:  # what generate and generate_plain default to
+            for runner in runners[dname].values():
+                runner.repetition_penalty = cfg.repetition_penalty
     # 3. warm-up (every resumed segment too: a fresh process is cold)
     if cfg.warmup_tokens:
         warm = Question(questions[0].question_id, questions[0].category, questions[0].turns[:1])

@@ -114,6 +114,9 @@ def build_bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold, with --temperature (1.0 = off)")
     p.add_argument("--top-k", type=int, default=0, help="top-k cut, with --temperature (0 = off)")
     p.add_argument("--seed", type=int, default=0, help="base sampling seed, with --temperature (default: 0)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="repetition penalty for every method, plain decoding included (default: the model's "
+                        "generation config's; 1.0 = off)")
     p.add_argument("--draft-revision", default=None, help="Hub revision of the draft checkpoints named by Hub id")
     p.add_argument("--allow-other-base", action="store_true", help="see infer.py --help")
     p.add_argument("--resume", action="store_true",
@@ -246,7 +249,7 @@ def run_bench_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
                       max_new_tokens=a.max_new_tokens, limit=a.limit, per_category=a.per_category, repeats=a.repeats,
                       warmup_tokens=a.warmup_tokens, device=a.device, allow_other_base=a.allow_other_base,
                       progress=not a.no_progress, resume=a.resume, temperature=a.temperature, top_p=a.top_p,
-                      top_k=a.top_k, seed=a.seed)
+                      top_k=a.top_k, seed=a.seed, repetition_penalty=a.repetition_penalty)
     try:
         summary = run_bench(cfg)
     except KeyboardInterrupt:

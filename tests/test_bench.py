@@ -340,6 +340,7 @@ def test_a_sampled_run_seeds_every_turn_alike_and_reports_no_identity(model_dir,
     (["--temperature", "-1"], "expected temperature >= 0, 0 < top_p <= 1 and top_k >= 0, found temperature -1.0"),
     (["--temperature", "1", "--top-p", "0"], "found temperature 1.0, top_p 0.0"),
     (["--temperature", "1", "--top-k", "-2"], "top_k -2"),
+    (["--repetition-penalty", "0"], "repetition_penalty must be > 0 (1.0 = off), found 0.0"),
 ])
 def test_bad_sampling_arguments_fail_before_any_model_loads(tmp_path, monkeypatch, capsys, model_dir, flags, message):
     monkeypatch.setattr(bench, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
@@ -348,3 +349,22 @@ def test_bad_sampling_arguments_fail_before_any_model_loads(tmp_path, monkeypatc
     assert cli.main([*argv, *flags]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_repetition_penalty_applies_to_every_method_plain_included(model_dir, tmp_path, capsys):
+    """--repetition-penalty: selfspec's greedy answers still equal plain decoding's (which gets the same penalty),
+    they differ from the answers without it, and the run records it (a resume without it is refused)."""
+    questions = write_questions(tmp_path / "q.jsonl", QUESTIONS)
+    argv = ["bench", "--model", str(model_dir), "--questions", str(questions), "--methods", "plain,ngram", "--dtype",
+            "fp32", "--max-new-tokens", "24", "--warmup-tokens", "0", "--no-progress"]
+    assert cli.main([*argv, "--out-dir", str(tmp_path / "off")]) == 0
+    assert cli.main([*argv, "--out-dir", str(tmp_path / "pen"), "--repetition-penalty", "1.5"]) == 0
+
+    def turns(run, method):
+        return [r["choices"][0]["turns"] for r in read_jsonl(tmp_path / run / f"model-{method}-float32.jsonl")]
+
+    assert turns("pen", "ngram") == turns("pen", "plain") != turns("off", "plain")
+    assert json.loads((tmp_path / "pen" / "summary.json").read_text())["meta"]["repetition_penalty"] == 1.5
+    capsys.readouterr()
+    assert cli.main([*argv, "--out-dir", str(tmp_path / "pen"), "--resume"]) == 2
+    assert "repetition_penalty" in capsys.readouterr().err
