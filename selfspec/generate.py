@@ -22,7 +22,7 @@ import torch
 
 from selfspec.accept import Acceptance, greedy_accept, sample_accept, typical_accept
 from selfspec.drafter import Drafter, DraftState, LayerStates
-from selfspec.sampling import Sampling, next_token, penalize_repeats, process_logits, repeat_mask
+from selfspec.sampling import Sampling, next_token, penalize_repeats, process_logits, repeated
 from selfspec.target import Target
 
 AcceptRule = Literal["exact", "typical"]
@@ -117,7 +117,7 @@ def stream(
     pre = target.prefill(prompt, cache)
     last = pre.logits[-1:]  # [1, V]
     if sampling.repetition_penalty != 1.0:
-        last = penalize_repeats(last, repeat_mask(prompt, last.shape[-1]), sampling.repetition_penalty)
+        last = penalize_repeats(last, repeated(prompt, last.shape[-1]), sampling.repetition_penalty)
     root = next_token(last[0], sampling, generator)
     sync()
     tokens = torch.cat([prompt, prompt.new_tensor([root])])  # [T]
@@ -151,7 +151,7 @@ def stream(
         #    the tokens before each node, where a repetition penalty is asked for)
         logits = out.logits  # [N, V]
         if sampling.repetition_penalty != 1.0:
-            seen = repeat_mask(tokens, logits.shape[-1], draft.tree, draft.tokens)
+            seen = repeated(tokens, logits.shape[-1], draft.tree, draft.tokens)
             logits = penalize_repeats(logits, seen, sampling.repetition_penalty)
         acc: Acceptance
         if sampling.greedy:

@@ -3,7 +3,7 @@
 The order and the tie rules match transformers' logits processors (the repetition penalty, then temperature, top-k
 and top-p), so greedy and sampled decoding through selfspec and ``model.generate(...)`` pick from the same scores;
 tests pin this. The repetition penalty depends on the text before each position: in a tree, each node's text is the
-committed tokens and the drafts on its path (``repeat_mask``).
+committed tokens and the drafts on its path (``repeated``).
 
 Shapes: T committed tokens, N tree nodes, V vocabulary.
 """
@@ -52,25 +52,34 @@ class Sampling:
         return self.temperature == 0.0
 
 
-def repeat_mask(text: torch.Tensor, vocab: int, tree: Tree | None = None,
-                tree_tokens: torch.Tensor | None = None) -> torch.Tensor:
-    """The tokens already in the text before each next token: text [T] -> bool [1, V]; with a tree rooted at the
-    text's last token and its tokens [N] -> bool [N, V], row i adding the drafts on the path to node i."""
-    seen = torch.zeros(1, vocab, dtype=torch.bool, device=text.device)
-    seen[0, text] = True
+def repeated(text: torch.Tensor, vocab: int, tree: Tree | None = None,
+             tree_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens already in the text before each next token, as (row, token) index pairs, each pair once: text [T]
+    -> pairs for one row; with a tree rooted at the text's last token and its tokens [N] -> pairs for N rows, row i
+    adding the drafts on the path to node i. (Index pairs, not a [N, V] mask: a few thousand pairs against a
+    vocabulary of tens of thousands per row.)"""
+    seen = torch.unique(text)  # [U]
+    rows = 1 if tree is None else len(tree)
+    row = torch.arange(rows, device=text.device).repeat_interleave(seen.numel())  # [rows * U]
+    col = seen.repeat(rows)
     if tree is None:
-        return seen
-    seen = seen.expand(len(tree), vocab).clone()
+        return row, col
+    in_text = torch.zeros(vocab, dtype=torch.bool, device=text.device)
+    in_text[seen] = True
     node, ancestor = tree.ancestor_mask.to(text.device).nonzero(as_tuple=True)  # node i, then each j on its path
-    seen[node, tree_tokens[ancestor]] = True
-    return seen
+    token = tree_tokens[ancestor]
+    key = torch.unique(node[~in_text[token]] * vocab + token[~in_text[token]])  # a token twice on a path: once
+    return torch.cat([row, key // vocab]), torch.cat([col, key % vocab])
 
 
-def penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """logits [N, V], seen bool [N, V] (``repeat_mask``) -> float32 logits [N, V] with the repetition penalty applied
-    as transformers applies it (on float32 scores: divided where positive, multiplied where negative)."""
-    scores = logits.float()
-    return torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
+def penalize_repeats(logits: torch.Tensor, pairs: tuple[torch.Tensor, torch.Tensor], penalty: float) -> torch.Tensor:
+    """logits [N, V], (row, token) pairs (``repeated``) -> float32 logits [N, V] (a copy) with the repetition penalty
+    applied as transformers applies it (on float32 scores: divided where positive, multiplied where negative)."""
+    scores = logits.to(torch.float32, copy=True)
+    row, col = pairs
+    hit = scores[row, col]
+    scores[row, col] = torch.where(hit < 0, hit * penalty, hit / penalty)
+    return scores
 
 
 def process_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:

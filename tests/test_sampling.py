@@ -96,23 +96,26 @@ def test_plain_sampling_through_the_loop_is_generate_do_sample(arch):
 
 
 def test_repetition_penalty_equals_transformers_processor():
-    """penalize_repeats over repeat_mask: transformers' RepetitionPenaltyLogitsProcessor, row by row; in a tree, row i
-    is penalised for the text and the drafts on the path to node i (not its siblings' or descendants')."""
+    """penalize_repeats over repeated: transformers' RepetitionPenaltyLogitsProcessor, row by row; in a tree, row i
+    is penalised for the text and the drafts on the path to node i (not its siblings' or descendants'), each token
+    once however often it occurs."""
     from transformers import RepetitionPenaltyLogitsProcessor
 
-    from selfspec.sampling import penalize_repeats, repeat_mask
+    from selfspec.sampling import penalize_repeats, repeated
 
     g = torch.Generator().manual_seed(0)
     text = torch.tensor([3, 7, 7, 1])  # the root (1) last
-    tree = Tree.from_choices([(0,), (1,), (0, 0), (0, 0, 0)])
-    tokens = torch.tensor([1, 5, 9, 2, 5])  # [N]: node 4 repeats node 1's token on its own path
+    tree = Tree.from_choices([(0,), (1,), (0, 0), (0, 0, 0), (0, 0, 0, 0)])
+    tokens = torch.tensor([1, 5, 9, 2, 5, 7])  # [N]: node 4 repeats node 1's token on its path, node 5 the text's 7
     logits = torch.randn(len(tree), 12, generator=g) * 3  # [N, V]
-    got = penalize_repeats(logits, repeat_mask(text, 12, tree, tokens), 1.7)
+    before = logits.clone()
+    got = penalize_repeats(logits, repeated(text, 12, tree, tokens), 1.7)
+    assert torch.equal(logits, before)  # a copy
     rule = RepetitionPenaltyLogitsProcessor(1.7)
     for i in range(len(tree)):
         path = torch.cat([text, tokens[tree.path_to(i)[1:]]])
         assert torch.equal(got[i], rule(path[None], logits[i:i + 1].clone())[0]), f"node {i}"
-    assert torch.equal(penalize_repeats(logits[:1], repeat_mask(text, 12), 1.7)[0],
+    assert torch.equal(penalize_repeats(logits[:1], repeated(text, 12), 1.7)[0],
                        rule(text[None], logits[:1].clone())[0])
     assert got[2, 9] != logits[2, 9] and got[1, 9] == logits[1, 9]  # node 2's own token, not its sibling's
 
