@@ -322,9 +322,10 @@ def publish_files(directory: Path, repo_id: str) -> dict[str, Path | bytes]:
 
         return {CONFIG: config_file, CARD: layerskip_card(LayerSkipConfig.load(directory), repo_id).encode()}
     if kind not in (None, "medusa", *TYPED_DRAFTS):
+        why = ": a policy names its arms by local paths, publish those instead" if kind == "policy" else ""
         raise ValueError(f"{config_file} says draft_type {kind!r}; heads.publish publishes Medusa, Hydra, EAGLE and "
                          f"exit heads and layer-skip configs ({', '.join(['medusa', *TYPED_DRAFTS, 'layerskip'])})"
-                         + (": a policy names its arms by local paths, publish those instead" if kind == "policy" else ""))
+                         f"{why}")
     if kind in TYPED_DRAFTS:  # read strictly (config against tensors), then carded for the repo
         module = importlib.import_module(TYPED_DRAFTS[kind][0])
         read, card_for = getattr(module, TYPED_DRAFTS[kind][1]), getattr(module, TYPED_DRAFTS[kind][2])

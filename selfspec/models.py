@@ -57,9 +57,9 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 @contextlib.contextmanager
 def build_lock(final: Path):
-    """Hold an exclusive lock on ``final``'s build (a file in the cache's locks/) for the block: processes that build the same
-    cache entry at once (``accelerate launch`` ranks on a fresh machine, two infer.py runs) take turns, so the later
-    ones find it built instead of building it again and colliding on the move into place."""
+    """Hold an exclusive lock on ``final``'s build (a file in the cache's locks/) for the block: processes that build
+    the same cache entry at once (``accelerate launch`` ranks on a fresh machine, two infer.py runs) take turns, so
+    the later ones find it built instead of building it again and colliding on the move into place."""
     final.parent.mkdir(parents=True, exist_ok=True)
     locks = cache_dir() / "locks"
     locks.mkdir(parents=True, exist_ok=True)

@@ -68,7 +68,8 @@ def repeated(text: torch.Tensor, vocab: int, tree: Tree | None = None,
     in_text[seen] = True
     node, ancestor = tree.ancestor_mask.to(text.device).nonzero(as_tuple=True)  # node i, then each j on its path
     token = tree_tokens[ancestor]
-    key = torch.unique(node[~in_text[token]] * vocab + token[~in_text[token]])  # a token twice on a path: once
+    new = ~in_text[token]  # the text's tokens are penalised in every row already
+    key = torch.unique(node[new] * vocab + token[new])  # a token twice on a path: once
     return torch.cat([row, key // vocab]), torch.cat([col, key % vocab])
 
 
