@@ -229,6 +229,21 @@ def draft_stamp(location: str, revision: str | None = None) -> str:
     return f"{location}@{revision}" if revision else location
 
 
+def _tuned_elsewhere(key: dict) -> list[str]:
+    """The dtypes (as 'torch.bfloat16, 2 threads') this draft is tuned for on this target and machine, other than
+    ``key``'s: ``tune-tree`` defaults to bf16, ``infer.py`` to fp32."""
+    found = []
+    for file in sorted(_cache_file("tree", key).parent.glob("tree-*.json")):
+        try:
+            other = json.loads(file.read_text())["key"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        varies = ("dtype", "threads", "config")  # the config's hash records the dtype the model was loaded in
+        if {k: v for k, v in other.items() if k not in varies} == {k: v for k, v in key.items() if k not in varies}:
+            found.append(f"{other['dtype'].removeprefix('torch.')}, {other['threads']} threads")
+    return found
+
+
 def tuned_key(draft_location: str, target, model_id: str, revision: str | None = None) -> dict:
     return {"draft": draft_stamp(draft_location, revision), **machine_key(target, model_id)}
 
@@ -246,9 +261,11 @@ def load_tuned(draft_location: str, target, model_id: str, revision: str | None 
     path = _cache_file("tree", key)
     if not path.is_file():
         at, flag = (f" at revision {revision}", f" --draft-revision {revision}") if revision else ("", "")
+        others = _tuned_elsewhere(key)
+        hint = (f" (it is tuned for {' and '.join(others)}: decode in that dtype, or tune this one)" if others else "")
         raise FileNotFoundError(f"--tree auto: no tuned tree for {draft_location}{at} on {model_id} ({key['dtype']}, "
-                                f"{key['threads']} threads) on this machine; run `python infer.py tune-tree --draft "
-                                f"{draft_location}{flag} --model {model_id} --dtype "
+                                f"{key['threads']} threads) on this machine{hint}; run `python infer.py tune-tree "
+                                f"--draft {draft_location}{flag} --model {model_id} --dtype "
                                 f"{key['dtype'].removeprefix('torch.')}` first (a few minutes)")
     best = json.loads(path.read_text())["best"]
     return DynamicTree(budget=int(best["budget"]), depth=int(best["depth"]))

@@ -247,3 +247,7 @@ def test_tune_tree_tunes_a_layer_skip_draft_for_tree_auto(model_dir, tmp_path, m
     assert f"best: --tree dynamic:{best['budget']},depth={best['depth']}" in printed
     drafter = api.load(str(model_dir), draft=str(ckpt), tree="auto").drafter
     assert drafter.dynamic == DynamicTree(best["budget"], depth=best["depth"])
+    # decoding in another dtype than the one tuned: the error says which one is tuned (tune-tree defaults to bf16)
+    with pytest.raises(FileNotFoundError, match=r"\(it is tuned for float32, \d+ threads: decode in that dtype, or "
+                                                r"tune this one\); run `python infer.py tune-tree .* --dtype bfloat16`"):
+        api.load(str(model_dir), draft=str(ckpt), tree="auto", dtype="bfloat16")
