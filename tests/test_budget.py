@@ -242,7 +242,8 @@ def test_tune_tree_tunes_a_layer_skip_draft_for_tree_auto(model_dir, tmp_path, m
     assert cli.main(["tune-tree", "--model", str(model_dir), "--draft", str(ckpt), "--dtype", "fp32", "--depths", "2,3",
                      "--budgets", "2,6", "--prompts", "2", "--max-new-tokens", "8"]) == 0
     printed, err = capsys.readouterr()
-    assert "verify costs" in err and "calibrating" in err and "4/4" in err  # progress: the curve, 2 depths x 2 prompts
+    # progress bars: the verify-cost curve, then 2 depths x 2 prompts (totals: tqdm redraws at most every 0.1 s)
+    assert "verify costs" in err and "calibrating" in err and "/4 [" in err
     best = json.loads(next((tmp_path / "cache").rglob("tree-*.json")).read_text())["best"]
     assert f"best: --tree dynamic:{best['budget']},depth={best['depth']}" in printed
     drafter = api.load(str(model_dir), draft=str(ckpt), tree="auto").drafter

@@ -23,7 +23,7 @@ def test_sweep_measures_plain_early_exit_per_layer_and_exit_heads(model_dir, tmp
                      "--exit-heads", str(tmp_path / "exit1"), "--prompts", "2", "--max-new-tokens", "6",
                      "--out", str(tmp_path / "sweep")]) == 0
     out, err = capsys.readouterr()
-    assert "sweep-exit" in err and "3/3" in err  # a progress bar over plain, each exit layer and each exit head
+    assert "sweep-exit" in err and "/3 [" in err  # a progress bar over plain, each exit layer and each exit head
     rows = [line.split("|")[1:3] for line in out.splitlines() if line.startswith("| ") and "---" not in line]
     assert [[c.strip() for c in r] for r in rows] == [
         ["exit layer", "draft"], ["—", "plain"], ["1", "early-exit"], ["1", str(tmp_path / "exit1")]]
