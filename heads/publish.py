@@ -3,8 +3,9 @@
     python -m heads.publish runs/medusa-smollm2 me/smollm2-medusa-heads [--private] [--revision BRANCH] [--dry-run]
 
 The checkpoint is checked strictly first (config.json against model.safetensors); config.json, model.safetensors (none
-for a layer-skip config) and a model card written for the repo go up in one commit, so the repo gets all of them or none. The token comes from
---token, HF_TOKEN, or a saved `hf auth login`; HF_ENDPOINT points at another Hub-compatible endpoint.
+for a layer-skip config) and a model card written for the repo go up in one commit, so the repo gets all of them or
+none. The token comes from --token, HF_TOKEN, or a saved `hf auth login`; HF_ENDPOINT points at another
+Hub-compatible endpoint.
 Exit status: 0 published (or dry run), 1 the upload failed, 2 the checkpoint or the arguments are wrong.
 """
 

@@ -162,7 +162,10 @@ def unapplied_processors(generation_config: Any) -> dict[str, Any]:
 class SpecModel:
     """A target model, its tokenizer and a drafter; decoding is always lossless (exact acceptance)."""
 
-    def __init__(self, target: Target, tokenizer: PreTrainedTokenizerBase, drafter: Drafter, name: str = ""):
+    def __init__(self, target: Target, tokenizer: PreTrainedTokenizerBase, drafter: Drafter, name: str = "",
+                 repetition_penalty: float | None = None):
+        """repetition_penalty: what ``stream`` / ``generate`` / ``generate_plain`` apply unless told otherwise; None
+        takes the model's generation config's, as ``model.generate`` does."""
         # the drafter's own verifier where it has one (early exit: reuses the early layers' work from drafting)
         self.target, self.tokenizer, self.drafter, self.name = verifier_for(drafter, target), tokenizer, drafter, name
         self.model: PreTrainedModel = target.model
@@ -172,7 +175,8 @@ class SpecModel:
             eos = tokenizer.eos_token_id
         self.eos_token_id: list[int] = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         # the checkpoint's own repetition penalty, as model.generate applies it (Qwen2.5's instruct models: 1.05)
-        self.repetition_penalty = float(model.generation_config.repetition_penalty or 1.0)
+        own = float(model.generation_config.repetition_penalty or 1.0)
+        self.repetition_penalty = own if repetition_penalty is None else repetition_penalty
         unapplied = unapplied_processors(model.generation_config)
         if unapplied:
             warnings.warn(f"the generation config of {name or 'this model'} asks for "

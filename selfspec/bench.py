@@ -165,10 +165,11 @@ def draft_method(spec: str, revision: str | None = None) -> Method:
     return Method(f"{draft.label}@{tree}" if tree else draft.label, draft=draft, tree=tree or None)
 
 
-def _runner(method: Method, target: Target, tokenizer: Any, model_name: str) -> SpecModel:
+def _runner(method: Method, target: Target, tokenizer: Any, model_name: str,
+            repetition_penalty: float | None = None) -> SpecModel:
     tree = registry.resolve_tree(method.tree, method.draft, target, model_name) if method.tree else None
     drafter = registry.build_drafter(method.draft, target, tree) if method.draft is not None else NoDrafter()
-    return SpecModel(target, tokenizer, drafter, name=model_name)
+    return SpecModel(target, tokenizer, drafter, name=model_name, repetition_penalty=repetition_penalty)
 
 
 def _run_once(runner: SpecModel, method: Method, ids: torch.Tensor, max_new_tokens: int,
@@ -291,10 +292,7 @@ def run_bench(cfg: BenchConfig) -> specbench.Summary:
     for dname in dtypes:
         model, tokenizer = load_model(cfg.model, dtype=parse_dtype(dname), revision=cfg.revision, device=cfg.device)
         target = Target(model)
-        runners[dname] = {m.label: _runner(m, target, tokenizer, cfg.model) for m in methods}
-        if cfg.repetition_penalty is not None:  # what generate and generate_plain default to
-            for runner in runners[dname].values():
-                runner.repetition_penalty = cfg.repetition_penalty
+        runners[dname] = {m.label: _runner(m, target, tokenizer, cfg.model, cfg.repetition_penalty) for m in methods}
     # 3. warm-up (every resumed segment too: a fresh process is cold)
     if cfg.warmup_tokens:
         warm = Question(questions[0].question_id, questions[0].category, questions[0].turns[:1])
