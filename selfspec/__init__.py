@@ -10,11 +10,12 @@ from selfspec.generate import Output, Step, generate, stream
 from selfspec.merge import MergedDrafter
 from selfspec.ngram import NGramDrafter
 from selfspec.sampling import Sampling, next_token, process_logits
+from selfspec.stopping import stop_strings
 from selfspec.target import Target, Verified
 from selfspec.tree import Tree
 
 __all__ = [
     "Acceptance", "Draft", "DraftState", "Drafter", "MergedDrafter", "NoDrafter", "NGramDrafter", "Output", "Sampling", "Step", "Target", "Tree",
-    "Verified", "check_tree", "generate", "greedy_accept", "next_token", "process_logits", "sample_accept", "stream",
-    "typical_accept",
+    "Verified", "check_tree", "generate", "greedy_accept", "next_token", "process_logits", "sample_accept",
+    "stop_strings", "stream", "typical_accept",
 ]

@@ -7,13 +7,15 @@
     for piece in m.stream("And one about the mountains."):
         print(piece, end="", flush=True)
 
-Sampling arguments mirror transformers' ``generate``: ``temperature`` (0 = greedy), ``top_p``, ``top_k``; ``seed``
-makes a sampled run repeatable. ``generate_plain`` runs the same request through ``model.generate`` (plain decoding,
-or a transformers peer such as ``prompt_lookup_num_tokens=10``) and reports the same statistics.
+Arguments mirror transformers' ``generate``: ``temperature`` (0 = greedy), ``top_p``, ``top_k``, ``min_p``,
+``repetition_penalty``, ``stop`` (its ``stop_strings``), ``min_new_tokens``; ``seed`` makes a sampled run repeatable.
+``generate_plain`` runs the same request through ``model.generate`` (plain decoding, or a transformers peer such as
+``prompt_lookup_num_tokens=10``) and reports the same statistics.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ from selfspec.drafter import Drafter, verifier_for
 from selfspec.generate import stream as spec_stream
 from selfspec.models import BUILTIN, DEFAULT_MODEL, _refuse_remote_code, load_model, resolve
 from selfspec.sampling import Sampling
+from selfspec.stopping import stop_strings
 from selfspec.target import Target
 from selfspec.tree import Tree
 
@@ -147,9 +150,9 @@ class StepCounter(BaseStreamer):
 
 
 UNAPPLIED = {"no_repeat_ngram_size": 0, "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None,
-             "min_length": 0, "min_new_tokens": 0, "forced_bos_token_id": None, "forced_eos_token_id": None,
+             "forced_bos_token_id": None, "forced_eos_token_id": None,
              "sequence_bias": None, "exponential_decay_length_penalty": None, "epsilon_cutoff": 0.0,
-             "eta_cutoff": 0.0, "typical_p": 1.0, "min_p": None, "watermarking_config": None}
+             "eta_cutoff": 0.0, "typical_p": 1.0, "watermarking_config": None}
 """logits processors a generation config may ask for that selfspec does not apply, with their neutral values."""
 
 
@@ -177,6 +180,12 @@ class SpecModel:
         # the checkpoint's own repetition penalty, as model.generate applies it (Qwen2.5's instruct models: 1.05)
         own = float(model.generation_config.repetition_penalty or 1.0)
         self.repetition_penalty = own if repetition_penalty is None else repetition_penalty
+        # and its stop strings and minimum lengths, as model.generate applies them
+        gen = model.generation_config
+        strings = getattr(gen, "stop_strings", None)
+        self.stop_strings: tuple[str, ...] = (strings,) if isinstance(strings, str) else tuple(strings or ())
+        self.min_new_tokens, self.min_length = int(gen.min_new_tokens or 0), int(gen.min_length or 0)
+        self._criteria: dict[tuple[str, ...], list] = {}  # stop strings -> their criterion, built once
         unapplied = unapplied_processors(model.generation_config)
         if unapplied:
             warnings.warn(f"the generation config of {name or 'this model'} asks for "
@@ -205,36 +214,53 @@ class SpecModel:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     # --------------------------------------------------------------------------------------------------- decoding
-    def _sampling(self, temperature: float, top_p: float, top_k: int, repetition_penalty: float | None) -> Sampling:
+    def _request(self, prompt: Prompt, chat: bool, temperature: float, top_p: float, top_k: int, min_p: float,
+                 repetition_penalty: float | None, seed: int | None, stop: str | Sequence[str] | None,
+                 min_new_tokens: int | None) -> "_Request":
+        """What one request decodes with: None takes the generation config's value, as ``model.generate`` does."""
+        ids = self.encode(prompt, chat)
         penalty = self.repetition_penalty if repetition_penalty is None else repetition_penalty
-        return Sampling(temperature=temperature, top_p=top_p, top_k=top_k, repetition_penalty=penalty)
+        sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=penalty)
+        stops = self.stop_strings if stop is None else ((stop,) if isinstance(stop, str) else tuple(stop))
+        if stops not in self._criteria:
+            self._criteria[stops] = stop_strings(self.tokenizer, stops)
+        if min_new_tokens is None:  # the generation config's min_new_tokens, and its min_length (prompt included)
+            min_new_tokens = max(self.min_new_tokens, self.min_length - ids.shape[0])
+        if min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be >= 0, found {min_new_tokens}")
+        generator = None if seed is None else torch.Generator(device=self.target.device).manual_seed(seed)
+        return _Request(ids, sampling, generator, stops, self._criteria[stops], min_new_tokens)
+
+    def _steps(self, r: "_Request", max_new_tokens: int) -> Iterator:
+        return spec_stream(self.target, self.drafter, r.ids, max_new_tokens, sampling=r.sampling,
+                           eos_token_id=self.eos_token_id, generator=r.generator, stopping_criteria=r.criteria,
+                           min_new_tokens=r.min_new_tokens)
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int | None = None, chat: bool = True,
-               repetition_penalty: float | None = None) -> TextStream:
+               repetition_penalty: float | None = None, min_p: float = 0.0, stop: str | Sequence[str] | None = None,
+               min_new_tokens: int | None = None) -> TextStream:
         """Text pieces as they are accepted; the returned TextStream holds .text, .tokens and .stats afterwards.
-        repetition_penalty: None takes the model's generation config's (as ``model.generate``), 1.0 is off."""
-        ids = self.encode(prompt, chat)
-        sampling = self._sampling(temperature, top_p, top_k, repetition_penalty)
-        generator = None
-        if seed is not None:
-            generator = torch.Generator(device=self.target.device).manual_seed(seed)
-        steps = spec_stream(self.target, self.drafter, ids, max_new_tokens, sampling=sampling,
-                            eos_token_id=self.eos_token_id, generator=generator)
-        return TextStream(steps, self.tokenizer)
+
+        As ``model.generate``: temperature (0 = greedy), top_p, top_k, min_p sample; repetition_penalty (1.0 is off),
+        stop (stop strings: decoding ends after the token that completes one, which stays in the output; [] for none)
+        and min_new_tokens (no end-of-sequence token before that many) default, when None, to the model's generation
+        config's (its repetition_penalty, stop_strings, min_new_tokens and min_length)."""
+        r = self._request(prompt, chat, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop,
+                          min_new_tokens)
+        return TextStream(self._steps(r, max_new_tokens), self.tokenizer)
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, chat: bool = True,
-                 repetition_penalty: float | None = None) -> Result:
-        """Generate to the end; the text is decoded once, after timing stops. repetition_penalty as ``stream``."""
-        ids = self.encode(prompt, chat)
-        sampling = self._sampling(temperature, top_p, top_k, repetition_penalty)
-        generator = None if seed is None else torch.Generator(device=self.target.device).manual_seed(seed)
+                 repetition_penalty: float | None = None, min_p: float = 0.0, stop: str | Sequence[str] | None = None,
+                 min_new_tokens: int | None = None) -> Result:
+        """Generate to the end; the text is decoded once, after timing stops. Arguments as ``stream``."""
+        r = self._request(prompt, chat, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop,
+                          min_new_tokens)
         tokens: list[int] = []
         lengths: list[int] = []
         t0 = time.perf_counter()
-        for step in spec_stream(self.target, self.drafter, ids, max_new_tokens, sampling=sampling,
-                                eos_token_id=self.eos_token_id, generator=generator):
+        for step in self._steps(r, max_new_tokens):
             tokens.extend(step.tokens)
             lengths.append(len(step.tokens))
         seconds = time.perf_counter() - t0
@@ -244,27 +270,37 @@ class SpecModel:
     @torch.inference_mode()
     def generate_plain(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                        top_k: int = 0, seed: int | None = None, chat: bool = True,
-                       repetition_penalty: float | None = None, **hf_kwargs: Any) -> Result:
+                       repetition_penalty: float | None = None, min_p: float = 0.0,
+                       stop: str | Sequence[str] | None = None, min_new_tokens: int | None = None,
+                       **hf_kwargs: Any) -> Result:
         """The same request through transformers' ``model.generate`` (extra kwargs, e.g. prompt_lookup_num_tokens=10,
         go to it). accept_lengths are the tokens each of its steps added, as its streamer sees them."""
-        ids = self.encode(prompt, chat)[None]  # [1, T]
+        r = self._request(prompt, chat, temperature, top_p, top_k, min_p, repetition_penalty, None, stop,
+                          min_new_tokens)
+        ids = r.ids[None]  # [1, T]
         sample = temperature > 0
-        penalty = self._sampling(temperature, top_p, top_k, repetition_penalty).repetition_penalty
-        kwargs: dict[str, Any] = dict(do_sample=sample, max_new_tokens=max_new_tokens, repetition_penalty=penalty)
+        kwargs: dict[str, Any] = dict(do_sample=sample, max_new_tokens=max_new_tokens,
+                                      repetition_penalty=r.sampling.repetition_penalty)
         if sample:
             kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
             if seed is not None:
                 torch.manual_seed(seed)
         else:  # neutralise any sampling defaults of the checkpoint's generation_config
             kwargs.update(temperature=None, top_p=None, top_k=None)
+        if r.stops:
+            kwargs["tokenizer"] = self.tokenizer
         counter = StepCounter()
         pad = self.model.generation_config.pad_token_id
-        t0 = time.perf_counter()
         if self.eos_token_id:  # the stop tokens selfspec uses (the tokenizer's where the generation config has none)
             kwargs["eos_token_id"] = self.eos_token_id
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), streamer=counter,
-                                  pad_token_id=pad if pad is not None else (self.eos_token_id or [None])[0],
-                                  **{**kwargs, **hf_kwargs})
+        # min-p, the stop strings and the minimum length as selfspec decodes with them, set on the generation config
+        # for the call: generate takes an argument of None (min_p=0, stop=[]) as "unset" and falls back to the config's
+        with _set(self.model.generation_config, min_p=(min_p or None) if sample else None,
+                  stop_strings=list(r.stops) or None, min_length=0, min_new_tokens=r.min_new_tokens or None):
+            t0 = time.perf_counter()
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), streamer=counter,
+                                      pad_token_id=pad if pad is not None else (self.eos_token_id or [None])[0],
+                                      **{**kwargs, **hf_kwargs})
         if self.target.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
@@ -274,6 +310,31 @@ class SpecModel:
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+@contextlib.contextmanager
+def _set(obj: Any, **values: Any) -> Iterator[None]:
+    """Set attributes for the duration of a block, then put the old values back."""
+    old = {k: getattr(obj, k) for k in values}
+    try:
+        for k, v in values.items():
+            setattr(obj, k, v)
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(obj, k, v)
+
+
+@dataclass(frozen=True)
+class _Request:
+    ids: torch.Tensor
+    """long [T]: the prompt."""
+    sampling: Sampling
+    generator: torch.Generator | None
+    stops: tuple[str, ...]
+    criteria: list
+    """transformers' stopping criteria for ``stops``."""
+    min_new_tokens: int
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,8 @@ class BenchConfig:
     top_p: float = 1.0
     top_k: int = 0
     """0: no top-k cut."""
+    min_p: float = 0.0
+    """0: no min-p cut."""
     seed: int = 0
     """with sampling, every turn of every method is seeded with seed + 1000 * question_id + turn."""
     repetition_penalty: float | None = None
@@ -94,9 +96,10 @@ class BenchConfig:
             raise ValueError(f"per_category must be >= 1, found {self.per_category}")
         if not self.methods or not self.dtypes:
             raise ValueError("expected at least one method and one dtype")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError(f"expected temperature >= 0, 0 < top_p <= 1 and top_k >= 0, found temperature "
-                             f"{self.temperature}, top_p {self.top_p}, top_k {self.top_k}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or not 0 <= self.min_p <= 1:
+            raise ValueError(f"expected temperature >= 0, 0 < top_p <= 1, top_k >= 0 and 0 <= min_p <= 1, found "
+                             f"temperature {self.temperature}, top_p {self.top_p}, top_k {self.top_k}, "
+                             f"min_p {self.min_p}")
         if self.repetition_penalty is not None and not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0 (1.0 = off), found {self.repetition_penalty}")
 
@@ -105,7 +108,8 @@ class BenchConfig:
         """The sampling arguments when sampling (temperature > 0), else None (greedy)."""
         if self.temperature == 0:
             return None
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
+        out = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
+        return {**out, "min_p": self.min_p} if self.min_p else out  # manifests from before min_p stay resumable
 
 
 @dataclass(frozen=True)
@@ -174,7 +178,8 @@ def _runner(method: Method, target: Target, tokenizer: Any, model_name: str,
 
 def _run_once(runner: SpecModel, method: Method, ids: torch.Tensor, max_new_tokens: int,
               sampling: dict[str, Any] | None) -> Result:
-    """One answer to one turn; sampling: {temperature, top_p, top_k, seed} (this turn's seed), or None: greedy."""
+    """One answer to one turn; sampling: {temperature, top_p, top_k[, min_p], seed} (this turn's seed), or None:
+    greedy."""
     kwargs = sampling or {}
     if method.hf_kwargs is not None:
         return runner.generate_plain(ids, max_new_tokens=max_new_tokens, **kwargs, **method.hf_kwargs)
@@ -189,8 +194,8 @@ def turn_seed(seed: int, question_id: int, turn: int) -> int:
 def answer_question(runner: SpecModel, method: Method, question: Question, max_new_tokens: int, repeats: int = 1,
                     sampling: dict[str, Any] | None = None) -> Answer:
     """Every turn with the conversation so far; the answer text (special tokens removed, stripped) goes into the
-    next turn's prompt, as Spec-Bench does. sampling: {temperature, top_p, top_k, seed} or None (greedy); each turn
-    samples with ``turn_seed``, so repeats draw the same tokens."""
+    next turn's prompt, as Spec-Bench does. sampling: {temperature, top_p, top_k[, min_p], seed} or None (greedy);
+    each turn samples with ``turn_seed``, so repeats draw the same tokens."""
     answer = Answer(question_id=question.question_id, category=question.category)
     messages: list[dict[str, str]] = []
     for index, turn in enumerate(question.turns):

@@ -6,11 +6,13 @@
     python infer.py bench --limit 12 --dtype fp32,bf16       # Spec-Bench answers, table and plot
     python infer.py costs                                    # verify-forward time against tree size
     python infer.py fit-policy --bench-dir D --arms A,B --out P   # a per-request draft policy (--draft P)
+    python infer.py serve --draft ngram --port 8000          # OpenAI-compatible HTTP endpoint
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
@@ -34,19 +36,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="infer.py", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Speculative decoding with a model's own built-in draft: streams text as the target accepts it, "
-                    "then prints statistics. Greedy output is token-identical to plain decoding.",
-        epilog="subcommands:\n  infer.py bench ...   Spec-Bench answers for selfspec and its peers (infer.py bench --help)\n"
-               "  infer.py costs ...   verify-forward time against tree size on this machine (infer.py costs --help)\n"
-               "  infer.py sweep-exit ...   early exit's accepted tokens and speed per exit layer (--help)\n"
-               "  infer.py search-skip ...  search the layers to skip, save a layer-skip draft (--help)\n"
-               "  infer.py tune-tree ...    the tree budget and depth fastest on this machine for a draft (--help)\n"
-               "  infer.py fit-policy ...   learn which draft decodes each request fastest, from a bench run (--help)",
-    )
-    _model_args(p)
+def _draft_args(p: argparse.ArgumentParser) -> None:
+    """The options that choose the draft, its tree and how the target loads: infer.py and infer.py serve."""
     p.add_argument("--draft", default="ngram",
                    help="the draft: 'ngram' (prompt lookup, default; options as 'ngram:depth=8,max_nodes=24'), 'none' "
                         "(plain decoding through the same loop), 'early-exit:layer=E' (the first E layers draft; options "
@@ -60,27 +51,54 @@ def build_parser() -> argparse.ArgumentParser:
                         "'dynamic:N' or 'dynamic:N,depth=D' (heads, early exit, exit heads, layer skipping: N nodes chosen each "
                         "step by cumulative draft probability), or 'auto' (EAGLE, Medusa and Hydra heads: the budget and depth infer.py tune-tree "
                         "measured fastest on this machine; for --draft A+B, A's)")
-    p.add_argument("--prompt", default=None, help="the prompt; without it, an interactive multi-turn chat starts")
-    p.add_argument("--no-chat", action="store_true",
-                   help="feed --prompt as plain text instead of wrapping it in the model's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many new tokens (default: 256)")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="0 = greedy (default, exact); > 0 samples, with the same distribution as plain sampling")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep tokens up to this mass (1.0 = off)")
-    p.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens (0 = off)")
-    p.add_argument("--repetition-penalty", type=float, default=None,
-                   help="transformers' repetition penalty, greedy or sampled (1.0 = off; default: the model's "
-                        "generation config's, as its generate applies it)")
-    p.add_argument("--seed", type=int, default=None, help="random seed, for repeatable sampling")
     p.add_argument("--dtype", default="float32", help="float32/fp32 (default), bfloat16/bf16 or float16/fp16")
-    p.add_argument("--compare", action="store_true",
-                   help="also run plain decoding (transformers' generate) on the same prompt; print the speed-up and "
-                        "whether the outputs are identical")
     p.add_argument("--allow-other-base", action="store_true",
                    help="accept a draft checkpoint whose base_model names another model (e.g. a local copy of it)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let a --model that ships its own Python code (config auto_map) run it; read that code first. "
                         "Without it such a model is refused")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="infer.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Speculative decoding with a model's own built-in draft: streams text as the target accepts it, "
+                    "then prints statistics. Greedy output is token-identical to plain decoding.",
+        epilog="subcommands:\n  infer.py bench ...   Spec-Bench answers for selfspec and its peers (infer.py bench --help)\n"
+               "  infer.py costs ...   verify-forward time against tree size on this machine (infer.py costs --help)\n"
+               "  infer.py sweep-exit ...   early exit's accepted tokens and speed per exit layer (--help)\n"
+               "  infer.py search-skip ...  search the layers to skip, save a layer-skip draft (--help)\n"
+               "  infer.py tune-tree ...    the tree budget and depth fastest on this machine for a draft (--help)\n"
+               "  infer.py fit-policy ...   learn which draft decodes each request fastest, from a bench run (--help)\n"
+               "  infer.py serve ...        an OpenAI-compatible HTTP endpoint decoding with the draft (--help)",
+    )
+    _model_args(p)
+    _draft_args(p)
+    p.add_argument("--prompt", default=None, help="the prompt; without it, an interactive multi-turn chat starts")
+    p.add_argument("--no-chat", action="store_true",
+                   help="feed --prompt as plain text instead of wrapping it in the model's chat template")
+    p.add_argument("--system", default=None, metavar="TEXT",
+                   help="a system message before the conversation (--prompt or the interactive chat)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many new tokens (default: 256)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default, exact); > 0 samples, with the same distribution as plain sampling")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep tokens up to this mass (1.0 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens (0 = off)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="keep only tokens at least this fraction as likely as the most likely one (0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="transformers' repetition penalty, greedy or sampled (1.0 = off; default: the model's "
+                        "generation config's, as its generate applies it)")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop once the output contains TEXT (kept in the output), as generate(stop_strings=...); "
+                        "repeat for several. Default: the model's generation config's stop_strings; --stop '' for none")
+    p.add_argument("--min-new-tokens", type=int, default=None,
+                   help="no end-of-sequence token before this many new tokens (default: the model's generation "
+                        "config's min_new_tokens / min_length)")
+    p.add_argument("--seed", type=int, default=None, help="random seed, for repeatable sampling")
+    p.add_argument("--compare", action="store_true",
+                   help="also run plain decoding (transformers' generate) on the same prompt; print the speed-up and "
+                        "whether the outputs are identical")
     return p
 
 
@@ -113,6 +131,7 @@ def build_bench_parser() -> argparse.ArgumentParser:
                         "distribution, not the draws)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold, with --temperature (1.0 = off)")
     p.add_argument("--top-k", type=int, default=0, help="top-k cut, with --temperature (0 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p cut, with --temperature (0 = off)")
     p.add_argument("--seed", type=int, default=0, help="base sampling seed, with --temperature (default: 0)")
     p.add_argument("--repetition-penalty", type=float, default=None,
                    help="repetition penalty for every method, plain decoding included (default: the model's "
@@ -160,10 +179,16 @@ def _split(text: str) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _decoding(args: argparse.Namespace) -> dict:
+    """The decoding arguments of infer.py's options, for ``stream`` / ``generate_plain``."""
+    stop = None if args.stop is None else [s for s in args.stop if s]  # --stop '' alone: no stop strings
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                min_p=args.min_p, seed=args.seed, chat=not args.no_chat, repetition_penalty=args.repetition_penalty,
+                stop=stop, min_new_tokens=args.min_new_tokens)
+
+
 def _start(model: api.SpecModel, prompt: api.Prompt, args: argparse.Namespace) -> api.TextStream:
-    return model.stream(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                        top_k=args.top_k, seed=args.seed, chat=not args.no_chat,
-                        repetition_penalty=args.repetition_penalty)
+    return model.stream(prompt, **_decoding(args))
 
 
 def _reply(model: api.SpecModel, prompt: api.Prompt, args: argparse.Namespace, out: TextIO, err: TextIO,
@@ -187,10 +212,9 @@ def _show(stream: api.TextStream, out: TextIO) -> None:
     out.write("\n")
 
 
-def _compare(model: api.SpecModel, args: argparse.Namespace, spec: api.TextStream, err: TextIO) -> None:
-    plain = model.generate_plain(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=not args.no_chat,
-                                 repetition_penalty=args.repetition_penalty)
+def _compare(model: api.SpecModel, prompt: api.Prompt, args: argparse.Namespace, spec: api.TextStream,
+             err: TextIO) -> None:
+    plain = model.generate_plain(prompt, **_decoding(args))
     err.write(f"[plain generate] {plain.stats}\n")
     err.write(f"[compare] speed-up {spec.stats.tokens_per_s / plain.stats.tokens_per_s:.2f}x; ")
     if args.temperature > 0:
@@ -206,25 +230,30 @@ def _compare(model: api.SpecModel, args: argparse.Namespace, spec: api.TextStrea
 def run_decode(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None,
                read: Callable[[str], str] = input) -> int:
     out, err = out or sys.stdout, err or sys.stderr
+    if args.system is not None and args.no_chat:
+        err.write("error: --system is a message of the chat template: drop --no-chat, or put it in the prompt\n")
+        return 2
+    system = [] if args.system is None else [{"role": "system", "content": args.system}]
     model = api.load(args.model, draft=args.draft, dtype=args.dtype, tree=args.tree, device=args.device,
                      revision=args.revision, draft_revision=args.draft_revision, allow_other_base=args.allow_other_base,
                      trust_remote_code=args.trust_remote_code)
     label = f"[selfspec {args.draft}]"
     if args.prompt is not None:
+        prompt = system + [{"role": "user", "content": args.prompt}] if system else args.prompt
         if args.compare:  # untimed warm-up of both paths, so neither timing pays for first-call set-up
-            model.generate(args.prompt, max_new_tokens=2, chat=not args.no_chat)
-            model.generate_plain(args.prompt, max_new_tokens=2, chat=not args.no_chat)
-        stream = _reply(model, args.prompt, args, out, err, label)
+            model.generate(prompt, max_new_tokens=2, chat=not args.no_chat)
+            model.generate_plain(prompt, max_new_tokens=2, chat=not args.no_chat)
+        stream = _reply(model, prompt, args, out, err, label)
         if stream is None:
             return INTERRUPTED
         if args.compare:
-            _compare(model, args, stream, err)
+            _compare(model, prompt, args, stream, err)
         return 0
     if args.no_chat:
         err.write("interactive mode is a chat: drop --no-chat, or pass --prompt\n")
         return 2
     err.write(f"chat with {args.model} (--draft {args.draft}); an empty line or Ctrl-D ends, Ctrl-C stops a reply\n")
-    messages: list[dict[str, str]] = []
+    messages: list[dict[str, str]] = list(system)
     while True:
         try:
             text = read("you> ")
@@ -249,7 +278,7 @@ def run_bench_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
                       max_new_tokens=a.max_new_tokens, limit=a.limit, per_category=a.per_category, repeats=a.repeats,
                       warmup_tokens=a.warmup_tokens, device=a.device, allow_other_base=a.allow_other_base,
                       progress=not a.no_progress, resume=a.resume, temperature=a.temperature, top_p=a.top_p,
-                      top_k=a.top_k, seed=a.seed, repetition_penalty=a.repetition_penalty)
+                      top_k=a.top_k, min_p=a.min_p, seed=a.seed, repetition_penalty=a.repetition_penalty)
     try:
         summary = run_bench(cfg)
     except KeyboardInterrupt:
@@ -289,6 +318,53 @@ def run_costs_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
     return 0
 
 
+def build_serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="infer.py serve",
+        description="Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models), every "
+                    "answer decoded with the draft, losslessly; one request at a time, the others wait in line. "
+                    "Example: python infer.py serve --draft ngram --port 8000, then point an OpenAI client at "
+                    "http://127.0.0.1:8000/v1 (any API key).")
+    _model_args(p)
+    _draft_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 = any free port)")
+    p.add_argument("--name", default=None, help="the model id clients see (default: --model)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="for requests that give none (default 0: greedy, token-identical to generate)")
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="for requests that give no max_tokens, capped at what the context holds after the prompt "
+                        "(default: 256)")
+    p.add_argument("--api-key", default=os.environ.get("SELFSPEC_API_KEY"),
+                   help="requests must send 'Authorization: Bearer KEY' (default: $SELFSPEC_API_KEY; unset: no check). "
+                        "Set one before --host opens the server beyond this machine")
+    p.add_argument("--quiet", action="store_true", help="no line per request on stderr")
+    return p
+
+
+def run_serve_cli(argv: Sequence[str], err: TextIO | None = None) -> int:
+    from selfspec import serve
+
+    err = err or sys.stderr
+    a = build_serve_parser().parse_args(argv)
+    model = api.load(a.model, draft=a.draft, dtype=a.dtype, tree=a.tree, device=a.device, revision=a.revision,
+                     draft_revision=a.draft_revision, allow_other_base=a.allow_other_base,
+                     trust_remote_code=a.trust_remote_code)
+    session = serve.Session(model, a.name or a.model, default_temperature=a.temperature,
+                            default_max_tokens=a.max_tokens, api_key=a.api_key or None)
+    server = serve.make_server(session, a.host, a.port, verbose=not a.quiet)
+    host, port = server.server_address[:2]
+    err.write(f"serving {session.name} (--draft {a.draft}) at http://{host}:{port}/v1; Ctrl-C stops\n")
+    err.flush()
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        err.write("\nstopped\n")
+    finally:
+        server.server_close()
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     hf_logging.disable_progress_bar()  # the weight-loading bar would interleave with streamed text
@@ -297,6 +373,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_bench_cli(argv[1:])
         if argv[:1] == ["costs"]:
             return run_costs_cli(argv[1:])
+        if argv[:1] == ["serve"]:
+            return run_serve_cli(argv[1:])
         if argv[:1] == ["fit-policy"]:
             from selfspec import policy_fit
 

@@ -4,10 +4,12 @@
     loop:    2. draft      drafter.draft(state)            → tree of N candidates rooted at the last token
              3. verify     target.verify(tree)             → logits [N, V], hidden [N, D]   (one forward)
              4. accept     greedy / lossless sampling      → accepted path + bonus token (each node's scores
-                                                               penalised for its own text, with a repetition penalty)
+                                                               processed for its own text: a repetition penalty, the
+                                                               end-of-sequence block of min_new_tokens)
              5. commit     cache keeps root + accepted path, drops the rest
              6. update     drafter.update(draft, acceptance)
-             7. emit       accepted drafts + bonus, cut at EOS and max_new_tokens (where plain decoding stops)
+             7. emit       accepted drafts + bonus, cut at EOS, a stop string and max_new_tokens (where plain
+                                                               decoding stops)
 
 Shapes: T tokens so far, N tree nodes, V vocabulary, D hidden size.
 """
@@ -16,13 +18,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Literal
+from typing import Iterator, Literal, Sequence
 
 import torch
 
 from selfspec.accept import Acceptance, greedy_accept, sample_accept, typical_accept
 from selfspec.drafter import Drafter, DraftState, LayerStates
-from selfspec.sampling import Sampling, next_token, penalize_repeats, process_logits, repeated
+from selfspec.sampling import Sampling, block_eos, next_token, penalize_repeats, process_logits, repeated
+from selfspec.stopping import Criterion, first_stop
 from selfspec.target import Target
 
 AcceptRule = Literal["exact", "typical"]
@@ -100,14 +103,23 @@ def stream(
     eos_token_id: int | list[int] | None = None,
     generator: torch.Generator | None = None,
     accept_rule: AcceptRule = "exact",
+    stopping_criteria: Sequence[Criterion] = (),
+    min_new_tokens: int = 0,
 ) -> Iterator[Step]:
-    """Yield each step's new tokens as soon as the target has accepted them. input_ids [T] or [1, T]."""
+    """Yield each step's new tokens as soon as the target has accepted them. input_ids [T] or [1, T].
+
+    stopping_criteria: transformers' stopping criteria (``selfspec.stopping.stop_strings`` for stop strings), checked
+    after every new token as ``generate`` checks them; min_new_tokens: the end-of-sequence tokens are blocked until
+    that many tokens are out, as ``generate(min_new_tokens=...)`` blocks them."""
     check_request(target, input_ids, max_new_tokens)
+    if min_new_tokens < 0:
+        raise ValueError(f"min_new_tokens must be >= 0, found {min_new_tokens}")
     if accept_rule not in ("exact", "typical"):
         raise ValueError(f"accept_rule must be 'exact' or 'typical', found {accept_rule!r}")
     if accept_rule == "typical" and sampling.greedy:
         raise ValueError("typical acceptance is a sampling rule: set temperature > 0, or use accept_rule='exact'")
-    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+    eos = set(eos_ids)
     prompt = input_ids.reshape(-1).to(target.device)
     cache = target.new_cache()
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
@@ -118,6 +130,8 @@ def stream(
     last = pre.logits[-1:]  # [1, V]
     if sampling.repetition_penalty != 1.0:
         last = penalize_repeats(last, repeated(prompt, last.shape[-1]), sampling.repetition_penalty)
+    if min_new_tokens > 0:
+        last = block_eos(last, torch.ones(1, dtype=torch.bool), eos_ids)
     root = next_token(last[0], sampling, generator)
     sync()
     tokens = torch.cat([prompt, prompt.new_tensor([root])])  # [T]
@@ -125,7 +139,7 @@ def stream(
     new_states = None if pre.states is None else LayerStates.of(pre.states)  # every layer, every prompt position
     yield Step(tokens=(root,), tree_size=0, verify_s=time.perf_counter() - t0, other_s=0.0)
     produced = 1
-    if root in eos or produced >= max_new_tokens:
+    if root in eos or produced >= max_new_tokens or first_stop(stopping_criteria, tokens, 1) is not None:
         return
 
     while True:
@@ -148,11 +162,14 @@ def stream(
         verify_s = time.perf_counter() - t_verify
 
         # 4. accept: the longest path the target agrees with, plus the target's own next token (scores penalised for
-        #    the tokens before each node, where a repetition penalty is asked for)
+        #    the tokens before each node, where a repetition penalty is asked for; no EOS from a node whose text is
+        #    still shorter than min_new_tokens)
         logits = out.logits  # [N, V]
         if sampling.repetition_penalty != 1.0:
             seen = repeated(tokens, logits.shape[-1], draft.tree, draft.tokens)
             logits = penalize_repeats(logits, seen, sampling.repetition_penalty)
+        if produced < min_new_tokens:
+            logits = block_eos(logits, produced + draft.tree.depth_tensor.to(logits.device) < min_new_tokens, eos_ids)
         acc: Acceptance
         if sampling.greedy:
             acc = greedy_accept(draft.tree, draft.tokens, logits)
@@ -169,14 +186,17 @@ def stream(
         # 6. let the drafter learn what was kept
         drafter.update(draft, acc)
 
-        # 7. emit, stopping exactly where plain decoding would: at EOS, or at max_new_tokens
+        # 7. emit, stopping exactly where plain decoding would: at EOS, a stop string, or max_new_tokens
         new = [int(draft.tokens[i]) for i in acc.path[1:]] + [acc.bonus]
         new = new[: max_new_tokens - produced]
         stop = next((j for j, tok in enumerate(new) if tok in eos), None)
         if stop is not None:
             new = new[: stop + 1]
-        produced += len(new)
         tokens = torch.cat([tokens, tokens.new_tensor(new)])
+        cut = first_stop(stopping_criteria, tokens, len(new))
+        if cut is not None:
+            tokens, new, stop = tokens[: tokens.shape[0] - len(new) + cut + 1], new[: cut + 1], cut
+        produced += len(new)
         hidden, new_hidden = out.hidden[acc.path[-1]], out.hidden[list(acc.path)]  # [D], [A, D]
         new_states = None if out.states is None else LayerStates.of(out.states, list(acc.path))
         yield Step(tokens=tuple(new), tree_size=len(draft.tree), verify_s=verify_s, other_s=time.perf_counter() - t_step - verify_s)

@@ -1,9 +1,10 @@
 """How a next-token distribution is drawn from logits: one function for speculative and plain decoding alike.
 
-The order and the tie rules match transformers' logits processors (the repetition penalty, then temperature, top-k
-and top-p), so greedy and sampled decoding through selfspec and ``model.generate(...)`` pick from the same scores;
-tests pin this. The repetition penalty depends on the text before each position: in a tree, each node's text is the
-committed tokens and the drafts on its path (``repeated``).
+The order and the tie rules match transformers' logits processors (the repetition penalty, the end-of-sequence block of
+``min_new_tokens``, then temperature, top-k, top-p and min-p), so greedy and sampled decoding through selfspec and
+``model.generate(...)`` pick from the same scores; tests pin this. The repetition penalty and the end-of-sequence block
+depend on the text before each position: in a tree, each node's text is the committed tokens and the drafts on its
+path (``repeated``, and its depth for ``block_eos``).
 
 Shapes: T committed tokens, N tree nodes, V vocabulary.
 """
@@ -27,13 +28,15 @@ class Sampling:
     """keep only the k most likely tokens (0 = off)."""
     top_p: float = 1.0
     """keep the smallest set of tokens whose probability reaches top_p (1.0 = off)."""
+    min_p: float = 0.0
+    """keep the tokens whose probability, after top-p, is at least min_p times the most likely token's (0 = off)."""
     repetition_penalty: float = 1.0
     """transformers' repetition penalty (CTRL): the logits of tokens already in the text (the prompt included) are
     divided by it, multiplied where negative, before anything else; greedy decoding too. 1.0 = off."""
 
     def __post_init__(self) -> None:
         for name, types in (("temperature", (int, float)), ("top_k", (int,)), ("top_p", (int, float)),
-                            ("repetition_penalty", (int, float))):
+                            ("min_p", (int, float)), ("repetition_penalty", (int, float))):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, types):
                 expected = "an int" if types == (int,) else "a number"
@@ -44,6 +47,8 @@ class Sampling:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
         if not self.repetition_penalty > 0.0:
             raise ValueError(f"repetition_penalty must be > 0 (1.0 = off), got {self.repetition_penalty}")
 
@@ -83,8 +88,19 @@ def penalize_repeats(logits: torch.Tensor, pairs: tuple[torch.Tensor, torch.Tens
     return scores
 
 
+def block_eos(logits: torch.Tensor, rows: torch.Tensor, eos: list[int]) -> torch.Tensor:
+    """logits [N, V], rows bool [N] -> logits [N, V] (a copy where any row is blocked) with the end-of-sequence tokens
+    at -inf in the chosen rows: transformers' ``min_new_tokens`` / ``min_length``, for the nodes whose text is still
+    shorter than asked."""
+    if not eos or not bool(rows.any()):
+        return logits
+    out = logits.clone()
+    out[rows.nonzero()[:, :1], torch.tensor(eos, device=logits.device)] = float("-inf")
+    return out
+
+
 def process_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p. logits [..., V] -> probs [..., V] (float32)."""
+    """Probabilities after temperature, top-k, top-p and min-p. logits [..., V] -> probs [..., V] (float32)."""
     if sampling.greedy:
         raise ValueError("process_logits is for sampling; greedy decoding takes the argmax of the raw logits")
     scores = logits.float() / sampling.temperature
@@ -99,6 +115,9 @@ def process_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         remove_sorted[..., -1:] = False  # always keep the most likely token
         remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
         scores = scores.masked_fill(remove, float("-inf"))
+    if sampling.min_p > 0.0:
+        probs = scores.softmax(dim=-1)
+        scores = scores.masked_fill(probs < sampling.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
     return scores.softmax(dim=-1)
 
 

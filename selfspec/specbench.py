@@ -218,8 +218,9 @@ def to_markdown(summary: Summary) -> str:
     if greedy:
         intro += "Greedy. Identical: questions whose every turn is token-identical to plain decoding's."
     else:
+        min_p = f", min-p {sampling['min_p']}" if sampling.get("min_p") else ""
         intro += (f"Sampled (temperature {sampling['temperature']}, top-p {sampling['top_p']}, top-k "
-                  f"{sampling['top_k']}; every method's turn seeded alike from seed {sampling['seed']}): lossless "
+                  f"{sampling['top_k']}{min_p}; every method's turn seeded alike from seed {sampling['seed']}): lossless "
                   f"sampling draws from the target's own distribution, not the same tokens as plain sampling, so "
                   f"answers are not compared token for token.")
     rows = lambda category: (_line(r, greedy) for r in summary.rows if r.category == category)  # noqa: E731

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import tiny_chat_model
 from selfspec import api
 
 PROMPTS = ["hello café", "write a short story about the sea"]
@@ -142,3 +143,70 @@ def test_no_chat_template_is_a_clear_error(ngram):
             ngram.encode("hi")
     finally:
         ngram.tokenizer.chat_template = template
+
+
+@pytest.mark.parametrize("draft", ["ngram:depth=4,max_nodes=8", "none"])
+def test_stop_strings_end_decoding_where_generate_stops(model_dir, draft):
+    """A stop string from the middle of the answer, spanning tokens (the byte-level tokenizer splits words): selfspec
+    stops where generate(stop_strings=..., tokenizer=...) stops, the string kept in the output, and so does the plain
+    decoding it is compared with; a stop string that spans the prompt's end stops after the first token."""
+    m = api.load(str(model_dir), draft=draft)
+    ids = m.encode(PROMPTS[1])
+    full = m.generate(ids, max_new_tokens=40)
+    stop = tiny_chat_model.spanning_stop(m.tokenizer, full.tokens, start=10)
+    expected = m.model.generate(ids[None], attention_mask=torch.ones_like(ids[None]), do_sample=False,
+                                max_new_tokens=40, stop_strings=stop, tokenizer=m.tokenizer)[0, ids.shape[0]:].tolist()
+    assert len(expected) < 40 and expected == full.tokens[: len(expected)]
+    out = m.generate(ids, max_new_tokens=40, stop=stop)
+    assert out.tokens == expected == m.generate_plain(ids, max_new_tokens=40, stop=stop).tokens
+    assert stop in out.text and stop not in m.tokenizer.decode(expected[:-1], clean_up_tokenization_spaces=False)
+    assert "".join(m.stream(ids, max_new_tokens=40, stop=[stop, "never said"])) == out.text
+    across = m.tokenizer.decode(ids[-1:].tolist() + full.tokens[:1], clean_up_tokenization_spaces=False)
+    assert m.generate(ids, max_new_tokens=40, stop=across).tokens == full.tokens[:1]
+
+
+def test_the_generation_configs_stop_strings_and_min_new_tokens_apply_unless_overridden(model_dir):
+    """As generate applies a generation config's stop_strings (given the tokenizer) and min_new_tokens, selfspec does,
+    and the plain decoding it is compared with too; stop=[] and min_new_tokens=0 turn them off for both."""
+    m = api.load(str(model_dir), draft="ngram:depth=4,max_nodes=8")
+    ids = m.encode(PROMPTS[1])
+    full = m.generate(ids, max_new_tokens=30).tokens
+    stop = tiny_chat_model.spanning_stop(m.tokenizer, full, start=4)
+    config = m.model.generation_config
+    config.stop_strings = [stop]
+    try:
+        m2 = api.SpecModel(m.target, m.tokenizer, m.drafter, str(model_dir))
+        expected = m.model.generate(ids[None], attention_mask=torch.ones_like(ids[None]), do_sample=False,
+                                    max_new_tokens=30, tokenizer=m.tokenizer)[0, ids.shape[0]:].tolist()
+        assert len(expected) < 30
+        assert m2.generate(ids, max_new_tokens=30).tokens == expected
+        assert m2.generate_plain(ids, max_new_tokens=30).tokens == expected
+        assert m2.generate(ids, max_new_tokens=30, stop=[]).tokens == full
+        assert m2.generate_plain(ids, max_new_tokens=30, stop=[]).tokens == full
+    finally:
+        config.stop_strings = None
+    eos = full[5]  # a token of the answer plays EOS: min_new_tokens keeps decoding past it
+    saved, config.min_new_tokens = m.eos_token_id, 12
+    try:
+        m2 = api.SpecModel(m.target, m.tokenizer, m.drafter, str(model_dir))
+        m2.eos_token_id = [eos]
+        out = m2.generate(ids, max_new_tokens=30).tokens
+        assert len(out) > 12 and eos not in out[:12]
+        assert out == m2.generate_plain(ids, max_new_tokens=30).tokens
+        assert m2.generate(ids, max_new_tokens=30, min_new_tokens=0).tokens == full[: full.index(eos) + 1]
+    finally:
+        config.min_new_tokens = None
+        m.eos_token_id = saved
+
+
+def test_generate_plain_samples_with_min_p_as_generate_does(ngram):
+    """min_p reaches generate_plain's model.generate (the same global seed draws the same tokens), and changes them."""
+    ids = ngram.encode(PROMPTS[1])
+    kwargs = dict(attention_mask=torch.ones_like(ids[None]), do_sample=True, temperature=1.5, top_k=0, top_p=1.0,
+                  max_new_tokens=30)
+    torch.manual_seed(3)
+    expected = ngram.model.generate(ids[None], min_p=0.3, **kwargs)[0, ids.shape[0]:].tolist()
+    torch.manual_seed(3)
+    without = ngram.model.generate(ids[None], **kwargs)[0, ids.shape[0]:].tolist()
+    plain = ngram.generate_plain(ids, max_new_tokens=30, temperature=1.5, min_p=0.3, seed=3)
+    assert plain.tokens == expected != without

@@ -298,7 +298,7 @@ def test_a_sampled_run_seeds_every_turn_alike_and_reports_no_identity(model_dir,
     out = tmp_path / "out"
     argv = ["bench", "--model", str(model_dir), "--questions", str(questions), "--methods", f"plain,ngram,{heads}",
             "--dtype", "fp32", "--max-new-tokens", str(MAX_NEW), "--warmup-tokens", "4", "--no-progress",
-            "--out-dir", str(out), "--temperature", "1.5", "--top-p", "0.95", "--seed", "7"]
+            "--out-dir", str(out), "--temperature", "1.5", "--top-p", "0.95", "--min-p", "0.02", "--seed", "7"]
     assert cli.main([*argv, "--repeats", "2"]) == 0
     capsys.readouterr()
 
@@ -315,29 +315,31 @@ def test_a_sampled_run_seeds_every_turn_alike_and_reports_no_identity(model_dir,
                 messages.append({"role": "user", "content": text})
                 seed = bench.turn_seed(7, q["question_id"], turn)
                 assert seed == 7 + 1000 * q["question_id"] + turn
-                r = call(messages, max_new_tokens=MAX_NEW, temperature=1.5, top_p=0.95, seed=seed)
+                r = call(messages, max_new_tokens=MAX_NEW, temperature=1.5, top_p=0.95, min_p=0.02, seed=seed)
                 assert r.text.strip() == got[name]["turns"][turn], (name, q["question_id"], turn)
                 greedy_differs |= r.text.strip() != runner.generate_plain(messages, max_new_tokens=MAX_NEW).text.strip()
                 messages.append({"role": "assistant", "content": got[name]["turns"][turn]})
     assert greedy_differs  # the run sampled
 
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["meta"]["sampling"] == {"temperature": 1.5, "top_p": 0.95, "top_k": 0, "seed": 7}
+    assert summary["meta"]["sampling"] == {"temperature": 1.5, "top_p": 0.95, "top_k": 0, "seed": 7, "min_p": 0.02}
     assert summary["differences"] == {} and {r["identical"] for r in summary["rows"]} == {None}
     md = (out / "summary.md").read_text()
-    assert "Sampled (temperature 1.5, top-p 0.95, top-k 0" in md and "not compared token for token" in md
+    assert "Sampled (temperature 1.5, top-p 0.95, top-k 0, min-p 0.02;" in md and "not compared token for token" in md
     assert "| method | dtype | mean accepted tokens | tokens/s | speed-up | vs fastest plain |" in md
     assert "identical" not in md.split("### overall")[1]
 
     monkeypatch.setattr(bench, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     assert cli.main([*argv[:-2], "--seed", "8", "--resume"]) == 2
     assert "sampling: the run has" in capsys.readouterr().err
-    assert cli.main([*argv[:-6], "--resume"]) == 2  # greedy now
+    assert cli.main([*argv[:-8], "--resume"]) == 2  # greedy now
     assert "sampling: the run has {'temperature': 1.5" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--temperature", "-1"], "expected temperature >= 0, 0 < top_p <= 1 and top_k >= 0, found temperature -1.0"),
+    (["--temperature", "-1"], "expected temperature >= 0, 0 < top_p <= 1, top_k >= 0 and 0 <= min_p <= 1, found "
+                              "temperature -1.0"),
+    (["--temperature", "1", "--min-p", "1.5"], "min_p 1.5"),
     (["--temperature", "1", "--top-p", "0"], "found temperature 1.0, top_p 0.0"),
     (["--temperature", "1", "--top-k", "-2"], "top_k -2"),
     (["--repetition-penalty", "0"], "repetition_penalty must be > 0 (1.0 = off), found 0.0"),

@@ -30,8 +30,8 @@ def test_help_explains_every_option():
     result = infer("--help")
     assert result.returncode == 0
     for option in ("--model", "--draft", "--tree", "--prompt", "--temperature", "--top-p", "--top-k", "--seed",
-                   "--repetition-penalty", "--max-new-tokens", "--dtype", "--compare", "chain:K", ".gguf", "interactive",
-                   "bench", "costs"):
+                   "--repetition-penalty", "--min-p", "--stop", "--system", "--min-new-tokens", "--max-new-tokens", "--dtype",
+                   "--compare", "chain:K", ".gguf", "interactive", "bench", "costs"):
         assert option in result.stdout, option
 
 
@@ -52,6 +52,42 @@ def test_compare_reports_speedup_and_identical(model_dir):
     assert lines[0].startswith("[selfspec ngram] 20 new tokens")
     assert lines[1].startswith("[plain generate] 20 new tokens")
     assert lines[2].startswith("[compare] speed-up ") and lines[2].endswith("x; outputs identical")
+
+
+def test_stop_min_new_tokens_and_min_p_reach_both_decodings(model_dir):
+    """--stop ends the reply after the token that completes the string, in selfspec and in the plain decoding of
+    --compare alike; --stop '' is none (not the generation config's); --min-new-tokens and --min-p reach the API."""
+    m = api.load(str(model_dir), draft="ngram")
+    prompt = "write a short story about the sea"
+    full = m.generate(prompt, max_new_tokens=30)
+    stop = tiny_chat_model.spanning_stop(m.tokenizer, full.tokens, start=4)
+    expected = m.generate(prompt, max_new_tokens=30, stop=stop)
+    assert len(expected.tokens) < 30
+    out, err = io.StringIO(), io.StringIO()
+    assert cli.run_decode(args(model_dir, "--prompt", prompt, "--max-new-tokens", "30", "--compare", "--stop", stop,
+                               "--stop", "never said"), out, err) == 0
+    assert out.getvalue() == expected.text + "\n"
+    assert err.getvalue().splitlines()[2].endswith("x; outputs identical")
+    a = args(model_dir, "--stop", "", "--min-new-tokens", "7", "--min-p", "0.1")
+    assert cli._decoding(a) | {} == {**cli._decoding(a), "stop": [], "min_new_tokens": 7, "min_p": 0.1}
+    assert cli._decoding(args(model_dir))["stop"] is None  # the generation config's
+
+
+def test_a_system_message_opens_the_conversation(model_dir):
+    m = api.load(str(model_dir), draft="ngram")
+    system = {"role": "system", "content": "answer like a pirate"}
+    expected = m.generate([system, {"role": "user", "content": "hello café"}], max_new_tokens=20).text
+    assert expected != m.generate("hello café", max_new_tokens=20).text  # the system message changes this answer
+    out, err = io.StringIO(), io.StringIO()
+    assert cli.run_decode(args(model_dir, "--prompt", "hello café", "--system", system["content"]), out, err) == 0
+    assert out.getvalue() == expected + "\n"
+    turns = iter(["hello café", ""])
+    out = io.StringIO()
+    assert cli.run_decode(args(model_dir, "--system", system["content"]), out, err, read=lambda p: next(turns)) == 0
+    assert out.getvalue() == f"assistant> {expected}\n"
+    err = io.StringIO()
+    assert cli.run_decode(args(model_dir, "--prompt", "hi", "--system", "x", "--no-chat"), out, err) == 2
+    assert "--system is a message of the chat template: drop --no-chat" in err.getvalue()
 
 
 def test_interactive_chat_keeps_the_conversation(model_dir):

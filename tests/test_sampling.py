@@ -1,4 +1,4 @@
-"""process_logits is transformers' own warper chain (temperature, top-k, top-p), so selfspec and
+"""process_logits is transformers' own warper chain (temperature, top-k, top-p, min-p), so selfspec and
 ``model.generate(do_sample=True)`` sample from the same distribution; next_token draws from it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 import torch
-from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from conftest import VOCAB, random_prompts, tiny_model
 from selfspec import NoDrafter, Sampling, Target, Tree, generate, next_token, process_logits
@@ -23,6 +23,8 @@ def hf_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
         scores = TopKLogitsWarper(s.top_k)(ids, scores)
     if s.top_p < 1.0:
         scores = TopPLogitsWarper(s.top_p)(ids, scores)
+    if s.min_p > 0.0:
+        scores = MinPLogitsWarper(s.min_p)(ids, scores)
     return scores.softmax(-1)
 
 
@@ -38,6 +40,40 @@ def test_process_logits_equals_transformers_warpers(temperature, top_k, top_p):
     ours, theirs = process_logits(logits, s), hf_probs(logits, s)
     assert torch.equal(ours > 0, theirs > 0), "a different set of tokens survives top-k / top-p"
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p",
+                         list(itertools.product([0.7, 1.5], [0, 5], [1.0, 0.9], [0.05, 0.3, 1.0])))
+def test_min_p_equals_transformers_warper_after_the_others(temperature, top_k, top_p, min_p):
+    g = torch.Generator().manual_seed(int(min_p * 100) + top_k)
+    logits = torch.randn(16, V, generator=g) * 3
+    logits[8:] = logits[8:].round()  # ties with the top token: min_p = 1 keeps all of them
+    s = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    ours, theirs = process_logits(logits, s), hf_probs(logits, s)
+    assert torch.equal(ours > 0, theirs > 0), "a different set of tokens survives min-p"
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-7)
+    without = process_logits(logits, Sampling(temperature=temperature, top_k=top_k, top_p=top_p))
+    if min_p >= 0.3 or top_k == 0:
+        assert (ours > 0).sum() < (without > 0).sum()  # min-p cut something
+
+
+def test_min_p_is_checked():
+    with pytest.raises(ValueError, match=r"min_p must be in \[0, 1\] \(0 = off\), got 1.5"):
+        Sampling(temperature=1.0, min_p=1.5)
+    with pytest.raises(TypeError, match="min_p must be a number, got str '0.1'"):
+        Sampling(temperature=1.0, min_p="0.1")
+
+
+def test_block_eos_blocks_the_chosen_rows_only():
+    from selfspec.sampling import block_eos
+
+    logits = torch.randn(4, 10)
+    got = block_eos(logits, torch.tensor([True, False, True, False]), [3, 7])
+    assert torch.isinf(got[[0, 2]][:, [3, 7]]).all() and (got[[0, 2]][:, [3, 7]] < 0).all()
+    assert torch.equal(got[[1, 3]], logits[[1, 3]])
+    assert torch.equal(got[:, [0, 1, 2, 4, 5, 6, 8, 9]], logits[:, [0, 1, 2, 4, 5, 6, 8, 9]])
+    assert block_eos(logits, torch.tensor([False] * 4), [3]) is logits  # nothing blocked: no copy
+    assert block_eos(logits, torch.tensor([True] * 4), []) is logits  # no EOS token
 
 
 def test_process_logits_equals_what_generate_samples_from():
@@ -93,6 +129,24 @@ def test_plain_sampling_through_the_loop_is_generate_do_sample(arch):
                              temperature=s.temperature, top_p=s.top_p, top_k=0, max_new_tokens=20, pad_token_id=0)
         torch.manual_seed(i)
         assert generate(target, NoDrafter(), prompt, 20, sampling=s).tokens == ref[0, prompt.shape[0]:].tolist()
+
+
+def test_min_p_sampling_through_the_loop_is_generate_do_sample():
+    """min_p reaches the loop: NoDrafter samples token for token what generate(do_sample=True, min_p=...) samples."""
+    model = tiny_model("llama")
+    target = Target(model)
+    s = Sampling(temperature=1.5, min_p=0.2)
+    differs = 0
+    for i, prompt in enumerate(random_prompts(5, VOCAB, seed=6)):
+        kwargs = dict(attention_mask=torch.ones_like(prompt)[None], do_sample=True, temperature=s.temperature,
+                      top_k=0, max_new_tokens=20, pad_token_id=0)
+        torch.manual_seed(i)
+        ref = model.generate(prompt[None], min_p=s.min_p, **kwargs)[0, prompt.shape[0]:].tolist()
+        torch.manual_seed(i)
+        differs += ref != model.generate(prompt[None], **kwargs)[0, prompt.shape[0]:].tolist()
+        torch.manual_seed(i)
+        assert generate(target, NoDrafter(), prompt, 20, sampling=s).tokens == ref
+    assert differs >= 3  # min_p changes what is drawn
 
 
 def test_repetition_penalty_equals_transformers_processor():

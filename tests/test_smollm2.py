@@ -125,3 +125,36 @@ def test_real_weights_decode_far_beyond_a_sliding_window():
     for drafter in (NGramDrafter(), OracleDrafter(TREE, target.vocab_size, ref), EarlyExitDrafter(target, 12)):
         out = generate(verifier_for(drafter, target), drafter, ids, new)
         assert out.tokens == ref, f"{type(drafter).__name__}: differs from generate beyond the window"
+
+
+def test_stop_strings_and_min_new_tokens_on_real_weights(smollm2):
+    """SmolLM2's real tokenizer (stop strings matched inside and across its BPE tokens) and EOS: with n-gram drafts,
+    stop strings end each answer where generate(stop_strings=...) ends it, and min_new_tokens keeps decoding past the
+    EOS where generate's keeps it going."""
+    from transformers import AutoTokenizer
+
+    from selfspec.models import DEFAULT_MODEL, resolve
+    from selfspec.stopping import stop_strings
+
+    target, prompts, refs, eos = smollm2
+    tokenizer = AutoTokenizer.from_pretrained(resolve(DEFAULT_MODEL)[0])
+    stops = [".", "ay"]  # a sentence's end; two letters inside and across tokens ("days", "Tuesday", "say")
+    criteria = stop_strings(tokenizer, stops)
+    cut = blocked = 0
+    for text, ids, ref in list(zip(PROMPTS, prompts, refs))[:6]:
+        with torch.inference_mode():
+            expected = target.model.generate(ids[None], attention_mask=torch.ones_like(ids)[None], max_new_tokens=NEW,
+                                             do_sample=False, eos_token_id=eos, pad_token_id=eos, stop_strings=stops,
+                                             tokenizer=tokenizer)[0, ids.shape[0]:].tolist()
+        out = generate(target, NGramDrafter(), ids, NEW, eos_token_id=eos, stopping_criteria=criteria)
+        assert out.tokens == expected, f"{text!r}: stopped elsewhere than generate"
+        cut += len(out.tokens) < len(ref)
+        if eos in ref and not blocked:  # one answer that ends early is enough (each is ~40 tokens twice)
+            with torch.inference_mode():
+                longer = target.model.generate(ids[None], attention_mask=torch.ones_like(ids)[None],
+                                               max_new_tokens=len(ref) + 8, min_new_tokens=len(ref) + 4,
+                                               do_sample=False, eos_token_id=eos, pad_token_id=eos)[0, ids.shape[0]:]
+            out = generate(target, NGramDrafter(), ids, len(ref) + 8, eos_token_id=eos, min_new_tokens=len(ref) + 4)
+            assert out.tokens == longer.tolist()[: len(out.tokens)] and eos not in out.tokens[: len(ref) + 4]
+            blocked += 1
+    assert cut >= 4 and blocked >= 1

@@ -74,3 +74,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def spanning_stop(tokenizer, tokens: list[int], start: int) -> str:
+    """Two letters of one token and two of the next (from token ``start`` on), seen nowhere before them in the text."""
+    pieces = [tokenizer.decode([t], clean_up_tokenization_spaces=False) for t in tokens]
+    for k in range(start, len(tokens) - 1):
+        a, b = pieces[k], pieces[k + 1]
+        stop = a[-2:] + b[:2]
+        seen = "".join(pieces[: k + 1]) + b[0]  # the text before the stop's last character
+        if len(a) >= 2 and len(b) >= 2 and stop.isalpha() and stop.isascii() and stop not in seen:
+            return stop
+    raise AssertionError("no stop string spanning two tokens in this answer")

@@ -1,0 +1,318 @@
+"""infer.py serve: OpenAI's HTTP API over a real local server (a tiny random chat model), answers equal to
+selfspec.api's, streamed and whole; stop strings cut as OpenAI cuts them; bad requests refused with the field named;
+requests decoded one at a time; a client that goes away frees the line."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+import tiny_chat_model
+from selfspec import api, serve
+
+ROOT = Path(__file__).resolve().parents[1]
+USER = [{"role": "user", "content": "write a short story about the sea"}]
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return api.load(str(model_dir), draft="ngram")
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    srv = serve.make_server(serve.Session(model, "tiny"), port=0, verbose=False)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield srv.server_address[1]
+    srv.shutdown()
+    srv.server_close()
+
+
+def post(port: int, path: str, body, raw: bool = False, headers: dict | None = None) -> tuple[int, dict | str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", path, body=body if raw else json.dumps(body),
+                 headers={"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    data = resp.read().decode()
+    conn.close()
+    if resp.getheader("Content-Type") == "text/event-stream":
+        return resp.status, data
+    return resp.status, json.loads(data)
+
+
+def events(data: str) -> list:
+    lines = [line[len("data: "):] for line in data.split("\n\n") if line]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_chat_completion_is_selfspecs_answer(server, model):
+    expected = model.generate(USER, max_new_tokens=24)
+    status, body = post(server, "/v1/chat/completions", {"model": "tiny", "messages": USER, "max_tokens": 24})
+    assert status == 200, body
+    assert body["object"] == "chat.completion" and body["model"] == "tiny"
+    (choice,) = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": expected.text}
+    assert choice["finish_reason"] == "length"
+    usage = body["usage"]
+    assert usage["prompt_tokens"] == model.encode(USER).shape[0] and usage["completion_tokens"] == 24
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 24
+    assert usage["selfspec"]["steps"] == expected.stats.steps
+    assert usage["selfspec"]["mean_accepted_tokens"] == pytest.approx(expected.stats.mean_accepted, abs=1e-4)
+
+
+def test_streamed_chunks_add_up_to_the_answer(server, model):
+    expected = model.generate(USER, max_new_tokens=24).text
+    status, data = post(server, "/v1/chat/completions", {"messages": USER, "max_tokens": 24, "stream": True,
+                                                         "stream_options": {"include_usage": True}})
+    assert status == 200
+    chunks = events(data)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == expected
+    assert len([c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]) > 3  # really streamed
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 24
+
+
+def test_stop_strings_end_the_answer_and_are_cut_from_it(server, model):
+    """OpenAI returns the text before the stop string; streamed text never shows a piece of it."""
+    full = model.generate(USER, max_new_tokens=40)
+    stop = tiny_chat_model.spanning_stop(model.tokenizer, full.tokens, start=4)
+    before = full.text[: full.text.index(stop)]
+    status, body = post(server, "/v1/chat/completions", {"messages": USER, "max_tokens": 40, "stop": [stop, "zzzz"]})
+    assert status == 200
+    assert body["choices"][0]["message"]["content"] == before
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == len(model.generate(USER, max_new_tokens=40, stop=stop).tokens) < 40
+    status, data = post(server, "/v1/chat/completions", {"messages": USER, "max_tokens": 40, "stop": stop,
+                                                         "stream": True})
+    chunks = events(data)
+    pieces = [c["choices"][0]["delta"].get("content", "") for c in chunks]
+    assert "".join(pieces) == before and chunks[-1]["choices"][0]["finish_reason"] == "stop"  # nothing retracted
+    # the model's own stop strings (its generation config's) apply and are cut when a request names none
+    saved, model.stop_strings = model.stop_strings, (stop,)
+    try:
+        session = serve.Session(model, "tiny")
+        for given, text in (({}, before), ({"stop": None}, before), ({"stop": []}, full.text)):
+            reply = serve.complete(session, session.parse({"messages": USER, "max_tokens": 40, **given}, chat=True))
+            assert reply["choices"][0]["message"]["content"] == text, given
+    finally:
+        model.stop_strings = saved
+
+
+def test_without_max_tokens_an_answer_fills_at_most_the_room_the_context_leaves(model):
+    """The server's default (here 10**6) is capped at what the context holds after the prompt, as OpenAI-compatible
+    servers do, instead of refusing the request."""
+    session = serve.Session(model, "tiny", default_max_tokens=10 ** 6)
+    n = 1
+    while model.encode([{"role": "user", "content": "fox " * (n + 8)}]).shape[0] < model.target.max_length - 6:
+        n += 8
+    messages = [{"role": "user", "content": "fox " * n}]
+    room = model.target.max_length - model.encode(messages).shape[0]
+    assert 1 <= room <= 14
+    reply = serve.complete(session, session.parse({"messages": messages}, chat=True))
+    assert reply["usage"]["prompt_tokens"] + reply["usage"]["completion_tokens"] <= model.target.max_length
+    assert reply["usage"]["completion_tokens"] == room or reply["choices"][0]["finish_reason"] == "stop"
+    with pytest.raises(ValueError, match="exceeds the model's context"):  # asked for explicitly: refused
+        serve.complete(session, session.parse({"messages": messages, "max_tokens": room + 1}, chat=True))
+
+
+def test_completions_feed_the_prompt_without_the_chat_template(server, model):
+    expected = model.generate("the quick brown fox", max_new_tokens=16, chat=False).text
+    status, body = post(server, "/v1/completions", {"prompt": "the quick brown fox", "max_tokens": 16})
+    assert status == 200
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == expected
+    status, data = post(server, "/v1/completions", {"prompt": ["the quick brown fox"], "max_tokens": 16,
+                                                    "stream": True})
+    assert "".join(c["choices"][0]["text"] for c in events(data)) == expected
+
+
+def test_sampling_fields_reach_the_decoder(server, model):
+    fields = dict(temperature=0.9, top_p=0.95, top_k=50, min_p=0.05, seed=7, repetition_penalty=1.1, min_tokens=3)
+    expected = model.generate(USER, max_new_tokens=20, temperature=0.9, top_p=0.95, top_k=50, min_p=0.05, seed=7,
+                              repetition_penalty=1.1, min_new_tokens=3).text
+    texts = [post(server, "/v1/chat/completions", {"messages": USER, "max_tokens": 20, **fields})[1] for _ in range(2)]
+    assert [t["choices"][0]["message"]["content"] for t in texts] == [expected, expected]
+    assert expected != model.generate(USER, max_new_tokens=20).text
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"messages": USER, "foo": 1}, "foo", "unrecognized request argument(s): foo"),
+    ({"messages": USER, "n": 2}, "n", "'n': selfspec serves one answer per request"),
+    ({"messages": USER, "logprobs": True}, "logprobs", "expected False, found True"),
+    ({"messages": USER, "presence_penalty": 0.5}, "presence_penalty", "expected 0, found 0.5"),
+    ({"messages": []}, "messages", "'messages': expected a non-empty list"),
+    ({"messages": [{"content": "hi"}]}, "messages", "'messages[0]': expected an object with 'role' and 'content'"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", "only text parts"),
+    ({"messages": USER, "temperature": "hot"}, "temperature", "'temperature': expected a number, found 'hot'"),
+    ({"messages": USER, "max_tokens": 0}, "max_tokens", "'max_tokens': expected a value >= 1, found 0"),
+    ({"messages": USER, "stop": [""]}, "stop", "'stop': expected a non-empty string or a list of them"),
+    ({"messages": USER, "stream": "yes"}, "stream", "'stream': expected true or false"),
+    ({"messages": USER, "max_tokens": 10 ** 6}, None, "exceeds the model's context"),
+    ([1, 2], None, "expected a JSON object, found list"),
+])
+def test_bad_requests_are_refused_naming_the_field(server, body, param, message):
+    status, reply = post(server, "/v1/chat/completions", body)
+    assert status == 400
+    assert message in reply["error"]["message"] and reply["error"]["param"] == param
+    assert reply["error"]["type"] == "invalid_request_error"
+
+
+def test_bad_json_unknown_paths_and_the_completion_prompt_are_refused(server):
+    status, reply = post(server, "/v1/chat/completions", "{not json", raw=True)
+    assert status == 400 and "the request body is not JSON" in reply["error"]["message"]
+    status, reply = post(server, "/v1/embeddings", {"input": "x"})
+    assert status == 404 and "expected /v1/chat/completions or /v1/completions" in reply["error"]["message"]
+    status, reply = post(server, "/v1/completions", {"prompt": ""})
+    assert status == 400 and "the prompt is empty" in reply["error"]["message"]
+    status, reply = post(server, "/v1/completions", {"prompt": "hi", "messages": USER})
+    assert status == 400 and reply["error"]["param"] == "messages"
+    status, reply = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 10 ** 6, "stream": True})
+    assert status == 400 and "exceeds the model's context" in reply["error"]["message"]  # before any chunk is sent
+
+
+def test_models_and_health(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server, timeout=30)
+    conn.request("GET", "/v1/models")
+    assert json.loads(conn.getresponse().read())["data"][0]["id"] == "tiny"
+    conn.request("GET", "/health")
+    assert json.loads(conn.getresponse().read())["status"] == "ok"  # the same kept-alive connection
+
+
+def test_requests_at_once_are_decoded_one_at_a_time_with_the_same_answers(server, model):
+    prompts = [[{"role": "user", "content": f"story number {i}"}] for i in range(4)]
+    expected = [model.generate(p, max_new_tokens=16).text for p in prompts]
+    results: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        results[i] = post(server, "/v1/chat/completions", {"messages": prompts[i], "max_tokens": 16})[1][
+            "choices"][0]["message"]["content"]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [results.get(i) for i in range(4)] == expected
+
+
+class RecordingSession(serve.Session):
+    """Records, per request, how many new tokens its decoding had produced when it ended (None: it never finished)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.finished: list[int | None] = []
+
+    def pieces(self, r):
+        index = len(self.finished)
+        self.finished.append(None)
+        for text, end in super().pieces(r):
+            if end is not None:
+                self.finished[index] = end["usage"]["completion_tokens"]
+            yield text, end
+
+
+def test_a_client_that_goes_away_mid_stream_frees_the_line(model):
+    """Decoding stops soon after the client is gone (not 600 tokens later), and the next request is served."""
+    session = RecordingSession(model, "tiny")
+    srv = serve.make_server(session, port=0, verbose=False)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    port = srv.server_address[1]
+    try:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+        body = json.dumps({"messages": USER, "max_tokens": 600, "stream": True}).encode()
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        received = b""
+        while b"data: " not in received:  # the headers, then the first chunk
+            part = sock.recv(4096)
+            assert part, "the server closed the stream before its first chunk"
+            received += part
+        sock.close()  # gone, 600 tokens from the end
+        status, reply = post(port, "/v1/chat/completions", {"messages": USER, "max_tokens": 4})
+        assert status == 200 and reply["usage"]["completion_tokens"] == 4
+        assert session.finished == [None, 4], "the abandoned request was decoded to its end"
+        assert session.lock.acquire(timeout=60)
+        session.lock.release()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_openais_own_client_gets_the_answers(server, model):
+    """The client people use: chat (whole and streamed) and completions, as selfspec answers them."""
+    from openai import BadRequestError, OpenAI
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key="none", max_retries=0)
+    expected = model.generate(USER, max_new_tokens=16)
+    r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=16)
+    assert r.choices[0].message.content == expected.text and r.usage.completion_tokens == 16
+    assert r.usage.model_extra["selfspec"]["steps"] == expected.stats.steps
+    stream = client.chat.completions.create(model="tiny", messages=USER, max_tokens=16, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected.text
+    r = client.completions.create(model="tiny", prompt="the quick brown fox", max_tokens=8)
+    assert r.choices[0].text == model.generate("the quick brown fox", max_new_tokens=8, chat=False).text
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    with pytest.raises(BadRequestError, match="'n': selfspec serves one answer per request"):
+        client.chat.completions.create(model="tiny", messages=USER, n=2)
+
+
+def test_an_api_key_is_required_when_the_server_has_one(model):
+    from openai import AuthenticationError, OpenAI
+
+    srv = serve.make_server(serve.Session(model, "tiny", api_key="s3cret"), port=0, verbose=False)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    port = srv.server_address[1]
+    body = {"messages": USER, "max_tokens": 4}
+    try:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            status, reply = post(port, "/v1/chat/completions", body, headers=headers)
+            assert status == 401 and reply["error"]["type"] == "invalid_api_key", headers
+            assert "missing or wrong API key" in reply["error"]["message"]
+        status, reply = post(port, "/v1/chat/completions", body, headers={"Authorization": "Bearer s3cret"})
+        assert status == 200 and reply["usage"]["completion_tokens"] == 4
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", "/v1/models")
+        assert conn.getresponse().status == 401
+        conn.close()
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", "/health")  # open: scripts wait on it
+        assert conn.getresponse().status == 200
+        conn.close()
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="s3cret", max_retries=0)
+        assert client.chat.completions.create(model="tiny", messages=USER, max_tokens=4).usage.completion_tokens == 4
+        with pytest.raises(AuthenticationError):
+            OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0).models.list()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_infer_py_serve_answers_over_http(model_dir, model):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONIOENCODING": "utf-8"}
+    proc = subprocess.Popen([sys.executable, "infer.py", "serve", "--model", str(model_dir), "--port", "0",
+                             "--name", "tiny-served", "--quiet"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while "serving" not in line:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "infer.py serve exited before serving"
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+)/v1", line).group(1))
+        status, body = post(port, "/v1/chat/completions", {"messages": USER, "max_tokens": 12})
+        assert status == 200 and body["model"] == "tiny-served"
+        assert body["choices"][0]["message"]["content"] == model.generate(USER, max_new_tokens=12).text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
