@@ -352,6 +352,7 @@ def run_serve_cli(argv: Sequence[str], err: TextIO | None = None) -> int:
                      trust_remote_code=a.trust_remote_code)
     session = serve.Session(model, a.name or a.model, default_temperature=a.temperature,
                             default_max_tokens=a.max_tokens, api_key=a.api_key or None)
+    session.warm_up()
     server = serve.make_server(session, a.host, a.port, verbose=not a.quiet)
     host, port = server.server_address[:2]
     err.write(f"serving {session.name} (--draft {a.draft}) at http://{host}:{port}/v1; Ctrl-C stops\n")

@@ -23,6 +23,7 @@ import dataclasses
 import hmac
 import itertools
 import json
+import queue
 import threading
 import time
 import uuid
@@ -161,15 +162,48 @@ def cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
     return (text[: min(ends)], True) if ends else (text, False)
 
 
+class _Job:
+    """One request's decoding, run on the session's worker thread; its items come back through a queue."""
+
+    def __init__(self, items: Iterator):
+        self.items, self.out, self.cancelled = items, queue.Queue(), threading.Event()
+
+    def run(self) -> None:
+        try:
+            for item in self.items:
+                if self.cancelled.is_set():  # the client went away: stop after the step in flight
+                    break
+                self.out.put(("item", item))
+        except BaseException as err:  # noqa: BLE001 - handed to the request's thread, which raises it
+            self.out.put(("error", err))
+        finally:
+            self.items.close()
+            self.out.put(("end", None))
+
+
 class Session:
-    """The served model and the line requests wait in."""
+    """The served model and the line requests wait in: one worker thread decodes every request, in turn.
+
+    One thread, not the request's own: torch runs ~1.3x slower in a fresh thread for its first requests (measured
+    here, BENCHMARKS §18), and ThreadingHTTPServer gives every request a fresh thread."""
 
     def __init__(self, model: SpecModel, name: str, default_temperature: float = 0.0, default_max_tokens: int = 256,
                  api_key: str | None = None):
         """api_key: requests must send ``Authorization: Bearer <api_key>`` (None: no check)."""
         self.model, self.name, self.api_key = model, name, api_key
         self.default_temperature, self.default_max_tokens = default_temperature, default_max_tokens
-        self.lock = threading.Lock()  # batch size 1: one request decodes at a time
+        self._jobs: queue.Queue[_Job] = queue.Queue()  # batch size 1: one request decodes at a time
+        threading.Thread(target=self._work, daemon=True, name="selfspec-decode").start()
+
+    def _work(self) -> None:
+        while True:
+            self._jobs.get().run()
+
+    def warm_up(self) -> None:
+        """Decode a few tokens on the worker, so that the first request does not pay for its first use."""
+        for _ in self.pieces(Request(prompt="Hello", chat=False, stream=False, max_new_tokens=8, stops=(),
+                                     decoding={"stop": []})):
+            pass
 
     def parse(self, body: Any, chat: bool) -> Request:
         r = parse_request(body, chat, self.default_temperature)
@@ -179,34 +213,48 @@ class Session:
 
     def pieces(self, r: Request) -> Iterator[tuple[str, dict | None]]:
         """(text, None) pieces as the target accepts them, with stop strings cut (text that could begin one is held
-        back until it cannot), then ("", final) with finish_reason and usage. Holds the lock while decoding."""
-        with self.lock:
-            ids = self.model.encode(r.prompt, chat=r.chat)
-            limit = r.max_new_tokens
-            if limit is None:  # as OpenAI-compatible servers do: no more than the context has room for
-                limit = max(1, min(self.default_max_tokens, self.model.target.max_length - int(ids.shape[0])))
-            stream = self.model.stream(ids, max_new_tokens=limit, **r.decoding)
-            hold = max((len(s) for s in r.stops), default=1) - 1
-            sent, stopped = 0, False
-            for _ in stream:
-                text, stopped = cut_at_stop(stream.text, r.stops)
-                upto = len(text) if stopped else max(len(text) - hold, sent)
-                if upto > sent:
-                    yield text[sent:upto], None
-                    sent = upto
-                if stopped:
-                    break
+        back until it cannot), then ("", final) with finish_reason and usage. Decoded on the worker thread, after
+        the requests before it; closing this iterator early stops the decoding."""
+        job = _Job(self._decode(r))
+        self._jobs.put(job)
+        try:
+            while True:
+                kind, value = job.out.get()
+                if kind == "error":
+                    raise value
+                if kind == "end":
+                    return
+                yield value
+        finally:
+            job.cancelled.set()
+
+    def _decode(self, r: Request) -> Iterator[tuple[str, dict | None]]:
+        ids = self.model.encode(r.prompt, chat=r.chat)
+        limit = r.max_new_tokens
+        if limit is None:  # as OpenAI-compatible servers do: no more than the context has room for
+            limit = max(1, min(self.default_max_tokens, self.model.target.max_length - int(ids.shape[0])))
+        stream = self.model.stream(ids, max_new_tokens=limit, **r.decoding)
+        hold = max((len(s) for s in r.stops), default=1) - 1
+        sent, stopped = 0, False
+        for _ in stream:
             text, stopped = cut_at_stop(stream.text, r.stops)
-            if len(text) > sent:
-                yield text[sent:], None
-            stats = stream.stats
-            eos = bool(stream.tokens) and stream.tokens[-1] in self.model.eos_token_id
-            finish = "stop" if stopped or eos or stats.new_tokens < limit else "length"
-            usage = {"prompt_tokens": int(ids.shape[0]), "completion_tokens": stats.new_tokens,
-                     "total_tokens": int(ids.shape[0]) + stats.new_tokens,
-                     "selfspec": {"steps": stats.steps, "mean_accepted_tokens": round(stats.mean_accepted, 4),
-                                  "seconds": round(stats.seconds, 4), "tokens_per_s": round(stats.tokens_per_s, 2)}}
-            yield "", {"finish_reason": finish, "usage": usage}
+            upto = len(text) if stopped else max(len(text) - hold, sent)
+            if upto > sent:
+                yield text[sent:upto], None
+                sent = upto
+            if stopped:
+                break
+        text, stopped = cut_at_stop(stream.text, r.stops)
+        if len(text) > sent:
+            yield text[sent:], None
+        stats = stream.stats
+        eos = bool(stream.tokens) and stream.tokens[-1] in self.model.eos_token_id
+        finish = "stop" if stopped or eos or stats.new_tokens < limit else "length"
+        usage = {"prompt_tokens": int(ids.shape[0]), "completion_tokens": stats.new_tokens,
+                 "total_tokens": int(ids.shape[0]) + stats.new_tokens,
+                 "selfspec": {"steps": stats.steps, "mean_accepted_tokens": round(stats.mean_accepted, 4),
+                              "seconds": round(stats.seconds, 4), "tokens_per_s": round(stats.tokens_per_s, 2)}}
+        yield "", {"finish_reason": finish, "usage": usage}
 
 
 def _envelope(session: Session, chat: bool, rid: str, created: int) -> dict:
