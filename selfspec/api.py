@@ -185,7 +185,7 @@ class SpecModel:
         strings = getattr(gen, "stop_strings", None)
         self.stop_strings: tuple[str, ...] = (strings,) if isinstance(strings, str) else tuple(strings or ())
         self.min_new_tokens, self.min_length = int(gen.min_new_tokens or 0), int(gen.min_length or 0)
-        self._criteria: dict[tuple[str, ...], list] = {}  # stop strings -> their criterion, built once
+        self._criteria: dict[tuple[str, ...], list] = {}  # stop strings -> their criterion (~0.2 s to build for 49k tokens)
         unapplied = unapplied_processors(model.generation_config)
         if unapplied:
             warnings.warn(f"the generation config of {name or 'this model'} asks for "
@@ -223,6 +223,8 @@ class SpecModel:
         sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=penalty)
         stops = self.stop_strings if stop is None else ((stop,) if isinstance(stop, str) else tuple(stop))
         if stops not in self._criteria:
+            if len(self._criteria) >= 16:  # a server's clients may each send their own: keep the latest few
+                self._criteria.pop(next(iter(self._criteria)))
             self._criteria[stops] = stop_strings(self.tokenizer, stops)
         if min_new_tokens is None:  # the generation config's min_new_tokens, and its min_length (prompt included)
             min_new_tokens = max(self.min_new_tokens, self.min_length - ids.shape[0])

@@ -210,3 +210,14 @@ def test_generate_plain_samples_with_min_p_as_generate_does(ngram):
     without = ngram.model.generate(ids[None], **kwargs)[0, ids.shape[0]:].tolist()
     plain = ngram.generate_plain(ids, max_new_tokens=30, temperature=1.5, min_p=0.3, seed=3)
     assert plain.tokens == expected != without
+
+
+def test_stop_string_criteria_are_built_once_and_only_the_latest_few_kept(ngram):
+    """Building a criterion reads the whole vocabulary; a server's clients may each send their own stop strings."""
+    ngram._criteria.clear()
+    for i in range(20):
+        ngram.generate(PROMPTS[0], max_new_tokens=2, stop=[f"never {i}"])
+    assert len(ngram._criteria) == 16 and ("never 19",) in ngram._criteria and ("never 0",) not in ngram._criteria
+    kept = ngram._criteria[("never 19",)]
+    ngram.generate(PROMPTS[0], max_new_tokens=2, stop="never 19")
+    assert ngram._criteria[("never 19",)] is kept
