@@ -139,7 +139,7 @@ def stream(
     new_states = None if pre.states is None else LayerStates.of(pre.states)  # every layer, every prompt position
     yield Step(tokens=(root,), tree_size=0, verify_s=time.perf_counter() - t0, other_s=0.0)
     produced = 1
-    if root in eos or produced >= max_new_tokens or first_stop(stopping_criteria, tokens, 1) is not None:
+    if produced >= max_new_tokens or first_stop(stopping_criteria, tokens, 1, eos) is not None:
         return
 
     while True:
@@ -189,13 +189,10 @@ def stream(
         # 7. emit, stopping exactly where plain decoding would: at EOS, a stop string, or max_new_tokens
         new = [int(draft.tokens[i]) for i in acc.path[1:]] + [acc.bonus]
         new = new[: max_new_tokens - produced]
-        stop = next((j for j, tok in enumerate(new) if tok in eos), None)
-        if stop is not None:
-            new = new[: stop + 1]
         tokens = torch.cat([tokens, tokens.new_tensor(new)])
-        cut = first_stop(stopping_criteria, tokens, len(new))
-        if cut is not None:
-            tokens, new, stop = tokens[: tokens.shape[0] - len(new) + cut + 1], new[: cut + 1], cut
+        stop = first_stop(stopping_criteria, tokens, len(new), eos)
+        if stop is not None:
+            tokens, new = tokens[: tokens.shape[0] - len(new) + stop + 1], new[: stop + 1]
         produced += len(new)
         hidden, new_hidden = out.hidden[acc.path[-1]], out.hidden[list(acc.path)]  # [D], [A, D]
         new_states = None if out.states is None else LayerStates.of(out.states, list(acc.path))

@@ -257,14 +257,15 @@ class Session:
         yield "", {"finish_reason": finish, "usage": usage}
 
 
-def _envelope(session: Session, chat: bool, rid: str, created: int) -> dict:
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+def _envelope(session: Session, chat: bool) -> dict:
+    """The fields every response object of one answer shares (a new id per answer)."""
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": session.name}
 
 
 def complete(session: Session, r: Request) -> dict:
     """The whole answer as one OpenAI response object."""
-    rid, created = f"{'chatcmpl' if r.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
     parts, final = [], {}
     for text, end in session.pieces(r):
         parts.append(text)
@@ -272,14 +273,13 @@ def complete(session: Session, r: Request) -> dict:
     text = "".join(parts)
     choice: dict[str, Any] = {"index": 0, "finish_reason": final["finish_reason"], "logprobs": None}
     choice.update({"message": {"role": "assistant", "content": text}} if r.chat else {"text": text})
-    return {**_envelope(session, r.chat, rid, created), "choices": [choice], "usage": final["usage"]}
+    return {**_envelope(session, r.chat), "choices": [choice], "usage": final["usage"]}
 
 
 def chunks(session: Session, r: Request, include_usage: bool = False) -> Iterator[dict]:
     """The answer as OpenAI stream chunks (the first carries the role, the last the finish reason)."""
-    rid, created = f"{'chatcmpl' if r.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
     kind = "chat.completion.chunk" if r.chat else "text_completion"
-    head = {**_envelope(session, r.chat, rid, created), "object": kind}
+    head = {**_envelope(session, r.chat), "object": kind}
 
     def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
         if r.chat:

@@ -1,5 +1,5 @@
-"""Where decoding stops besides the end-of-sequence token and max_new_tokens: stop strings, and any stopping criterion
-of transformers, checked after every new token as ``model.generate`` checks them.
+"""Where decoding stops before max_new_tokens: at an end-of-sequence token, a stop string, or any stopping criterion of
+transformers, checked after every new token as ``model.generate`` checks them.
 
 A speculative step adds several tokens at once; plain decoding would have stopped after the first of them that
 completes a stop string, so the step's tokens are cut there (``first_stop``). The criteria are transformers' own
@@ -11,7 +11,7 @@ Shapes: T tokens so far (the prompt included).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -34,13 +34,16 @@ def stop_strings(tokenizer: PreTrainedTokenizerBase, strings: str | Sequence[str
     return [StopStringCriteria(tokenizer, strings)]
 
 
-def first_stop(criteria: Sequence[Criterion], tokens: torch.Tensor, n_new: int) -> int | None:
-    """tokens [T], the last n_new of them new -> the index j (0..n_new-1) of the first new token after which a criterion
-    says stop (plain decoding ends there, that token included), or None."""
-    if not criteria:
-        return None
+def first_stop(criteria: Sequence[Criterion], tokens: torch.Tensor, n_new: int,
+               eos: Collection[int] = ()) -> int | None:
+    """tokens [T], the last n_new of them new -> the index j (0..n_new-1) of the first new token that is an
+    end-of-sequence token or after which a criterion says stop (plain decoding ends there, that token included), or
+    None."""
     start = tokens.shape[0] - n_new
+    new = tokens[start:].tolist()
     for j in range(n_new):
+        if new[j] in eos:
+            return j
         ids = tokens[None, : start + j + 1]  # [1, t]: the text as generate holds it after new token j
         if any(bool(c(ids, None).any()) for c in criteria):
             return j

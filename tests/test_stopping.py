@@ -33,9 +33,12 @@ def test_first_stop_finds_the_first_new_token_after_which_a_criterion_stops():
     assert first_stop([EndsWith([1]), EndsWith([9, 1])], tokens, 4) == 1
     assert first_stop([EndsWith([1, 2])], tokens, 4) is None
     assert first_stop([], tokens, 4) is None
+    assert first_stop([EndsWith([7, 8])], tokens, 4, eos={1}) == 1  # an EOS before the criterion's stop
+    assert first_stop([], tokens, 4, eos={9, 8}) == 0 and first_stop([], tokens, 4, eos={5}) is None  # new tokens only
 
 
-def _with_drafts(prompt: torch.Tensor) -> list:
+def _with_drafts() -> list:
+    """Plain decoding through the loop, and drafts that accept several tokens a step."""
     return [NoDrafter(), NGramDrafter(depth=4, max_nodes=12)]
 
 
@@ -97,7 +100,7 @@ def test_min_new_tokens_blocks_eos_at_every_tree_node_as_generate_does(arch):
         assert len(early) <= 4 and early[-1] == eos
         ref = ref[: ref.index(eos) + 1] if eos in ref[12:] else ref  # generate pads after EOS
         assert len(ref) > 12 and eos not in ref[:12]
-        for drafter in _with_drafts(prompt):
+        for drafter in _with_drafts():
             assert generate(target, drafter, prompt, 24, eos_token_id=eos, min_new_tokens=12).tokens == ref
         s = Sampling(temperature=0.8)
         torch.manual_seed(i)
