@@ -8,7 +8,9 @@
         print(piece, end="", flush=True)
 
 Arguments mirror transformers' ``generate``: ``temperature`` (0 = greedy), ``top_p``, ``top_k``, ``min_p``,
-``repetition_penalty``, ``stop`` (its ``stop_strings``), ``min_new_tokens``; ``seed`` makes a sampled run repeatable.
+``repetition_penalty``, ``stop`` (its ``stop_strings``), ``min_new_tokens``; ``seed`` makes a sampled run repeatable;
+``logprobs=k`` / ``prompt_logprobs=k`` add the target's log-probability of every new (prompt) token and its k likeliest
+alternatives (``selfspec.logprobs``).
 ``generate_plain`` runs the same request through ``model.generate`` (plain decoding, or a transformers peer such as
 ``prompt_lookup_num_tokens=10``) and reports the same statistics.
 """
@@ -28,6 +30,7 @@ from transformers.generation.streamers import BaseStreamer
 from selfspec import registry
 from selfspec.drafter import Drafter, verifier_for
 from selfspec.generate import stream as spec_stream
+from selfspec.logprobs import TokenLogprob, token_logprobs
 from selfspec.models import BUILTIN, DEFAULT_MODEL, _refuse_remote_code, load_model, resolve
 from selfspec.sampling import Sampling
 from selfspec.stopping import stop_strings
@@ -69,6 +72,10 @@ class Result:
     tokens: list[int]
     """the new tokens (EOS included when generation stopped at it)."""
     stats: Stats
+    logprobs: list[TokenLogprob] | None = None
+    """one per new token, when asked for (logprobs=k)."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """one per prompt token after the first, when asked for (prompt_logprobs=k)."""
 
 
 class IncrementalDecoder:
@@ -101,6 +108,9 @@ class TextStream:
     def __init__(self, steps: Iterator, tokenizer: PreTrainedTokenizerBase):
         self._steps, self._decoder = steps, IncrementalDecoder(tokenizer)
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        """one per token of ``tokens``, when the stream was asked for them."""
+        self.prompt_logprobs: list[TokenLogprob] = []
         self._lengths: list[int] = []
         self._seconds = 0.0
         self.done = False
@@ -113,6 +123,8 @@ class TextStream:
             if step is None:
                 break
             self.tokens.extend(step.tokens)
+            self.logprobs.extend(step.logprobs)
+            self.prompt_logprobs.extend(step.prompt_logprobs)
             self._lengths.append(len(step.tokens))
             piece = self._decoder.push(step.tokens)
             if piece:
@@ -233,50 +245,62 @@ class SpecModel:
         generator = None if seed is None else torch.Generator(device=self.target.device).manual_seed(seed)
         return _Request(ids, sampling, generator, stops, self._criteria[stops], min_new_tokens)
 
-    def _steps(self, r: "_Request", max_new_tokens: int) -> Iterator:
+    def _steps(self, r: "_Request", max_new_tokens: int, logprobs: int | None = None,
+               prompt_logprobs: int | None = None) -> Iterator:
         return spec_stream(self.target, self.drafter, r.ids, max_new_tokens, sampling=r.sampling,
                            eos_token_id=self.eos_token_id, generator=r.generator, stopping_criteria=r.criteria,
-                           min_new_tokens=r.min_new_tokens)
+                           min_new_tokens=r.min_new_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int | None = None, chat: bool = True,
                repetition_penalty: float | None = None, min_p: float = 0.0, stop: str | Sequence[str] | None = None,
-               min_new_tokens: int | None = None) -> TextStream:
+               min_new_tokens: int | None = None, logprobs: int | None = None,
+               prompt_logprobs: int | None = None) -> TextStream:
         """Text pieces as they are accepted; the returned TextStream holds .text, .tokens and .stats afterwards.
 
         As ``model.generate``: temperature (0 = greedy), top_p, top_k, min_p sample; repetition_penalty (1.0 is off),
         stop (stop strings: decoding ends after the token that completes one, which stays in the output; [] for none)
         and min_new_tokens (no end-of-sequence token before that many) default, when None, to the model's generation
-        config's (its repetition_penalty, stop_strings, min_new_tokens and min_length)."""
+        config's (its repetition_penalty, stop_strings, min_new_tokens and min_length). logprobs = k: the stream's
+        ``logprobs`` holds the target's log-probability of each new token and its k likeliest alternatives
+        (prompt_logprobs = k: ``prompt_logprobs`` the same for the prompt's tokens after the first); None: none."""
         r = self._request(prompt, chat, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop,
                           min_new_tokens)
-        return TextStream(self._steps(r, max_new_tokens), self.tokenizer)
+        return TextStream(self._steps(r, max_new_tokens, logprobs, prompt_logprobs), self.tokenizer)
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, chat: bool = True,
                  repetition_penalty: float | None = None, min_p: float = 0.0, stop: str | Sequence[str] | None = None,
-                 min_new_tokens: int | None = None) -> Result:
+                 min_new_tokens: int | None = None, logprobs: int | None = None,
+                 prompt_logprobs: int | None = None) -> Result:
         """Generate to the end; the text is decoded once, after timing stops. Arguments as ``stream``."""
         r = self._request(prompt, chat, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop,
                           min_new_tokens)
         tokens: list[int] = []
         lengths: list[int] = []
+        lps: list[TokenLogprob] = []
+        prompt_lps: list[TokenLogprob] = []
         t0 = time.perf_counter()
-        for step in self._steps(r, max_new_tokens):
+        for step in self._steps(r, max_new_tokens, logprobs, prompt_logprobs):
             tokens.extend(step.tokens)
             lengths.append(len(step.tokens))
+            lps.extend(step.logprobs)
+            prompt_lps.extend(step.prompt_logprobs)
         seconds = time.perf_counter() - t0
-        return Result(text=self._decode(tokens), tokens=tokens,
-                      stats=Stats(new_tokens=len(tokens), seconds=seconds, accept_lengths=tuple(lengths)))
+        return Result(text=self.decode(tokens), tokens=tokens,
+                      stats=Stats(new_tokens=len(tokens), seconds=seconds, accept_lengths=tuple(lengths)),
+                      logprobs=None if logprobs is None else lps,
+                      prompt_logprobs=None if prompt_logprobs is None else prompt_lps)
 
     @torch.inference_mode()
     def generate_plain(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                        top_k: int = 0, seed: int | None = None, chat: bool = True,
                        repetition_penalty: float | None = None, min_p: float = 0.0,
                        stop: str | Sequence[str] | None = None, min_new_tokens: int | None = None,
-                       **hf_kwargs: Any) -> Result:
+                       logprobs: int | None = None, prompt_logprobs: int | None = None, **hf_kwargs: Any) -> Result:
         """The same request through transformers' ``model.generate`` (extra kwargs, e.g. prompt_lookup_num_tokens=10,
-        go to it). accept_lengths are the tokens each of its steps added, as its streamer sees them."""
+        go to it). accept_lengths are the tokens each of its steps added, as its streamer sees them; logprobs from
+        its ``output_logits``, prompt_logprobs from a forward over the prompt (outside the timing)."""
         r = self._request(prompt, chat, temperature, top_p, top_k, min_p, repetition_penalty, None, stop,
                           min_new_tokens)
         ids = r.ids[None]  # [1, T]
@@ -302,15 +326,23 @@ class SpecModel:
             t0 = time.perf_counter()
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), streamer=counter,
                                       pad_token_id=pad if pad is not None else (self.eos_token_id or [None])[0],
+                                      output_logits=logprobs is not None, return_dict_in_generate=True,
                                       **{**kwargs, **hf_kwargs})
         if self.target.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-        tokens = out[0, ids.shape[1]:].tolist()
-        return Result(text=self._decode(tokens), tokens=tokens,
-                      stats=Stats(new_tokens=len(tokens), seconds=seconds, accept_lengths=tuple(counter.lengths)))
+        tokens = out.sequences[0, ids.shape[1]:].tolist()
+        lps = None if logprobs is None else token_logprobs(torch.cat(out.logits), out.sequences[0, ids.shape[1]:],
+                                                           logprobs)
+        prompt_lps = None
+        if prompt_logprobs is not None:
+            prompt_lps = token_logprobs(self.model(ids).logits[0, :-1], ids[0, 1:], prompt_logprobs)
+        return Result(text=self.decode(tokens), tokens=tokens,
+                      stats=Stats(new_tokens=len(tokens), seconds=seconds, accept_lengths=tuple(counter.lengths)),
+                      logprobs=lps, prompt_logprobs=prompt_lps)
 
-    def _decode(self, tokens: list[int]) -> str:
+    def decode(self, tokens: list[int]) -> str:
+        """Token ids -> text, as answers are decoded (special tokens skipped)."""
         return self.tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 

@@ -9,7 +9,7 @@
              5. commit     cache keeps root + accepted path, drops the rest
              6. update     drafter.update(draft, acceptance)
              7. emit       accepted drafts + bonus, cut at EOS, a stop string and max_new_tokens (where plain
-                                                               decoding stops)
+                                                               decoding stops); their log-probabilities if asked
 
 Shapes: T tokens so far, N tree nodes, V vocabulary, D hidden size.
 """
@@ -24,6 +24,7 @@ import torch
 
 from selfspec.accept import Acceptance, greedy_accept, sample_accept, typical_accept
 from selfspec.drafter import Drafter, DraftState, LayerStates
+from selfspec.logprobs import MAX_TOP, TokenLogprob, token_logprobs
 from selfspec.sampling import Sampling, block_eos, next_token, penalize_repeats, process_logits, repeated
 from selfspec.stopping import Criterion, first_stop
 from selfspec.target import Target
@@ -41,6 +42,10 @@ class Step:
     """seconds in the target's forward."""
     other_s: float
     """seconds in the rest of the step (drafting, acceptance, cache commit)."""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """the target's log-probability of each of ``tokens`` (and its likeliest alternatives), when asked for."""
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    """the prefill's step, when asked for: the log-probability of each prompt token after the first."""
 
 
 @dataclass
@@ -105,15 +110,22 @@ def stream(
     accept_rule: AcceptRule = "exact",
     stopping_criteria: Sequence[Criterion] = (),
     min_new_tokens: int = 0,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> Iterator[Step]:
     """Yield each step's new tokens as soon as the target has accepted them. input_ids [T] or [1, T].
 
     stopping_criteria: transformers' stopping criteria (``selfspec.stopping.stop_strings`` for stop strings), checked
     after every new token as ``generate`` checks them; min_new_tokens: the end-of-sequence tokens are blocked until
-    that many tokens are out, as ``generate(min_new_tokens=...)`` blocks them."""
+    that many tokens are out, as ``generate(min_new_tokens=...)`` blocks them; logprobs = k: each step also carries the
+    target's log-probability of each new token and its k likeliest alternatives (``selfspec.logprobs``; None: none);
+    prompt_logprobs = k: the prefill's step carries the same for every prompt token after the first."""
     check_request(target, input_ids, max_new_tokens)
     if min_new_tokens < 0:
         raise ValueError(f"min_new_tokens must be >= 0, found {min_new_tokens}")
+    for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if k is not None and not 0 <= k <= MAX_TOP:
+            raise ValueError(f"{name}: expected None or 0..{MAX_TOP} alternatives per token, found {k}")
     if accept_rule not in ("exact", "typical"):
         raise ValueError(f"accept_rule must be 'exact' or 'typical', found {accept_rule!r}")
     if accept_rule == "typical" and sampling.greedy:
@@ -126,7 +138,7 @@ def stream(
 
     # 1. prefill: the prompt in one causal forward; the target's own first token becomes the root
     t0 = time.perf_counter()
-    pre = target.prefill(prompt, cache)
+    pre = target.prefill(prompt, cache, every_logit=prompt_logprobs is not None)
     last = pre.logits[-1:]  # [1, V]
     if sampling.repetition_penalty != 1.0:
         last = penalize_repeats(last, repeated(prompt, last.shape[-1]), sampling.repetition_penalty)
@@ -137,7 +149,10 @@ def stream(
     tokens = torch.cat([prompt, prompt.new_tensor([root])])  # [T]
     hidden, new_hidden = pre.hidden[-1], pre.hidden  # [D], [T, D]
     new_states = None if pre.states is None else LayerStates.of(pre.states)  # every layer, every prompt position
-    yield Step(tokens=(root,), tree_size=0, verify_s=time.perf_counter() - t0, other_s=0.0)
+    lp = () if logprobs is None else tuple(token_logprobs(pre.logits[-1:], prompt.new_tensor([root]), logprobs))
+    lp_prompt = () if prompt_logprobs is None else tuple(token_logprobs(pre.logits[:-1], prompt[1:], prompt_logprobs))
+    yield Step(tokens=(root,), tree_size=0, verify_s=time.perf_counter() - t0, other_s=0.0, logprobs=lp,
+               prompt_logprobs=lp_prompt)
     produced = 1
     if produced >= max_new_tokens or first_stop(stopping_criteria, tokens, 1, eos) is not None:
         return
@@ -196,7 +211,11 @@ def stream(
         produced += len(new)
         hidden, new_hidden = out.hidden[acc.path[-1]], out.hidden[list(acc.path)]  # [D], [A, D]
         new_states = None if out.states is None else LayerStates.of(out.states, list(acc.path))
-        yield Step(tokens=tuple(new), tree_size=len(draft.tree), verify_s=verify_s, other_s=time.perf_counter() - t_step - verify_s)
+        # new[j] follows path node j (the bonus follows the last): its log-probability is that node's, unprocessed
+        lp = () if logprobs is None else tuple(
+            token_logprobs(out.logits[list(acc.path[: len(new)])], tokens[-len(new):], logprobs))
+        yield Step(tokens=tuple(new), tree_size=len(draft.tree), verify_s=verify_s,
+                   other_s=time.perf_counter() - t_step - verify_s, logprobs=lp)
         if stop is not None or produced >= max_new_tokens:
             return
 

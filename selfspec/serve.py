@@ -12,9 +12,14 @@ Requests are decoded one at a time (selfspec decodes at batch size 1); others wa
 OpenAI's (``temperature``, ``top_p``, ``seed``, ``stop``, ``max_tokens`` / ``max_completion_tokens``) and the common
 extensions of OpenAI-compatible servers (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``); a request
 without ``temperature`` decodes with the server's (``--temperature``, default 0: greedy, token-identical to
-``generate``). As in OpenAI's API a stop string ends the answer and is not part of it. Fields the server cannot honour
-(``n`` > 1, ``logprobs``, non-zero frequency / presence penalties, tools) and unknown fields are refused with a 400
-that names them, as OpenAI refuses unknown arguments.
+``generate``). As in OpenAI's API a stop string ends the answer and is not part of it.
+
+Log-probabilities as OpenAI reports them (chat: ``logprobs: true`` and ``top_logprobs``; completions: ``logprobs: k``
+and ``echo`` for the prompt's own, what evaluation harnesses score multiple-choice questions with): the target's own,
+before sampling and penalties (``selfspec.logprobs``). A completion's ``prompt`` may be text, token ids, or a list of
+either (one choice per prompt, decoded in turn). Fields the server cannot honour (``n`` > 1, non-zero frequency /
+presence penalties, tools) and unknown fields are refused with a 400 that names them, as OpenAI refuses unknown
+arguments.
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ import time
 import uuid
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 from selfspec.api import SpecModel
+from selfspec.logprobs import MAX_TOP, TokenLogprob
 
 CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
                "seed", "stop", "stream", "stream_options", "repetition_penalty", "min_tokens", "n", "logprobs",
@@ -39,10 +45,10 @@ CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temp
                "response_format", "parallel_tool_calls"}
 COMPLETION_FIELDS = (CHAT_FIELDS - {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                     "response_format", "parallel_tool_calls"}) | {"prompt", "echo", "suffix"}
-NEUTRAL = {"n": (1,), "logprobs": (False, None), "top_logprobs": (0, None), "frequency_penalty": (0, 0.0, None),
+NEUTRAL = {"n": (1,), "frequency_penalty": (0, 0.0, None),
            "presence_penalty": (0, 0.0, None), "logit_bias": (None, {}), "tools": (None, []),
            "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
-           "parallel_tool_calls": (None, False, True), "echo": (False, None), "suffix": (None, "")}
+           "parallel_tool_calls": (None, False, True), "suffix": (None, "")}
 """fields selfspec cannot honour, with the values that ask for nothing (accepted, as clients send them by default)."""
 
 
@@ -58,8 +64,8 @@ class RequestError(ValueError):
 class Request:
     """A validated request: the prompt and the decoding arguments of ``SpecModel.stream``."""
 
-    prompt: Any
-    """chat messages, or text fed without the chat template."""
+    prompts: tuple[Any, ...]
+    """chat messages (one), or texts / token-id lists fed without the chat template (one choice each)."""
     chat: bool
     stream: bool
     max_new_tokens: int | None
@@ -68,6 +74,10 @@ class Request:
     """temperature, top_p, top_k, min_p, seed, repetition_penalty, min_new_tokens, stop (for SpecModel.stream)."""
     stops: tuple[str, ...]
     """the stop strings, cut from the answer's text."""
+    logprobs: int | None = None
+    """report each answer token's log-probability with this many alternatives (None: none)."""
+    echo: bool = False
+    """a completion's text and log-probabilities start with the prompt's."""
 
 
 def _number(body: dict, key: str, kind: type, default: Any, low: float | None = None, high: float | None = None) -> Any:
@@ -119,17 +129,21 @@ def parse_request(body: Any, chat: bool, default_temperature: float = 0.0) -> Re
                            f"{', '.join(sorted(known))})", unknown[0])
     for key, neutral in NEUTRAL.items():
         if key in body and key in known and body[key] not in neutral:
-            raise RequestError(f"'{key}': selfspec serves one answer per request, without log-probabilities, penalties "
-                               f"other than repetition_penalty or tools; expected {neutral[0]!r}, found "
-                               f"{body[key]!r:.80}", key)
+            raise RequestError(f"'{key}': selfspec serves one answer per request, without penalties other than "
+                               f"repetition_penalty or tools; expected {neutral[0]!r}, found {body[key]!r:.80}", key)
     if chat:
-        prompt: Any = _messages(body)
+        prompts: tuple[Any, ...] = (_messages(body),)
+        if body.get("top_logprobs") is not None and body.get("logprobs") is not True:
+            raise RequestError("'top_logprobs': needs 'logprobs': true", "top_logprobs")
+        if body.get("logprobs") is not None and not isinstance(body["logprobs"], bool):
+            raise RequestError(f"'logprobs': expected true or false, found {body['logprobs']!r:.80}", "logprobs")
+        logprobs = _number(body, "top_logprobs", int, 0, 0, MAX_TOP) if body.get("logprobs") else None
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise RequestError(f"'prompt': expected a string, found {prompt!r:.80}", "prompt")
+        prompts = _prompts(body.get("prompt"))
+        logprobs = _number(body, "logprobs", int, None, 0, MAX_TOP)
+    echo = body.get("echo") or False
+    if not isinstance(echo, bool):
+        raise RequestError(f"'echo': expected true or false, found {echo!r:.80}", "echo")
     stop = body.get("stop")
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if not all(isinstance(s, str) and s for s in stops):
@@ -152,14 +166,46 @@ def parse_request(body: Any, chat: bool, default_temperature: float = 0.0) -> Re
         decoding["top_k"] = 0
     if decoding["top_p"] == 0.0:
         raise RequestError("'top_p': expected a value in (0, 1], found 0.0", "top_p")
-    return Request(prompt=prompt, chat=chat, stream=stream, decoding=decoding, stops=stops,
-                   max_new_tokens=_number(body, key, int, None, 1))
+    return Request(prompts=prompts, chat=chat, stream=stream, decoding=decoding, stops=stops,
+                   max_new_tokens=_number(body, key, int, None, 1), logprobs=logprobs, echo=echo)
+
+
+def _prompts(prompt: Any) -> tuple[Any, ...]:
+    """A completion's ``prompt`` as OpenAI takes it: text, token ids, or a non-empty list of either."""
+    def one(p: Any) -> bool:
+        return isinstance(p, str) or (isinstance(p, list) and bool(p) and all(
+            isinstance(i, int) and not isinstance(i, bool) for i in p))
+
+    if one(prompt):
+        return (prompt,)
+    if isinstance(prompt, list) and prompt and all(one(p) for p in prompt):
+        return tuple(prompt)
+    raise RequestError("'prompt': expected a string, a list of token ids, or a non-empty list of either, found "
+                       f"{prompt!r:.80}", "prompt")
 
 
 def cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
     """The answer's text up to the first stop string (excluded, as OpenAI returns it) and whether one was found."""
     ends = [i for i in (text.find(s) for s in stops) if i >= 0]
     return (text[: min(ends)], True) if ends else (text, False)
+
+
+class Scored(NamedTuple):
+    """A token of a choice's text, where its text starts in it, and its log-probability (None: the prompt's first
+    token, which nothing predicts)."""
+
+    token: int
+    offset: int
+    logprob: TokenLogprob | None
+
+
+class Piece(NamedTuple):
+    """What one answer streams: text, the tokens whose text starts in it (when log-probabilities are asked for), and
+    at the end, with empty text, the finish reason and usage."""
+
+    text: str
+    tokens: tuple[Scored, ...] = ()
+    end: dict | None = None
 
 
 class _Job:
@@ -193,29 +239,43 @@ class Session:
         self.model, self.name, self.api_key = model, name, api_key
         self.default_temperature, self.default_max_tokens = default_temperature, default_max_tokens
         self._jobs: queue.Queue[_Job] = queue.Queue()  # batch size 1: one request decodes at a time
+        self._texts: dict[int, str] = {}
         threading.Thread(target=self._work, daemon=True, name="selfspec-decode").start()
 
     def _work(self) -> None:
         while True:
             self._jobs.get().run()
 
+    def token_text(self, token: int) -> str:
+        """A token's own text (special tokens by name), as log-probabilities name it."""
+        if token not in self._texts:
+            self._texts[token] = self.model.tokenizer.decode([token], clean_up_tokenization_spaces=False)
+        return self._texts[token]
+
     def warm_up(self) -> None:
         """Decode a few tokens on the worker, so that the first request does not pay for its first use."""
-        for _ in self.pieces(Request(prompt="Hello", chat=False, stream=False, max_new_tokens=8, stops=(),
+        for _ in self.pieces(Request(prompts=("Hello",), chat=False, stream=False, max_new_tokens=8, stops=(),
                                      decoding={"stop": []})):
             pass
 
     def parse(self, body: Any, chat: bool) -> Request:
         r = parse_request(body, chat, self.default_temperature)
+        vocab = self.model.target.vocab_size
+        for p in r.prompts:
+            bad = [i for i in p if not 0 <= i < vocab] if isinstance(p, list) and not chat else []
+            if bad:
+                raise RequestError(f"'prompt': token id {bad[0]} is outside this model's vocabulary (0..{vocab - 1})",
+                                   "prompt")
         if r.decoding["stop"] is None:  # the model's own stop strings (its generation config's) are cut as well
             r = dataclasses.replace(r, stops=self.model.stop_strings)
         return r
 
-    def pieces(self, r: Request) -> Iterator[tuple[str, dict | None]]:
-        """(text, None) pieces as the target accepts them, with stop strings cut (text that could begin one is held
-        back until it cannot), then ("", final) with finish_reason and usage. Decoded on the worker thread, after
-        the requests before it; closing this iterator early stops the decoding."""
-        job = _Job(self._decode(r))
+    def pieces(self, r: Request, index: int = 0) -> Iterator[Piece]:
+        """The answer to prompt ``index`` of ``r``, as Pieces: text as the target accepts it, with stop strings cut
+        (text that could begin one is held back until it cannot), then Piece("", ..., end) with finish_reason and
+        usage. Decoded on the worker thread, after the requests before it; closing this iterator early stops the
+        decoding."""
+        job = _Job(self._decode(r, index))
         self._jobs.put(job)
         try:
             while True:
@@ -228,25 +288,68 @@ class Session:
         finally:
             job.cancelled.set()
 
-    def _decode(self, r: Request) -> Iterator[tuple[str, dict | None]]:
-        ids = self.model.encode(r.prompt, chat=r.chat)
+    def _decode(self, r: Request, index: int = 0) -> Iterator[Piece]:
+        prompt = r.prompts[index]
+        ids = self.model.encode(prompt, chat=r.chat)
         limit = r.max_new_tokens
         if limit is None:  # as OpenAI-compatible servers do: no more than the context has room for
             limit = max(1, min(self.default_max_tokens, self.model.target.max_length - int(ids.shape[0])))
-        stream = self.model.stream(ids, max_new_tokens=limit, **r.decoding)
+        scoring = r.logprobs is not None
+        stream = self.model.stream(ids, max_new_tokens=limit, logprobs=r.logprobs,
+                                   prompt_logprobs=r.logprobs if r.echo else None, **r.decoding)
+        echo = (prompt if isinstance(prompt, str) else self.model.decode(ids.tolist())) if r.echo else ""
+        base = len(echo)  # the answer's text starts after the echoed prompt's
+        scored: list[Scored] = []  # the answer's tokens so far, where log-probabilities are asked for
+        given = 0  # how many of them have gone out
+
+        def score() -> None:
+            for i in range(len(scored), len(stream.tokens)):  # where each new token's text starts
+                start = len(self.model.decode(stream.tokens[:i]).rstrip("\ufffd"))  # a split character: its start
+                offset = max(base + start, scored[-1].offset if scored else base)
+                scored.append(Scored(stream.tokens[i], offset, stream.logprobs[i]))
+
+        def take(upto: float) -> tuple[Scored, ...]:
+            """The tokens not yet sent whose text starts before ``upto``."""
+            nonlocal given
+            j = given
+            while j < len(scored) and scored[j].offset < upto:
+                j += 1
+            out, given = tuple(scored[given:j]), j
+            return out
+
+        def echoed() -> Piece:
+            head = ()
+            if scoring:
+                prompt_ids = ids.tolist()
+                starts = [len(self.model.decode(prompt_ids[:i]).rstrip("\ufffd")) for i in range(len(prompt_ids))]
+                lps = [None, *stream.prompt_logprobs]
+                head = tuple(Scored(t, o, lp) for t, o, lp in zip(prompt_ids, itertools.accumulate(starts, max), lps))
+            return Piece(echo, head)
+
         hold = max((len(s) for s in r.stops), default=1) - 1
-        sent, stopped = 0, False
+        sent, stopped, echo_due = 0, False, r.echo
         for _ in stream:
+            if echo_due:  # the prompt goes first (its log-probabilities come with the prefill)
+                yield echoed()
+                echo_due = False
             text, stopped = cut_at_stop(stream.text, r.stops)
             upto = len(text) if stopped else max(len(text) - hold, sent)
+            if scoring:
+                score()
             if upto > sent:
-                yield text[sent:upto], None
+                yield Piece(text[sent:upto], take(base + upto) if scoring else ())
                 sent = upto
             if stopped:
                 break
+        if echo_due:
+            yield echoed()
         text, stopped = cut_at_stop(stream.text, r.stops)
-        if len(text) > sent:
-            yield text[sent:], None
+        if scoring:
+            score()
+        # a stop string's own tokens are dropped with its text; an end-of-sequence token (no text) is kept
+        rest = take(base + len(text) if stopped else float("inf")) if scoring else ()
+        if len(text) > sent or rest:
+            yield Piece(text[sent:], rest)
         stats = stream.stats
         eos = bool(stream.tokens) and stream.tokens[-1] in self.model.eos_token_id
         finish = "stop" if stopped or eos or stats.new_tokens < limit else "length"
@@ -254,7 +357,7 @@ class Session:
                  "total_tokens": int(ids.shape[0]) + stats.new_tokens,
                  "selfspec": {"steps": stats.steps, "mean_accepted_tokens": round(stats.mean_accepted, 4),
                               "seconds": round(stats.seconds, 4), "tokens_per_s": round(stats.tokens_per_s, 2)}}
-        yield "", {"finish_reason": finish, "usage": usage}
+        yield Piece("", (), {"finish_reason": finish, "usage": usage})
 
 
 def _envelope(session: Session, chat: bool) -> dict:
@@ -264,45 +367,91 @@ def _envelope(session: Session, chat: bool) -> dict:
             "model": session.name}
 
 
+def _logprobs(session: Session, r: Request, tokens: tuple[Scored, ...] | list[Scored]) -> dict | None:
+    """OpenAI's logprobs object for these tokens: chat's ``content`` list, or the completions API's parallel lists
+    (whose ``top_logprobs`` hold the k likeliest tokens and the chosen one, as OpenAI's do)."""
+    if r.logprobs is None:
+        return None
+    text = session.token_text
+    if r.chat:
+        def entry(token: int, logprob: float) -> dict:
+            t = text(token)
+            return {"token": t, "logprob": logprob, "bytes": list(t.encode())}
+
+        return {"content": [{**entry(s.token, s.logprob.logprob),
+                             "top_logprobs": [entry(i, v) for i, v in s.logprob.top]}
+                            for s in tokens if s.logprob is not None], "refusal": None}
+    return {"tokens": [text(s.token) for s in tokens],
+            "token_logprobs": [None if s.logprob is None else s.logprob.logprob for s in tokens],
+            "top_logprobs": [None if s.logprob is None else
+                             {**{text(i): v for i, v in s.logprob.top}, text(s.token): s.logprob.logprob}
+                             for s in tokens],
+            "text_offset": [s.offset for s in tokens]}
+
+
+def _usage(finals: list[dict]) -> dict:
+    """One request's usage: its answers' added up (one answer: its own)."""
+    if len(finals) == 1:
+        return finals[0]["usage"]
+    usage = {k: sum(f["usage"][k] for f in finals) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    steps = sum(f["usage"]["selfspec"]["steps"] for f in finals)
+    seconds = sum(f["usage"]["selfspec"]["seconds"] for f in finals)
+    new = usage["completion_tokens"]
+    usage["selfspec"] = {"steps": steps, "mean_accepted_tokens": round(new / max(steps, 1), 4),
+                         "seconds": round(seconds, 4), "tokens_per_s": round(new / seconds, 2) if seconds else 0.0}
+    return usage
+
+
 def complete(session: Session, r: Request) -> dict:
-    """The whole answer as one OpenAI response object."""
-    parts, final = [], {}
-    for text, end in session.pieces(r):
-        parts.append(text)
-        final = end or final
-    text = "".join(parts)
-    choice: dict[str, Any] = {"index": 0, "finish_reason": final["finish_reason"], "logprobs": None}
-    choice.update({"message": {"role": "assistant", "content": text}} if r.chat else {"text": text})
-    return {**_envelope(session, r.chat), "choices": [choice], "usage": final["usage"]}
+    """The whole answer (one choice per prompt) as one OpenAI response object."""
+    choices, finals = [], []
+    for index in range(len(r.prompts)):
+        parts, tokens, final = [], [], {}
+        for piece in session.pieces(r, index):
+            parts.append(piece.text)
+            tokens.extend(piece.tokens)
+            final = piece.end or final
+        text = "".join(parts)
+        choice: dict[str, Any] = {"index": index, "finish_reason": final["finish_reason"],
+                                  "logprobs": _logprobs(session, r, tokens)}
+        choice.update({"message": {"role": "assistant", "content": text}} if r.chat else {"text": text})
+        choices.append(choice)
+        finals.append(final)
+    return {**_envelope(session, r.chat), "choices": choices, "usage": _usage(finals)}
 
 
 def chunks(session: Session, r: Request, include_usage: bool = False) -> Iterator[dict]:
-    """The answer as OpenAI stream chunks (the first carries the role, the last the finish reason)."""
+    """The answer as OpenAI stream chunks (the first carries the role, the last of each choice its finish reason)."""
     kind = "chat.completion.chunk" if r.chat else "text_completion"
     head = {**_envelope(session, r.chat), "object": kind}
 
-    def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
+    def chunk(index: int, text: str | None, finish: str | None, tokens: tuple[Scored, ...] = (),
+              role: bool = False) -> dict:
+        lps = _logprobs(session, r, tokens) if tokens else None
         if r.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
-            return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
-        return {**head, "choices": [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]}
+            return {**head, "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": lps}]}
+        return {**head, "choices": [{"index": index, "text": text or "", "finish_reason": finish, "logprobs": lps}]}
 
-    pieces = session.pieces(r)
-    try:
-        first = next(pieces)  # the request's own errors (an empty or too long prompt) come before the first chunk
-        if r.chat:
-            yield chunk(None, None, role=True)
-        for text, end in itertools.chain([first], pieces):
-            if end is None:
-                yield chunk(text, None)
-            else:
-                yield chunk(None, end["finish_reason"])
-                if include_usage:
-                    yield {**head, "choices": [], "usage": end["usage"]}
-    finally:
-        pieces.close()  # a client that went away: decoding stops here and the next request's turn comes
+    finals = []
+    for index in range(len(r.prompts)):
+        pieces = session.pieces(r, index)
+        try:
+            first = next(pieces)  # the request's own errors (an empty or too long prompt) come before the first chunk
+            if r.chat:
+                yield chunk(index, None, None, role=True)
+            for piece in itertools.chain([first], pieces):
+                if piece.end is None:
+                    yield chunk(index, piece.text, None, piece.tokens)
+                else:
+                    yield chunk(index, None, piece.end["finish_reason"])
+                    finals.append(piece.end)
+        finally:
+            pieces.close()  # a client that went away: decoding stops here and the next request's turn comes
+    if include_usage:
+        yield {**head, "choices": [], "usage": _usage(finals)}
 
 
 class Handler(BaseHTTPRequestHandler):

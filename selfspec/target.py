@@ -22,7 +22,8 @@ from selfspec.tree import Tree
 @dataclass(frozen=True)
 class Verified:
     logits: torch.Tensor
-    """[N, V] the target's next-token logits after each tree node ([1, V]: after the prompt's last token, for a prefill)."""
+    """[N, V] the target's next-token logits after each tree node ([1, V]: after the prompt's last token, for a prefill;
+    [T, V] after each prompt token, for a prefill asked for every logit)."""
     hidden: torch.Tensor
     """[N, D] the target's final hidden state at each tree node (at every prompt position, for a prefill)."""
     states: tuple[torch.Tensor, ...] | None = None
@@ -72,12 +73,13 @@ class Target:
         return hf.new_cache(self.model)
 
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, cache: Cache) -> Verified:
-        """input_ids [T] -> logits [1, V] at the last prompt position, hidden [T, D] at every one (what a sequential
-        draft head reads); the cache then holds T entries."""
+    def prefill(self, input_ids: torch.Tensor, cache: Cache, every_logit: bool = False) -> Verified:
+        """input_ids [T] -> logits [1, V] at the last prompt position ([T, V] at every one with every_logit, for the
+        prompt's own log-probabilities), hidden [T, D] at every one (what a sequential draft head reads); the cache
+        then holds T entries."""
         start = hf.cache_length(cache)
         positions = torch.arange(start, start + input_ids.shape[0], device=input_ids.device)
-        logits, states = hf.forward(self.model, input_ids, positions, None, cache, logits_to_keep=1)
+        logits, states = hf.forward(self.model, input_ids, positions, None, cache, logits_to_keep=0 if every_logit else 1)
         return Verified(logits=logits, hidden=states[-1], states=states)
 
     @torch.inference_mode()

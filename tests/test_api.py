@@ -221,3 +221,28 @@ def test_stop_string_criteria_are_built_once_and_only_the_latest_few_kept(ngram)
     kept = ngram._criteria[("never 19",)]
     ngram.generate(PROMPTS[0], max_new_tokens=2, stop="never 19")
     assert ngram._criteria[("never 19",)] is kept
+
+
+def test_logprobs_of_the_answer_and_the_prompt_equal_plain_decodings(ngram):
+    """generate / stream / generate_plain(logprobs=k, prompt_logprobs=k): the same tokens, log-probabilities and
+    alternatives, whichever way the answer was decoded; None asks for none."""
+    steps = 0
+    for prompt in PROMPTS:
+        spec = ngram.generate(prompt, max_new_tokens=40, logprobs=3, prompt_logprobs=2)
+        plain = ngram.generate_plain(prompt, max_new_tokens=40, logprobs=3, prompt_logprobs=2)
+        assert spec.tokens == plain.tokens
+        steps += spec.stats.steps
+        assert [t.token for t in spec.logprobs] == spec.tokens == [t.token for t in plain.logprobs]
+        for a, b in [(spec.logprobs, plain.logprobs), (spec.prompt_logprobs, plain.prompt_logprobs)]:
+            assert [t.token for t in a] == [t.token for t in b]
+            assert torch.allclose(torch.tensor([t.logprob for t in a]), torch.tensor([t.logprob for t in b]),
+                                  atol=1e-4)
+            assert [[i for i, _ in t.top] for t in a] == [[i for i, _ in t.top] for t in b]
+        assert [t.token for t in spec.prompt_logprobs] == ngram.encode(prompt)[1:].tolist()
+        stream = ngram.stream(prompt, max_new_tokens=40, logprobs=3, prompt_logprobs=2)
+        list(stream)
+        assert stream.logprobs == spec.logprobs and stream.prompt_logprobs == spec.prompt_logprobs
+    assert steps < 2 * 40  # drafts were accepted: some steps added several tokens
+    plain = ngram.generate(PROMPTS[0], max_new_tokens=8)
+    assert plain.logprobs is None and plain.prompt_logprobs is None
+    assert ngram.generate_plain(PROMPTS[0], max_new_tokens=8).logprobs is None

@@ -151,7 +151,10 @@ def test_sampling_fields_reach_the_decoder(server, model):
 @pytest.mark.parametrize("body, param, message", [
     ({"messages": USER, "foo": 1}, "foo", "unrecognized request argument(s): foo"),
     ({"messages": USER, "n": 2}, "n", "'n': selfspec serves one answer per request"),
-    ({"messages": USER, "logprobs": True}, "logprobs", "expected False, found True"),
+    ({"messages": USER, "logprobs": 1}, "logprobs", "'logprobs': expected true or false, found 1"),
+    ({"messages": USER, "top_logprobs": 2}, "top_logprobs", "'top_logprobs': needs 'logprobs': true"),
+    ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "expected a value in [0, 20], found 21"),
+    ({"messages": USER, "echo": True}, "echo", "unrecognized request argument(s): echo"),
     ({"messages": USER, "presence_penalty": 0.5}, "presence_penalty", "expected 0, found 0.5"),
     ({"messages": []}, "messages", "'messages': expected a non-empty list"),
     ({"messages": [{"content": "hi"}]}, "messages", "'messages[0]': expected an object with 'role' and 'content'"),
@@ -181,6 +184,16 @@ def test_bad_json_unknown_paths_and_the_completion_prompt_are_refused(server):
     assert status == 400 and reply["error"]["param"] == "messages"
     status, reply = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 10 ** 6, "stream": True})
     assert status == 400 and "exceeds the model's context" in reply["error"]["message"]  # before any chunk is sent
+    for body, param, message in [
+        ({"prompt": [3, -5, 4]}, "prompt", "'prompt': token id -5 is outside this model's vocabulary (0.."),
+        ({"prompt": [[3, 4], "x", 3]}, "prompt", "expected a string, a list of token ids, or a non-empty list"),
+        ({"prompt": []}, "prompt", "expected a string, a list of token ids, or a non-empty list"),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs", "'logprobs': expected a value in [0, 20], found 21"),
+        ({"prompt": "hi", "logprobs": True}, "logprobs", "'logprobs': expected an integer, found True"),
+        ({"prompt": "hi", "echo": "yes"}, "echo", "'echo': expected true or false, found 'yes'"),
+    ]:
+        status, reply = post(server, "/v1/completions", body)
+        assert status == 400 and message in reply["error"]["message"] and reply["error"]["param"] == param, reply
 
 
 def test_models_and_health(server):
@@ -217,14 +230,14 @@ class RecordingSession(serve.Session):
         self.finished: list[int | None] = []
         self.threads: list[str] = []
 
-    def _decode(self, r):
-        index = len(self.finished)
+    def _decode(self, r, index=0):
+        n = len(self.finished)
         self.finished.append(None)
         self.threads.append(threading.current_thread().name)
-        for text, end in super()._decode(r):
-            if end is not None:
-                self.finished[index] = end["usage"]["completion_tokens"]
-            yield text, end
+        for piece in super()._decode(r, index):
+            if piece.end is not None:
+                self.finished[n] = piece.end["usage"]["completion_tokens"]
+            yield piece
 
 
 def test_a_client_that_goes_away_mid_stream_frees_the_line(model):
@@ -267,6 +280,12 @@ def test_openais_own_client_gets_the_answers(server, model):
     r = client.completions.create(model="tiny", prompt="the quick brown fox", max_tokens=8)
     assert r.choices[0].text == model.generate("the quick brown fox", max_new_tokens=8, chat=False).text
     assert [m.id for m in client.models.list()] == ["tiny"]
+    r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=8, logprobs=True, top_logprobs=3)
+    scored = model.generate(USER, max_new_tokens=8, logprobs=3).logprobs
+    assert [c.logprob for c in r.choices[0].logprobs.content] == pytest.approx([t.logprob for t in scored], abs=1e-5)
+    assert all(len(c.top_logprobs) == 3 for c in r.choices[0].logprobs.content)
+    r = client.completions.create(model="tiny", prompt=[[5, 6, 7, 8]], max_tokens=2, logprobs=2, echo=True)
+    assert len(r.choices[0].logprobs.token_logprobs) == 6 and r.choices[0].logprobs.token_logprobs[0] is None
     with pytest.raises(BadRequestError, match="'n': selfspec serves one answer per request"):
         client.chat.completions.create(model="tiny", messages=USER, n=2)
 
@@ -318,3 +337,81 @@ def test_infer_py_serve_answers_over_http(model_dir, model):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def _close(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(abs(x - y) < 1e-5 for x, y in zip(a, b))
+
+
+def test_chat_logprobs_are_the_targets_own_whole_and_streamed(server, model):
+    """logprobs: true, top_logprobs: 2 -> one entry per answer token, OpenAI's shape, selfspec.api's values."""
+    expected = model.generate(USER, max_new_tokens=24, logprobs=2)
+    body = {"messages": USER, "max_tokens": 24, "logprobs": True, "top_logprobs": 2}
+    status, reply = post(server, "/v1/chat/completions", body)
+    assert status == 200, reply
+    content = reply["choices"][0]["logprobs"]["content"]
+    text = lambda i: model.tokenizer.decode([i], clean_up_tokenization_spaces=False)  # noqa: E731
+    assert [c["token"] for c in content] == [text(t) for t in expected.tokens]
+    assert _close([c["logprob"] for c in content], [t.logprob for t in expected.logprobs])
+    assert all(c["bytes"] == list(c["token"].encode()) for c in content)
+    assert [[a["token"] for a in c["top_logprobs"]] for c in content] == \
+        [[text(i) for i, _ in t.top] for t in expected.logprobs]
+    status, data = post(server, "/v1/chat/completions", {**body, "stream": True})
+    chunks = events(data)
+    streamed = [c for ch in chunks for c in ((ch["choices"][0].get("logprobs") or {}).get("content") or [])]
+    assert streamed == content
+    assert sum(bool((ch["choices"][0].get("logprobs") or {}).get("content")) for ch in chunks) > 3  # really streamed
+    status, reply = post(server, "/v1/chat/completions", {"messages": USER, "max_tokens": 4})
+    assert reply["choices"][0]["logprobs"] is None  # not asked for
+
+
+def test_echo_and_logprobs_score_a_token_prompt_as_evaluation_harnesses_ask(server, model):
+    """lm-evaluation-harness's loglikelihood request: token ids, echo, logprobs 1, max_tokens 1. The response holds the
+    prompt's tokens (the first without a log-probability) and then the answer's, with offsets into the echoed text."""
+    ids = model.encode("the quick brown fox jumps over the lazy dog", chat=False).tolist()
+    expected = model.generate(ids, max_new_tokens=1, logprobs=1, prompt_logprobs=1)
+    status, reply = post(server, "/v1/completions", {"prompt": [ids], "max_tokens": 1, "logprobs": 1, "echo": True,
+                                                      "temperature": 0, "seed": 1234})
+    assert status == 200, reply
+    (choice,) = reply["choices"]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert _close(lp["token_logprobs"][1:], [t.logprob for t in expected.prompt_logprobs + expected.logprobs])
+    for value, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+        assert value in top.values() and 1 <= len(top) <= 2  # the likeliest and the chosen token
+    assert choice["text"] == model.decode(ids) + expected.text
+    offsets = lp["text_offset"]
+    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] == len(model.decode(ids))
+    for token, offset in zip(lp["tokens"], offsets):
+        if token.isascii() and token.isprintable():
+            assert choice["text"][offset:].startswith(token)
+
+
+def test_several_prompts_get_one_choice_each(server, model):
+    prompts = ["the quick brown fox", "hello café"]
+    expected = [model.generate(p, max_new_tokens=8, chat=False) for p in prompts]
+    status, reply = post(server, "/v1/completions", {"prompt": prompts, "max_tokens": 8})
+    assert status == 200, reply
+    assert [c["index"] for c in reply["choices"]] == [0, 1]
+    assert [c["text"] for c in reply["choices"]] == [e.text for e in expected]
+    assert reply["usage"]["completion_tokens"] == 16
+    assert reply["usage"]["selfspec"]["steps"] == sum(e.stats.steps for e in expected)
+    status, data = post(server, "/v1/completions", {"prompt": prompts, "max_tokens": 8, "stream": True,
+                                                    "stream_options": {"include_usage": True}})
+    chunks = events(data)
+    for i, e in enumerate(expected):
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["index"] == i) \
+            == e.text
+    assert chunks[-1]["usage"]["completion_tokens"] == 16
+
+
+def test_logprobs_stop_where_the_stop_string_cuts_the_text(server, model):
+    full = model.generate(USER, max_new_tokens=40)
+    stop = tiny_chat_model.spanning_stop(model.tokenizer, full.tokens, start=4)
+    status, reply = post(server, "/v1/completions", {"prompt": model.encode(USER).tolist(), "max_tokens": 40,
+                                                      "stop": stop, "logprobs": 0})
+    text, lp = reply["choices"][0]["text"], reply["choices"][0]["logprobs"]
+    assert text == full.text[: full.text.index(stop)]
+    assert all(offset < len(text) for offset in lp["text_offset"])  # no token of the stop string is reported
+    kept = len(lp["tokens"])
+    assert model.decode(full.tokens[:kept]).startswith(text) and not model.decode(full.tokens[:kept - 1]).startswith(text)
