@@ -8,7 +8,8 @@
         print(piece, end="", flush=True)
 
 Arguments mirror transformers' ``generate``: ``temperature`` (0 = greedy), ``top_p``, ``top_k``, ``min_p``,
-``repetition_penalty``, ``stop`` (its ``stop_strings``), ``min_new_tokens``; ``seed`` makes a sampled run repeatable;
+``repetition_penalty``, ``stop`` (its ``stop_strings``), ``min_new_tokens``, and OpenAI's ``presence_penalty``,
+``frequency_penalty`` and ``logit_bias``; ``seed`` makes a sampled run repeatable;
 ``logprobs=k`` / ``prompt_logprobs=k`` add the target's log-probability of every new (prompt) token and its k likeliest
 alternatives (``selfspec.logprobs``).
 ``generate_plain`` runs the same request through ``model.generate`` (plain decoding, or a transformers peer such as
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import torch
-from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.streamers import BaseStreamer
 
 from selfspec import registry
@@ -32,7 +33,7 @@ from selfspec.drafter import Drafter, verifier_for
 from selfspec.generate import stream as spec_stream
 from selfspec.logprobs import TokenLogprob, token_logprobs
 from selfspec.models import BUILTIN, DEFAULT_MODEL, _refuse_remote_code, load_model, resolve
-from selfspec.sampling import Sampling
+from selfspec.sampling import PresencePenalty, Sampling
 from selfspec.stopping import stop_strings
 from selfspec.target import Target
 from selfspec.tree import Tree
@@ -228,11 +229,17 @@ class SpecModel:
     # --------------------------------------------------------------------------------------------------- decoding
     def _request(self, prompt: Prompt, chat: bool, temperature: float, top_p: float, top_k: int, min_p: float,
                  repetition_penalty: float | None, seed: int | None, stop: str | Sequence[str] | None,
-                 min_new_tokens: int | None) -> "_Request":
+                 min_new_tokens: int | None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 logit_bias: dict[int, float] | None = None) -> "_Request":
         """What one request decodes with: None takes the generation config's value, as ``model.generate`` does."""
         ids = self.encode(prompt, chat)
         penalty = self.repetition_penalty if repetition_penalty is None else repetition_penalty
-        sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=penalty)
+        bias = tuple((int(k), float(v)) for k, v in (logit_bias or {}).items())
+        if any(k >= self.target.vocab_size for k, _ in bias):
+            raise ValueError(f"logit_bias names token {max(k for k, _ in bias)}; this model's vocabulary has "
+                             f"{self.target.vocab_size} (0..{self.target.vocab_size - 1})")
+        sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=penalty,
+                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=bias)
         stops = self.stop_strings if stop is None else ((stop,) if isinstance(stop, str) else tuple(stop))
         if stops not in self._criteria:
             if len(self._criteria) >= 16:  # a server's clients may each send their own: keep the latest few
@@ -254,28 +261,32 @@ class SpecModel:
     def stream(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int | None = None, chat: bool = True,
                repetition_penalty: float | None = None, min_p: float = 0.0, stop: str | Sequence[str] | None = None,
-               min_new_tokens: int | None = None, logprobs: int | None = None,
-               prompt_logprobs: int | None = None) -> TextStream:
+               min_new_tokens: int | None = None, logprobs: int | None = None, prompt_logprobs: int | None = None,
+               presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+               logit_bias: dict[int, float] | None = None) -> TextStream:
         """Text pieces as they are accepted; the returned TextStream holds .text, .tokens and .stats afterwards.
 
         As ``model.generate``: temperature (0 = greedy), top_p, top_k, min_p sample; repetition_penalty (1.0 is off),
         stop (stop strings: decoding ends after the token that completes one, which stays in the output; [] for none)
         and min_new_tokens (no end-of-sequence token before that many) default, when None, to the model's generation
-        config's (its repetition_penalty, stop_strings, min_new_tokens and min_length). logprobs = k: the stream's
+        config's (its repetition_penalty, stop_strings, min_new_tokens and min_length). presence_penalty and
+        frequency_penalty (OpenAI's: on the answer's tokens) and logit_bias ({token id: bias}) as OpenAI applies
+        them; ``generate_plain`` applies the same through transformers. logprobs = k: the stream's
         ``logprobs`` holds the target's log-probability of each new token and its k likeliest alternatives
         (prompt_logprobs = k: ``prompt_logprobs`` the same for the prompt's tokens after the first); None: none."""
         r = self._request(prompt, chat, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop,
-                          min_new_tokens)
+                          min_new_tokens, presence_penalty, frequency_penalty, logit_bias)
         return TextStream(self._steps(r, max_new_tokens, logprobs, prompt_logprobs), self.tokenizer)
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, chat: bool = True,
                  repetition_penalty: float | None = None, min_p: float = 0.0, stop: str | Sequence[str] | None = None,
-                 min_new_tokens: int | None = None, logprobs: int | None = None,
-                 prompt_logprobs: int | None = None) -> Result:
+                 min_new_tokens: int | None = None, logprobs: int | None = None, prompt_logprobs: int | None = None,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 logit_bias: dict[int, float] | None = None) -> Result:
         """Generate to the end; the text is decoded once, after timing stops. Arguments as ``stream``."""
         r = self._request(prompt, chat, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop,
-                          min_new_tokens)
+                          min_new_tokens, presence_penalty, frequency_penalty, logit_bias)
         tokens: list[int] = []
         lengths: list[int] = []
         lps: list[TokenLogprob] = []
@@ -297,12 +308,14 @@ class SpecModel:
                        top_k: int = 0, seed: int | None = None, chat: bool = True,
                        repetition_penalty: float | None = None, min_p: float = 0.0,
                        stop: str | Sequence[str] | None = None, min_new_tokens: int | None = None,
-                       logprobs: int | None = None, prompt_logprobs: int | None = None, **hf_kwargs: Any) -> Result:
+                       logprobs: int | None = None, prompt_logprobs: int | None = None,
+                       presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                       logit_bias: dict[int, float] | None = None, **hf_kwargs: Any) -> Result:
         """The same request through transformers' ``model.generate`` (extra kwargs, e.g. prompt_lookup_num_tokens=10,
         go to it). accept_lengths are the tokens each of its steps added, as its streamer sees them; logprobs from
         its ``output_logits``, prompt_logprobs from a forward over the prompt (outside the timing)."""
         r = self._request(prompt, chat, temperature, top_p, top_k, min_p, repetition_penalty, None, stop,
-                          min_new_tokens)
+                          min_new_tokens, presence_penalty, frequency_penalty, logit_bias)
         ids = r.ids[None]  # [1, T]
         sample = temperature > 0
         kwargs: dict[str, Any] = dict(do_sample=sample, max_new_tokens=max_new_tokens,
@@ -315,6 +328,11 @@ class SpecModel:
             kwargs.update(temperature=None, top_p=None, top_k=None)
         if r.stops:
             kwargs["tokenizer"] = self.tokenizer
+        if r.sampling.logit_bias:  # transformers' one-token sequence biases are a logit bias
+            kwargs["sequence_bias"] = {(k,): v for k, v in r.sampling.logit_bias}
+        if presence_penalty or frequency_penalty:
+            kwargs["logits_processor"] = LogitsProcessorList(
+                [PresencePenalty(ids.shape[1], presence_penalty, frequency_penalty)])
         counter = StepCounter()
         pad = self.model.generation_config.pad_token_id
         if self.eos_token_id:  # the stop tokens selfspec uses (the tokenizer's where the generation config has none)

@@ -4,7 +4,8 @@
     loop:    2. draft      drafter.draft(state)            → tree of N candidates rooted at the last token
              3. verify     target.verify(tree)             → logits [N, V], hidden [N, D]   (one forward)
              4. accept     greedy / lossless sampling      → accepted path + bonus token (each node's scores
-                                                               processed for its own text: a repetition penalty, the
+                                                               processed for its own text: a logit bias, the
+                                                               repetition / presence / frequency penalties, the
                                                                end-of-sequence block of min_new_tokens)
              5. commit     cache keeps root + accepted path, drops the rest
              6. update     drafter.update(draft, acceptance)
@@ -25,7 +26,7 @@ import torch
 from selfspec.accept import Acceptance, greedy_accept, sample_accept, typical_accept
 from selfspec.drafter import Drafter, DraftState, LayerStates
 from selfspec.logprobs import MAX_TOP, TokenLogprob, token_logprobs
-from selfspec.sampling import Sampling, block_eos, next_token, penalize_repeats, process_logits, repeated
+from selfspec.sampling import Sampling, block_eos, next_token, path_scores, process_logits
 from selfspec.stopping import Criterion, first_stop
 from selfspec.target import Target
 
@@ -139,9 +140,7 @@ def stream(
     # 1. prefill: the prompt in one causal forward; the target's own first token becomes the root
     t0 = time.perf_counter()
     pre = target.prefill(prompt, cache, every_logit=prompt_logprobs is not None)
-    last = pre.logits[-1:]  # [1, V]
-    if sampling.repetition_penalty != 1.0:
-        last = penalize_repeats(last, repeated(prompt, last.shape[-1]), sampling.repetition_penalty)
+    last = path_scores(pre.logits[-1:], sampling, prompt, prompt.shape[0])  # [1, V]
     if min_new_tokens > 0:
         last = block_eos(last, torch.ones(1, dtype=torch.bool), eos_ids)
     root = next_token(last[0], sampling, generator)
@@ -177,12 +176,9 @@ def stream(
         verify_s = time.perf_counter() - t_verify
 
         # 4. accept: the longest path the target agrees with, plus the target's own next token (scores penalised for
-        #    the tokens before each node, where a repetition penalty is asked for; no EOS from a node whose text is
-        #    still shorter than min_new_tokens)
-        logits = out.logits  # [N, V]
-        if sampling.repetition_penalty != 1.0:
-            seen = repeated(tokens, logits.shape[-1], draft.tree, draft.tokens)
-            logits = penalize_repeats(logits, seen, sampling.repetition_penalty)
+        #    the text before each node, where penalties or a logit bias are asked for; no EOS from a node whose text
+        #    is still shorter than min_new_tokens)
+        logits = path_scores(out.logits, sampling, tokens, prompt.shape[0], draft.tree, draft.tokens)  # [N, V]
         if produced < min_new_tokens:
             logits = block_eos(logits, produced + draft.tree.depth_tensor.to(logits.device) < min_new_tokens, eos_ids)
         acc: Acceptance

@@ -1,10 +1,11 @@
 """How a next-token distribution is drawn from logits: one function for speculative and plain decoding alike.
 
-The order and the tie rules match transformers' logits processors (the repetition penalty, the end-of-sequence block of
-``min_new_tokens``, then temperature, top-k, top-p and min-p), so greedy and sampled decoding through selfspec and
-``model.generate(...)`` pick from the same scores; tests pin this. The repetition penalty and the end-of-sequence block
-depend on the text before each position: in a tree, each node's text is the committed tokens and the drafts on its
-path (``repeated``, and its depth for ``block_eos``).
+The order and the tie rules match transformers' logits processors (a logit bias, the repetition penalty, the
+end-of-sequence block of ``min_new_tokens``, presence / frequency penalties as a custom processor after them, then
+temperature, top-k, top-p and min-p), so greedy and sampled decoding through selfspec and ``model.generate(...)`` pick
+from the same scores; tests pin this. The penalties and the end-of-sequence block depend on the text before each
+position: in a tree, each node's text is the committed tokens and the drafts on its path (``repeated``, ``counted``,
+and its depth for ``block_eos``); ``path_scores`` applies them all.
 
 Shapes: T committed tokens, N tree nodes, V vocabulary.
 """
@@ -33,10 +34,18 @@ class Sampling:
     repetition_penalty: float = 1.0
     """transformers' repetition penalty (CTRL): the logits of tokens already in the text (the prompt included) are
     divided by it, multiplied where negative, before anything else; greedy decoding too. 1.0 = off."""
+    presence_penalty: float = 0.0
+    """OpenAI's: subtracted from the logit of every token the answer (not the prompt) already holds. 0 = off."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: subtracted from a token's logit once per time the answer already holds it. 0 = off."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token, bias) pairs added to the logits first, as OpenAI's ``logit_bias`` and transformers' one-token
+    ``sequence_bias``."""
 
     def __post_init__(self) -> None:
         for name, types in (("temperature", (int, float)), ("top_k", (int,)), ("top_p", (int, float)),
-                            ("min_p", (int, float)), ("repetition_penalty", (int, float))):
+                            ("min_p", (int, float)), ("repetition_penalty", (int, float)),
+                            ("presence_penalty", (int, float)), ("frequency_penalty", (int, float))):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, types):
                 expected = "an int" if types == (int,) else "a number"
@@ -51,6 +60,19 @@ class Sampling:
             raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
         if not self.repetition_penalty > 0.0:
             raise ValueError(f"repetition_penalty must be > 0 (1.0 = off), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
+        for pair in self.logit_bias:
+            ok = isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], int) and not isinstance(pair[0], bool)
+            if not (ok and pair[0] >= 0 and isinstance(pair[1], (int, float)) and -100 <= pair[1] <= 100):
+                raise ValueError(f"logit_bias must hold (token id >= 0, bias in [-100, 100]) pairs, got {pair!r}")
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the scores depend on each node's text (then ``path_scores`` has work to do)."""
+        return bool(self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
+                    or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -86,6 +108,69 @@ def penalize_repeats(logits: torch.Tensor, pairs: tuple[torch.Tensor, torch.Tens
     hit = scores[row, col]
     scores[row, col] = torch.where(hit < 0, hit * penalty, hit / penalty)
     return scores
+
+
+def counted(answer: torch.Tensor, vocab: int, tree: Tree | None = None,
+            tree_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """How often each token already occurs in the answer before each next token, as (row, token, count): answer [G]
+    (the new tokens so far) -> one row; with a tree rooted at the answer's last token and its tokens [N] -> N rows,
+    row i adding the drafts on the path to node i (the root is the answer's own last token: not counted twice)."""
+    rows = 1 if tree is None else len(tree)
+    keys = answer[None, :].expand(rows, -1) + torch.arange(rows, device=answer.device)[:, None] * vocab  # [rows, G]
+    keys = keys.reshape(-1)
+    if tree is not None:
+        node, ancestor = tree.ancestor_mask.to(answer.device).nonzero(as_tuple=True)
+        drafted = ancestor > 0
+        keys = torch.cat([keys, node[drafted] * vocab + tree_tokens[ancestor[drafted]]])
+    key, count = torch.unique(keys, return_counts=True)
+    return key // vocab, key % vocab, count
+
+
+def penalize_presence(logits: torch.Tensor, counts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                      presence: float, frequency: float) -> torch.Tensor:
+    """logits [N, V], (row, token, count) (``counted``) -> float32 logits [N, V] (a copy) less frequency * count +
+    presence for every token already in the row's answer: OpenAI's presence and frequency penalties."""
+    scores = logits.to(torch.float32, copy=True)
+    row, col, count = counts
+    scores[row, col] -= frequency * count.to(torch.float32) + presence
+    return scores
+
+
+def path_scores(logits: torch.Tensor, sampling: Sampling, text: torch.Tensor, prompt_length: int,
+                tree: Tree | None = None, tree_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """The scores each next token is chosen from, for a text [T] whose first ``prompt_length`` tokens are the prompt:
+    logits [1, V] after the text, or [N, V] after each node of a tree rooted at its last token (tokens [N]) -> the same
+    with the logit bias, the repetition penalty and the presence / frequency penalties applied for each row's own text,
+    in transformers' order (``logits`` itself when none is asked for)."""
+    vocab = logits.shape[-1]
+    if sampling.logit_bias:
+        bias = torch.zeros(vocab, dtype=torch.float32, device=logits.device)
+        for token, value in sampling.logit_bias:
+            if token >= vocab:
+                raise ValueError(f"logit_bias names token {token}; this model's vocabulary has {vocab} (0..{vocab - 1})")
+            bias[token] += value
+        logits = logits.float() + bias
+    if sampling.repetition_penalty != 1.0:
+        logits = penalize_repeats(logits, repeated(text, vocab, tree, tree_tokens), sampling.repetition_penalty)
+    if sampling.presence_penalty or sampling.frequency_penalty:
+        counts = counted(text[prompt_length:], vocab, tree, tree_tokens)
+        logits = penalize_presence(logits, counts, sampling.presence_penalty, sampling.frequency_penalty)
+    return logits
+
+
+class PresencePenalty:
+    """OpenAI's presence and frequency penalties as a transformers logits processor, for ``model.generate`` (which has
+    none): ``generate(..., logits_processor=LogitsProcessorList([PresencePenalty(prompt_length, p, f)]))``."""
+
+    def __init__(self, prompt_length: int, presence: float, frequency: float):
+        self.prompt_length, self.presence, self.frequency = prompt_length, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out = []
+        for i in range(input_ids.shape[0]):
+            counts = counted(input_ids[i, self.prompt_length:], scores.shape[-1])
+            out.append(penalize_presence(scores[i: i + 1], counts, self.presence, self.frequency))
+        return torch.cat(out)
 
 
 def block_eos(logits: torch.Tensor, rows: torch.Tensor, eos: list[int]) -> torch.Tensor:

@@ -17,8 +17,9 @@ without ``temperature`` decodes with the server's (``--temperature``, default 0:
 Log-probabilities as OpenAI reports them (chat: ``logprobs: true`` and ``top_logprobs``; completions: ``logprobs: k``
 and ``echo`` for the prompt's own, what evaluation harnesses score multiple-choice questions with): the target's own,
 before sampling and penalties (``selfspec.logprobs``). A completion's ``prompt`` may be text, token ids, or a list of
-either (one choice per prompt, decoded in turn). Fields the server cannot honour (``n`` > 1, non-zero frequency /
-presence penalties, tools) and unknown fields are refused with a 400 that names them, as OpenAI refuses unknown
+either (one choice per prompt, decoded in turn); ``n`` answers each (decoded in turn). ``presence_penalty``,
+``frequency_penalty`` and ``logit_bias`` apply as OpenAI applies them. Fields the server cannot honour (tools,
+structured output, suffixes) and unknown fields are refused with a 400 that names them, as OpenAI refuses unknown
 arguments.
 """
 
@@ -45,9 +46,7 @@ CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temp
                "response_format", "parallel_tool_calls"}
 COMPLETION_FIELDS = (CHAT_FIELDS - {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                     "response_format", "parallel_tool_calls"}) | {"prompt", "echo", "suffix"}
-NEUTRAL = {"n": (1,), "frequency_penalty": (0, 0.0, None),
-           "presence_penalty": (0, 0.0, None), "logit_bias": (None, {}), "tools": (None, []),
-           "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
+NEUTRAL = {"tools": (None, []), "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
            "parallel_tool_calls": (None, False, True), "suffix": (None, "")}
 """fields selfspec cannot honour, with the values that ask for nothing (accepted, as clients send them by default)."""
 
@@ -78,6 +77,8 @@ class Request:
     """report each answer token's log-probability with this many alternatives (None: none)."""
     echo: bool = False
     """a completion's text and log-probabilities start with the prompt's."""
+    n: int = 1
+    """answers per prompt (choice i answers prompt i // n; with a seed, answer j of a prompt samples with seed + j)."""
 
 
 def _number(body: dict, key: str, kind: type, default: Any, low: float | None = None, high: float | None = None) -> Any:
@@ -129,8 +130,8 @@ def parse_request(body: Any, chat: bool, default_temperature: float = 0.0) -> Re
                            f"{', '.join(sorted(known))})", unknown[0])
     for key, neutral in NEUTRAL.items():
         if key in body and key in known and body[key] not in neutral:
-            raise RequestError(f"'{key}': selfspec serves one answer per request, without penalties other than "
-                               f"repetition_penalty or tools; expected {neutral[0]!r}, found {body[key]!r:.80}", key)
+            raise RequestError(f"'{key}': selfspec serves text without tools, structured output or suffixes; expected "
+                               f"{neutral[0]!r}, found {body[key]!r:.80}", key)
     if chat:
         prompts: tuple[Any, ...] = (_messages(body),)
         if body.get("top_logprobs") is not None and body.get("logprobs") is not True:
@@ -160,6 +161,9 @@ def parse_request(body: Any, chat: bool, default_temperature: float = 0.0) -> Re
         seed=_number(body, "seed", int, None),
         repetition_penalty=_number(body, "repetition_penalty", float, None, 0.0),
         min_new_tokens=_number(body, "min_tokens", int, None, 0),
+        presence_penalty=_number(body, "presence_penalty", float, 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", float, 0.0, -2.0, 2.0),
+        logit_bias=_logit_bias(body.get("logit_bias")),
         stop=list(stops) if stop is not None else None,  # none given: the model's own (its generation config's)
     )
     if decoding["top_k"] < 0:  # vLLM's "-1 = off"
@@ -167,7 +171,25 @@ def parse_request(body: Any, chat: bool, default_temperature: float = 0.0) -> Re
     if decoding["top_p"] == 0.0:
         raise RequestError("'top_p': expected a value in (0, 1], found 0.0", "top_p")
     return Request(prompts=prompts, chat=chat, stream=stream, decoding=decoding, stops=stops,
-                   max_new_tokens=_number(body, key, int, None, 1), logprobs=logprobs, echo=echo)
+                   max_new_tokens=_number(body, key, int, None, 1), logprobs=logprobs, echo=echo,
+                   n=_number(body, "n", int, 1, 1, 128))
+
+
+def _logit_bias(bias: Any) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias``: {"token id": bias in [-100, 100]}."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise RequestError(f"'logit_bias': expected an object mapping token ids to biases, found {bias!r:.80}",
+                           "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit()) or isinstance(value, bool) or \
+                not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise RequestError(f"'logit_bias': expected token ids (as strings) mapped to biases in [-100, 100], found "
+                               f"{key!r}: {value!r}", "logit_bias")
+        out[int(key)] = float(value)
+    return out
 
 
 def _prompts(prompt: Any) -> tuple[Any, ...]:
@@ -266,12 +288,16 @@ class Session:
             if bad:
                 raise RequestError(f"'prompt': token id {bad[0]} is outside this model's vocabulary (0..{vocab - 1})",
                                    "prompt")
+        bad = [k for k in r.decoding["logit_bias"] or {} if k >= vocab]
+        if bad:
+            raise RequestError(f"'logit_bias': token id {bad[0]} is outside this model's vocabulary (0..{vocab - 1})",
+                               "logit_bias")
         if r.decoding["stop"] is None:  # the model's own stop strings (its generation config's) are cut as well
             r = dataclasses.replace(r, stops=self.model.stop_strings)
         return r
 
     def pieces(self, r: Request, index: int = 0) -> Iterator[Piece]:
-        """The answer to prompt ``index`` of ``r``, as Pieces: text as the target accepts it, with stop strings cut
+        """Answer ``index`` of ``r`` (to prompt index // r.n), as Pieces: text as the target accepts it, with stop strings cut
         (text that could begin one is held back until it cannot), then Piece("", ..., end) with finish_reason and
         usage. Decoded on the worker thread, after the requests before it; closing this iterator early stops the
         decoding."""
@@ -289,14 +315,17 @@ class Session:
             job.cancelled.set()
 
     def _decode(self, r: Request, index: int = 0) -> Iterator[Piece]:
-        prompt = r.prompts[index]
+        prompt, j = r.prompts[index // r.n], index % r.n
+        decoding = dict(r.decoding)
+        if j and decoding.get("seed") is not None:  # the n answers to one prompt differ, and repeat with the seed
+            decoding["seed"] += j
         ids = self.model.encode(prompt, chat=r.chat)
         limit = r.max_new_tokens
         if limit is None:  # as OpenAI-compatible servers do: no more than the context has room for
             limit = max(1, min(self.default_max_tokens, self.model.target.max_length - int(ids.shape[0])))
         scoring = r.logprobs is not None
         stream = self.model.stream(ids, max_new_tokens=limit, logprobs=r.logprobs,
-                                   prompt_logprobs=r.logprobs if r.echo else None, **r.decoding)
+                                   prompt_logprobs=r.logprobs if r.echo else None, **decoding)
         echo = (prompt if isinstance(prompt, str) else self.model.decode(ids.tolist())) if r.echo else ""
         base = len(echo)  # the answer's text starts after the echoed prompt's
         scored: list[Scored] = []  # the answer's tokens so far, where log-probabilities are asked for
@@ -403,9 +432,9 @@ def _usage(finals: list[dict]) -> dict:
 
 
 def complete(session: Session, r: Request) -> dict:
-    """The whole answer (one choice per prompt) as one OpenAI response object."""
+    """The whole answer (n choices per prompt) as one OpenAI response object."""
     choices, finals = [], []
-    for index in range(len(r.prompts)):
+    for index in range(len(r.prompts) * r.n):
         parts, tokens, final = [], [], {}
         for piece in session.pieces(r, index):
             parts.append(piece.text)
@@ -436,7 +465,7 @@ def chunks(session: Session, r: Request, include_usage: bool = False) -> Iterato
         return {**head, "choices": [{"index": index, "text": text or "", "finish_reason": finish, "logprobs": lps}]}
 
     finals = []
-    for index in range(len(r.prompts)):
+    for index in range(len(r.prompts) * r.n):
         pieces = session.pieces(r, index)
         try:
             first = next(pieces)  # the request's own errors (an empty or too long prompt) come before the first chunk

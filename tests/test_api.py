@@ -246,3 +246,19 @@ def test_logprobs_of_the_answer_and_the_prompt_equal_plain_decodings(ngram):
     plain = ngram.generate(PROMPTS[0], max_new_tokens=8)
     assert plain.logprobs is None and plain.prompt_logprobs is None
     assert ngram.generate_plain(PROMPTS[0], max_new_tokens=8).logprobs is None
+
+
+def test_presence_frequency_and_logit_bias_equal_generate_plains(ngram):
+    """OpenAI's penalties and logit bias, through selfspec (greedy with drafts, and sampled) and through transformers'
+    generate (its sequence_bias and selfspec.sampling.PresencePenalty as a logits processor): the same tokens."""
+    base = ngram.generate(PROMPTS[1], max_new_tokens=30)
+    bias = {base.tokens[3]: -50.0, 33: 3.0}
+    kw = dict(max_new_tokens=30, presence_penalty=0.8, frequency_penalty=0.6, logit_bias=bias)
+    spec, plain = ngram.generate(PROMPTS[1], **kw), ngram.generate_plain(PROMPTS[1], **kw)
+    assert spec.tokens == plain.tokens != base.tokens and base.tokens[3] not in spec.tokens
+    spec = ngram.generate(PROMPTS[1], temperature=0.9, seed=3, **kw)
+    assert spec.tokens == ngram.generate(PROMPTS[1], temperature=0.9, seed=3, **kw).tokens
+    with pytest.raises(ValueError, match="logit_bias names token 99999; this model's vocabulary has"):
+        ngram.generate(PROMPTS[1], logit_bias={99999: 1.0})
+    with pytest.raises(ValueError, match=r"frequency_penalty must be in \[-2, 2\]"):
+        ngram.generate(PROMPTS[1], frequency_penalty=3.0)

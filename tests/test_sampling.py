@@ -197,3 +197,69 @@ def test_greedy_and_sampled_decoding_with_a_repetition_penalty_are_generates(arc
         s = Sampling(temperature=0.8, repetition_penalty=1.3)
         assert generate(target, NoDrafter(), prompt, 20, sampling=s).tokens == sampled.tolist()
     assert changed >= 4
+
+
+def test_presence_and_frequency_penalties_count_each_nodes_own_answer():
+    """penalize_presence over counted: row i is lowered by frequency x (times the token occurs in the answer and the
+    drafts on the path to node i) + presence, for tokens that occur at all; the prompt and the root do not count
+    twice, siblings never."""
+    from selfspec.sampling import counted, penalize_presence
+
+    g = torch.Generator().manual_seed(1)
+    answer = torch.tensor([7, 7, 4, 1])  # the new tokens so far, the root (1) last
+    tree = Tree.from_choices([(0,), (1,), (0, 0), (0, 0, 0), (0, 0, 0, 0)])
+    tokens = torch.tensor([1, 5, 9, 7, 5, 1])  # [N]
+    logits = torch.randn(len(tree), 12, generator=g) * 3
+    got = penalize_presence(logits, counted(answer, 12, tree, tokens), presence=0.4, frequency=0.25)
+    for i in range(len(tree)):
+        text = answer.tolist() + tokens[tree.path_to(i)[1:]].tolist()
+        want = logits[i].clone()
+        for token in set(text):
+            want[token] -= 0.25 * text.count(token) + 0.4
+        assert torch.allclose(got[i], want), f"node {i}"
+    assert got[5, 1] == pytest.approx(float(logits[5, 1]) - 0.25 * 2 - 0.4)  # the root once, node 5 once
+    assert got[2, 9] == pytest.approx(float(logits[2, 9]) - 0.65) and got[1, 9] == logits[1, 9]  # not a sibling's
+    one = penalize_presence(logits[:1], counted(answer, 12), 0.4, 0.25)[0]
+    assert one[7] == pytest.approx(float(logits[0, 7]) - 0.9) and one[3] == logits[0, 3]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_logit_bias_and_presence_penalties_through_the_loop_are_generates(arch):
+    """Greedy with drafts and sampled without: token for token ``generate`` with the same one-token sequence_bias and
+    the penalties as a logits processor (``PresencePenalty``); each setting changes the output (not vacuous)."""
+    from transformers import LogitsProcessorList
+
+    from selfspec import NGramDrafter
+    from selfspec.sampling import PresencePenalty
+
+    model = tiny_model(arch)
+    target = Target(model)
+    changed = 0
+    for i, prompt in enumerate(random_prompts(6, VOCAB, seed=19)):
+        t = prompt.shape[0]
+        bias = ((int(prompt[0]), 4.0), (int(prompt[-1]), -3.0), (5, 2.5))
+        kwargs = dict(attention_mask=torch.ones_like(prompt)[None], max_new_tokens=20, pad_token_id=0,
+                      sequence_bias={(k,): v for k, v in bias},
+                      logits_processor=LogitsProcessorList([PresencePenalty(t, 0.7, 0.9)]))
+        ref = model.generate(prompt[None], do_sample=False, **kwargs)[0, t:]
+        plain = model.generate(prompt[None], do_sample=False, max_new_tokens=20, pad_token_id=0,
+                               attention_mask=torch.ones_like(prompt)[None])[0, t:]
+        changed += not torch.equal(ref, plain)
+        s = Sampling(presence_penalty=0.7, frequency_penalty=0.9, logit_bias=bias)
+        assert generate(target, NGramDrafter(depth=4, max_nodes=12), prompt, 20, sampling=s).tokens == ref.tolist()
+        torch.manual_seed(i)
+        sampled = model.generate(prompt[None], do_sample=True, temperature=0.8, top_k=0, **kwargs)[0, t:]
+        torch.manual_seed(i)
+        s = Sampling(temperature=0.8, presence_penalty=0.7, frequency_penalty=0.9, logit_bias=bias)
+        assert generate(target, NoDrafter(), prompt, 20, sampling=s).tokens == sampled.tolist()
+    assert changed >= 4
+
+
+def test_bad_penalties_and_biases_are_refused():
+    with pytest.raises(ValueError, match=r"presence_penalty must be in \[-2, 2\] \(0 = off\), got 2.5"):
+        Sampling(presence_penalty=2.5)
+    with pytest.raises(ValueError, match="logit_bias must hold"):
+        Sampling(logit_bias=((3, 101.0),))
+    with pytest.raises(ValueError, match="logit_bias names token 500; this model's vocabulary has 96"):
+        generate(Target(tiny_model("llama")), NoDrafter(), torch.tensor([1, 2]), 2,
+                 sampling=Sampling(logit_bias=((500, 1.0),)))

@@ -150,12 +150,16 @@ def test_sampling_fields_reach_the_decoder(server, model):
 
 @pytest.mark.parametrize("body, param, message", [
     ({"messages": USER, "foo": 1}, "foo", "unrecognized request argument(s): foo"),
-    ({"messages": USER, "n": 2}, "n", "'n': selfspec serves one answer per request"),
+    ({"messages": USER, "n": 0}, "n", "'n': expected a value in [1, 128], found 0"),
+    ({"messages": USER, "tools": [{"type": "function"}]}, "tools", "'tools': selfspec serves text without tools"),
+    ({"messages": USER, "logit_bias": {"x": 1}}, "logit_bias", "'logit_bias': expected token ids (as strings)"),
+    ({"messages": USER, "logit_bias": {"5": 101}}, "logit_bias", "biases in [-100, 100], found '5': 101"),
+    ({"messages": USER, "logit_bias": {"99999": 1}}, "logit_bias", "'logit_bias': token id 99999 is outside"),
     ({"messages": USER, "logprobs": 1}, "logprobs", "'logprobs': expected true or false, found 1"),
     ({"messages": USER, "top_logprobs": 2}, "top_logprobs", "'top_logprobs': needs 'logprobs': true"),
     ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "expected a value in [0, 20], found 21"),
     ({"messages": USER, "echo": True}, "echo", "unrecognized request argument(s): echo"),
-    ({"messages": USER, "presence_penalty": 0.5}, "presence_penalty", "expected 0, found 0.5"),
+    ({"messages": USER, "presence_penalty": 2.5}, "presence_penalty", "expected a value in [-2.0, 2.0], found 2.5"),
     ({"messages": []}, "messages", "'messages': expected a non-empty list"),
     ({"messages": [{"content": "hi"}]}, "messages", "'messages[0]': expected an object with 'role' and 'content'"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", "only text parts"),
@@ -286,8 +290,11 @@ def test_openais_own_client_gets_the_answers(server, model):
     assert all(len(c.top_logprobs) == 3 for c in r.choices[0].logprobs.content)
     r = client.completions.create(model="tiny", prompt=[[5, 6, 7, 8]], max_tokens=2, logprobs=2, echo=True)
     assert len(r.choices[0].logprobs.token_logprobs) == 6 and r.choices[0].logprobs.token_logprobs[0] is None
-    with pytest.raises(BadRequestError, match="'n': selfspec serves one answer per request"):
-        client.chat.completions.create(model="tiny", messages=USER, n=2)
+    r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=16, n=2)
+    assert [c.message.content for c in r.choices] == [expected.text] * 2 and r.usage.completion_tokens == 32
+    with pytest.raises(BadRequestError, match="'tools': selfspec serves text without tools"):
+        client.chat.completions.create(model="tiny", messages=USER, tools=[{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": {}}}}])
 
 
 def test_an_api_key_is_required_when_the_server_has_one(model):
@@ -415,3 +422,22 @@ def test_logprobs_stop_where_the_stop_string_cuts_the_text(server, model):
     assert all(offset < len(text) for offset in lp["text_offset"])  # no token of the stop string is reported
     kept = len(lp["tokens"])
     assert model.decode(full.tokens[:kept]).startswith(text) and not model.decode(full.tokens[:kept - 1]).startswith(text)
+
+
+def test_n_answers_penalties_and_logit_bias_reach_the_decoder(server, model):
+    """n sampled answers with a seed: answer j samples with seed + j (each repeatable); presence / frequency penalties
+    and logit_bias decode as selfspec.api decodes them."""
+    kw = dict(temperature=0.9, presence_penalty=0.5, frequency_penalty=0.3)
+    expected = [model.generate(USER, max_new_tokens=12, seed=7 + j, logit_bias={40: 5.0}, **kw).text for j in range(3)]
+    status, reply = post(server, "/v1/chat/completions", {"messages": USER, "max_tokens": 12, "n": 3, "seed": 7,
+                                                          "logit_bias": {"40": 5}, **kw})
+    assert status == 200, reply
+    assert [c["index"] for c in reply["choices"]] == [0, 1, 2]
+    assert [c["message"]["content"] for c in reply["choices"]] == expected and len(set(expected)) > 1
+    assert reply["usage"]["completion_tokens"] == 36
+    status, data = post(server, "/v1/completions", {"prompt": ["the quick", "hello"], "max_tokens": 6, "n": 2,
+                                                    "stream": True})
+    chunks = events(data)
+    texts = ["".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i) for i in range(4)]
+    greedy = [model.generate(p, max_new_tokens=6, chat=False).text for p in ("the quick", "hello")]
+    assert texts == [greedy[0], greedy[0], greedy[1], greedy[1]]
