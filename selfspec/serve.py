@@ -35,7 +35,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 from selfspec.api import SpecModel
 from selfspec.logprobs import MAX_TOP, TokenLogprob
@@ -230,6 +230,39 @@ class Piece(NamedTuple):
     end: dict | None = None
 
 
+def text_starts(decode: Callable[[list[int]], str], tokens: list[int], first: int = 0) -> list[int]:
+    """Where the text of each of tokens[first:] starts in decode(tokens): the length of the text before it (a token
+    inside a character split across tokens: where that character starts)."""
+    starts, last = [], 0
+    for i in range(first, len(tokens)):
+        last = max(last, len(decode(tokens[:i]).rstrip("\ufffd")))
+        starts.append(last)
+    return starts
+
+
+class _Ledger:
+    """An answer's tokens with where their text starts (after ``base`` characters of echoed prompt), and how many of
+    them have gone out."""
+
+    def __init__(self, decode: Callable[[list[int]], str], base: int = 0):
+        self.decode, self.base, self.scored, self.sent = decode, base, [], 0
+
+    def add(self, tokens: list[int], logprobs: list[TokenLogprob]) -> None:
+        """Record the tokens (and their log-probabilities) beyond those already recorded."""
+        known = len(self.scored)
+        for token, start, lp in zip(tokens[known:], text_starts(self.decode, tokens, known), logprobs[known:]):
+            offset = max(self.base + start, self.scored[-1].offset if self.scored else self.base)
+            self.scored.append(Scored(token, offset, lp))
+
+    def take(self, upto: float) -> tuple[Scored, ...]:
+        """The tokens not yet sent whose text starts before character ``upto`` of the answer."""
+        end = self.sent
+        while end < len(self.scored) and self.scored[end].offset < self.base + upto:
+            end += 1
+        out, self.sent = tuple(self.scored[self.sent:end]), end
+        return out
+
+
 class _Job:
     """One request's decoding, run on the session's worker thread; its items come back through a queue."""
 
@@ -327,33 +360,14 @@ class Session:
         stream = self.model.stream(ids, max_new_tokens=limit, logprobs=r.logprobs,
                                    prompt_logprobs=r.logprobs if r.echo else None, **decoding)
         echo = (prompt if isinstance(prompt, str) else self.model.decode(ids.tolist())) if r.echo else ""
-        base = len(echo)  # the answer's text starts after the echoed prompt's
-        scored: list[Scored] = []  # the answer's tokens so far, where log-probabilities are asked for
-        given = 0  # how many of them have gone out
-
-        def score() -> None:
-            for i in range(len(scored), len(stream.tokens)):  # where each new token's text starts
-                start = len(self.model.decode(stream.tokens[:i]).rstrip("\ufffd"))  # a split character: its start
-                offset = max(base + start, scored[-1].offset if scored else base)
-                scored.append(Scored(stream.tokens[i], offset, stream.logprobs[i]))
-
-        def take(upto: float) -> tuple[Scored, ...]:
-            """The tokens not yet sent whose text starts before ``upto``."""
-            nonlocal given
-            j = given
-            while j < len(scored) and scored[j].offset < upto:
-                j += 1
-            out, given = tuple(scored[given:j]), j
-            return out
+        ledger = _Ledger(self.model.decode, base=len(echo))  # the answer's text starts after the echoed prompt's
 
         def echoed() -> Piece:
-            head = ()
-            if scoring:
-                prompt_ids = ids.tolist()
-                starts = [len(self.model.decode(prompt_ids[:i]).rstrip("\ufffd")) for i in range(len(prompt_ids))]
-                lps = [None, *stream.prompt_logprobs]
-                head = tuple(Scored(t, o, lp) for t, o, lp in zip(prompt_ids, itertools.accumulate(starts, max), lps))
-            return Piece(echo, head)
+            if not scoring:
+                return Piece(echo)
+            prompt_ids = ids.tolist()
+            lps = [None, *stream.prompt_logprobs]  # nothing predicts the first
+            return Piece(echo, tuple(map(Scored, prompt_ids, text_starts(self.model.decode, prompt_ids), lps)))
 
         hold = max((len(s) for s in r.stops), default=1) - 1
         sent, stopped, echo_due = 0, False, r.echo
@@ -364,9 +378,9 @@ class Session:
             text, stopped = cut_at_stop(stream.text, r.stops)
             upto = len(text) if stopped else max(len(text) - hold, sent)
             if scoring:
-                score()
+                ledger.add(stream.tokens, stream.logprobs)
             if upto > sent:
-                yield Piece(text[sent:upto], take(base + upto) if scoring else ())
+                yield Piece(text[sent:upto], ledger.take(upto) if scoring else ())
                 sent = upto
             if stopped:
                 break
@@ -374,9 +388,9 @@ class Session:
             yield echoed()
         text, stopped = cut_at_stop(stream.text, r.stops)
         if scoring:
-            score()
+            ledger.add(stream.tokens, stream.logprobs)
         # a stop string's own tokens are dropped with its text; an end-of-sequence token (no text) is kept
-        rest = take(base + len(text) if stopped else float("inf")) if scoring else ()
+        rest = ledger.take(len(text) if stopped else float("inf")) if scoring else ()
         if len(text) > sent or rest:
             yield Piece(text[sent:], rest)
         stats = stream.stats
