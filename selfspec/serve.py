@@ -4,6 +4,7 @@
     POST /v1/completions        {"prompt": "...", ...}                  (plain text, no chat template)
     GET  /v1/models             the one model served
     GET  /health
+    POST /tokenize, /detokenize, GET /tokenizer_info    vLLM's tokenizer endpoints (lm-eval's tokenizer_backend=remote)
 
 Clients of OpenAI's API (its Python client, chat UIs, evaluation harnesses) talk to it unchanged; every answer is
 decoded speculatively and losslessly, and says how (``usage.selfspec``: steps and mean accepted tokens per step).
@@ -497,6 +498,55 @@ def chunks(session: Session, r: Request, include_usage: bool = False) -> Iterato
         yield {**head, "choices": [], "usage": _usage(finals)}
 
 
+def tokenize(session: Session, body: Any) -> dict:
+    """vLLM's ``POST /tokenize``: {"prompt": text, "add_special_tokens": true} or {"messages": [...],
+    "add_generation_prompt": true} -> the token ids the model would read."""
+    if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
+        raise RequestError("expected a JSON object with 'prompt' (text) or 'messages' (chat messages)")
+    unknown = sorted(set(body) - {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"})
+    if unknown:
+        raise RequestError(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+    flags = {k: body.get(k) for k in ("add_special_tokens", "add_generation_prompt")}
+    for key, value in flags.items():
+        if value is not None and not isinstance(value, bool):
+            raise RequestError(f"'{key}': expected true or false, found {value!r:.80}", key)
+    tokenizer = session.model.tokenizer
+    if "prompt" in body:
+        if not isinstance(body["prompt"], str):
+            raise RequestError(f"'prompt': expected a string, found {body['prompt']!r:.80}", "prompt")
+        special = flags["add_special_tokens"] is not False
+        ids = tokenizer(body["prompt"], add_special_tokens=special).input_ids
+    else:
+        if not getattr(tokenizer, "chat_template", None):
+            raise RequestError(f"the tokenizer of {session.name} has no chat template: send 'prompt'", "messages")
+        text = tokenizer.apply_chat_template(_messages(body), tokenize=False,
+                                             add_generation_prompt=flags["add_generation_prompt"] is not False)
+        ids = tokenizer(text, add_special_tokens=bool(flags["add_special_tokens"])).input_ids
+    return {"count": len(ids), "max_model_len": session.model.target.max_length, "tokens": ids, "token_strs": None}
+
+
+def detokenize(session: Session, body: Any) -> dict:
+    """vLLM's ``POST /detokenize``: {"tokens": [...]} -> {"prompt": their text} (special tokens kept)."""
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    vocab = session.model.target.vocab_size
+    if not isinstance(tokens, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in tokens):
+        raise RequestError(f"'tokens': expected a list of token ids, found {tokens!r:.80}", "tokens")
+    bad = [i for i in tokens if not 0 <= i < vocab]
+    if bad:
+        raise RequestError(f"'tokens': token id {bad[0]} is outside this model's vocabulary (0..{vocab - 1})", "tokens")
+    return {"prompt": session.model.tokenizer.decode(tokens, clean_up_tokenization_spaces=False)}
+
+
+def tokenizer_info(session: Session) -> dict:
+    """vLLM's ``GET /tokenizer_info``: what a client needs to tokenize as the server does (lm-evaluation-harness's
+    ``tokenizer_backend=remote`` reads it)."""
+    tokenizer = session.model.tokenizer
+    return {"tokenizer_class": type(tokenizer).__name__, "eos_token": tokenizer.eos_token,
+            "bos_token": tokenizer.bos_token, "pad_token": tokenizer.pad_token,
+            "chat_template": getattr(tokenizer, "chat_template", None),
+            "model_max_length": session.model.target.max_length}
+
+
 class Handler(BaseHTTPRequestHandler):
     session: Session  # set on the subclass make_server builds
     protocol_version = "HTTP/1.1"
@@ -533,8 +583,11 @@ class Handler(BaseHTTPRequestHandler):
         elif self.path.rstrip("/") == "/v1/models":
             self._json(200, {"object": "list", "data": [{"id": self.session.name, "object": "model", "created": 0,
                                                          "owned_by": "selfspec"}]})
+        elif self.path.rstrip("/") == "/tokenizer_info":
+            self._json(200, tokenizer_info(self.session))
         else:
-            self._error(404, f"no such endpoint: GET {self.path} (expected /v1/models or /health)", kind="not_found")
+            self._error(404, f"no such endpoint: GET {self.path} (expected /v1/models, /tokenizer_info or /health)",
+                        kind="not_found")
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
         length = int(self.headers.get("Content-Length") or 0)
@@ -542,9 +595,10 @@ class Handler(BaseHTTPRequestHandler):
         if not self._authorised():
             return
         path = self.path.rstrip("/")
-        if path not in ("/v1/chat/completions", "/v1/completions"):
-            self._error(404, f"no such endpoint: POST {self.path} (expected /v1/chat/completions or /v1/completions)",
-                        kind="not_found")
+        tools = {"/tokenize": tokenize, "/detokenize": detokenize}
+        if path not in ("/v1/chat/completions", "/v1/completions", *tools):
+            self._error(404, f"no such endpoint: POST {self.path} (expected /v1/chat/completions, /v1/completions, "
+                        "/tokenize or /detokenize)", kind="not_found")
             return
         try:
             body = json.loads(raw or b"null")
@@ -552,6 +606,9 @@ class Handler(BaseHTTPRequestHandler):
             self._error(400, f"the request body is not JSON: {err}")
             return
         try:
+            if path in tools:
+                self._json(200, tools[path](self.session, body))
+                return
             r = self.session.parse(body, chat=path.endswith("chat/completions"))
             if not r.stream:
                 self._json(200, complete(self.session, r))

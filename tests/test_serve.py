@@ -181,7 +181,7 @@ def test_bad_json_unknown_paths_and_the_completion_prompt_are_refused(server):
     status, reply = post(server, "/v1/chat/completions", "{not json", raw=True)
     assert status == 400 and "the request body is not JSON" in reply["error"]["message"]
     status, reply = post(server, "/v1/embeddings", {"input": "x"})
-    assert status == 404 and "expected /v1/chat/completions or /v1/completions" in reply["error"]["message"]
+    assert status == 404 and "expected /v1/chat/completions, /v1/completions" in reply["error"]["message"]
     status, reply = post(server, "/v1/completions", {"prompt": ""})
     assert status == 400 and "the prompt is empty" in reply["error"]["message"]
     status, reply = post(server, "/v1/completions", {"prompt": "hi", "messages": USER})
@@ -441,3 +441,39 @@ def test_n_answers_penalties_and_logit_bias_reach_the_decoder(server, model):
     texts = ["".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i) for i in range(4)]
     greedy = [model.generate(p, max_new_tokens=6, chat=False).text for p in ("the quick", "hello")]
     assert texts == [greedy[0], greedy[0], greedy[1], greedy[1]]
+
+
+def get(port: int, path: str) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    data = json.loads(resp.read())
+    conn.close()
+    return resp.status, data
+
+
+def test_vllms_tokenizer_endpoints_tokenize_as_the_model_reads(server, model):
+    """/tokenize, /detokenize and /tokenizer_info, as vLLM serves them (what lm-evaluation-harness's
+    tokenizer_backend=remote calls): the ids selfspec decodes from, and back."""
+    tok = model.tokenizer
+    status, reply = post(server, "/tokenize", {"prompt": "hello café", "add_special_tokens": False})
+    assert status == 200 and reply["tokens"] == tok("hello café", add_special_tokens=False).input_ids
+    assert reply["count"] == len(reply["tokens"]) and reply["max_model_len"] == model.target.max_length
+    status, reply = post(server, "/tokenize", {"model": "tiny", "messages": USER})
+    assert reply["tokens"] == model.encode(USER).tolist()
+    ids = model.encode(USER).tolist()
+    status, reply = post(server, "/detokenize", {"tokens": ids})
+    assert status == 200 and reply["prompt"] == tok.decode(ids) and tok(reply["prompt"], add_special_tokens=False
+                                                                        ).input_ids == ids
+    status, info = get(server, "/tokenizer_info")
+    assert status == 200 and info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
+    for path, body, param, message in [
+        ("/tokenize", {}, None, "expected a JSON object with 'prompt' (text) or 'messages'"),
+        ("/tokenize", {"prompt": "x", "messages": USER}, None, "'prompt' (text) or 'messages'"),
+        ("/tokenize", {"prompt": 3}, "prompt", "'prompt': expected a string, found 3"),
+        ("/tokenize", {"prompt": "x", "foo": 1}, "foo", "unrecognized request argument(s): foo"),
+        ("/detokenize", {"tokens": [1, -1]}, "tokens", "token id -1 is outside this model's vocabulary"),
+        ("/detokenize", {"tokens": "abc"}, "tokens", "'tokens': expected a list of token ids"),
+    ]:
+        status, reply = post(server, path, body)
+        assert status == 400 and message in reply["error"]["message"] and reply["error"]["param"] == param, reply
