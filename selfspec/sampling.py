@@ -69,12 +69,6 @@ class Sampling:
                 raise ValueError(f"logit_bias must hold (token id >= 0, bias in [-100, 100]) pairs, got {pair!r}")
 
     @property
-    def penalised(self) -> bool:
-        """Whether the scores depend on each node's text (then ``path_scores`` has work to do)."""
-        return bool(self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
-                    or self.logit_bias)
-
-    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 

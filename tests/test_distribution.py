@@ -203,7 +203,8 @@ def sliding_world():
     return world(model)
 
 
-def world(model, penalty: float = 1.0) -> tuple[Target, dict]:
+def world(model, penalty: float = 1.0, presence: float = 0.0, frequency: float = 0.0,
+          bias: tuple[tuple[int, float], ...] = ()) -> tuple[Target, dict]:
     """(Target, the exact joint of the first three sampled tokens after PROMPT, from full forwards without a cache)."""
     grid = torch.cartesian_prod(torch.arange(V_LOOP), torch.arange(V_LOOP))  # [V*V, 2] every (x1, x2)
     ids = torch.cat([PROMPT.expand(grid.shape[0], -1), grid], dim=1)  # [V*V, T + 2]
@@ -214,6 +215,14 @@ def world(model, penalty: float = 1.0) -> tuple[Target, dict]:
         from transformers import RepetitionPenaltyLogitsProcessor
 
         rule = RepetitionPenaltyLogitsProcessor(penalty)
+        for k in range(3):
+            logits[:, k] = rule(ids[:, : ids.shape[1] - 2 + k], logits[:, k].clone())
+    for token, value in bias:  # OpenAI's logit_bias: added to every position's logits
+        logits[:, :, token] += value
+    if presence or frequency:  # each position penalised for the answer before it, by selfspec's logits processor
+        from selfspec.sampling import PresencePenalty
+
+        rule = PresencePenalty(PROMPT.shape[0], presence, frequency)
         for k in range(3):
             logits[:, k] = rule(ids[:, : ids.shape[1] - 2 + k], logits[:, k].clone())
     probs = process_logits(logits, SAMPLING)  # [V*V, 3, V]
@@ -335,6 +344,20 @@ def test_loop_sampling_with_a_repetition_penalty_keeps_the_target_distribution(p
     counts = _loop_counts(target, make[drafter], n, seed=3000, sampling=sampling)
     assert goodness_of_fit(counts, exact, n) > ALPHA
     assert goodness_of_fit(counts, loop_world[1], n) < ALPHA  # the penalty changed the distribution, visibly
+
+
+def test_loop_sampling_with_presence_frequency_penalties_and_a_logit_bias_keeps_the_target_distribution(loop_world):
+    """OpenAI's penalties on each tree node's own answer and a logit bias: the joint of the first three tokens equals
+    plain sampling with them applied position by position, and differs from the joint without."""
+    bias = ((2, 1.5), (5, -2.0))
+    target, exact = world(tiny_model("llama", vocab=V_LOOP, initializer_range=0.3, seed=1), presence=1.5,
+                          frequency=1.0, bias=bias)
+    n = 1000
+    sampling = Sampling(temperature=SAMPLING.temperature, top_p=SAMPLING.top_p, presence_penalty=1.5,
+                        frequency_penalty=1.0, logit_bias=bias)
+    counts = _loop_counts(target, lambda: RandomDrafter(TREE, V_LOOP, seed=3), n, seed=4000, sampling=sampling)
+    assert goodness_of_fit(counts, exact, n) > ALPHA
+    assert goodness_of_fit(counts, loop_world[1], n) < ALPHA  # the penalties changed the distribution, visibly
 
 
 def test_loop_check_catches_a_wrong_rule(loop_world, monkeypatch):
