@@ -89,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetition-penalty", type=float, default=None,
                    help="transformers' repetition penalty, greedy or sampled (1.0 = off; default: the model's "
                         "generation config's, as its generate applies it)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="OpenAI's presence penalty: lower every token the answer already holds by this (-2..2, 0 = off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="OpenAI's frequency penalty: lower a token by this for each time the answer holds it "
+                        "(-2..2, 0 = off)")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop once the output contains TEXT (kept in the output), as generate(stop_strings=...); "
                         "repeat for several. Default: the model's generation config's stop_strings; --stop '' for none")
@@ -184,7 +189,8 @@ def _decoding(args: argparse.Namespace) -> dict:
     stop = None if args.stop is None else [s for s in args.stop if s]  # --stop '' alone: no stop strings
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 min_p=args.min_p, seed=args.seed, chat=not args.no_chat, repetition_penalty=args.repetition_penalty,
-                stop=stop, min_new_tokens=args.min_new_tokens)
+                stop=stop, min_new_tokens=args.min_new_tokens, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty)
 
 
 def _start(model: api.SpecModel, prompt: api.Prompt, args: argparse.Namespace) -> api.TextStream:

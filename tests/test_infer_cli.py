@@ -31,6 +31,7 @@ def test_help_explains_every_option():
     assert result.returncode == 0
     for option in ("--model", "--draft", "--tree", "--prompt", "--temperature", "--top-p", "--top-k", "--seed",
                    "--repetition-penalty", "--min-p", "--stop", "--system", "--min-new-tokens", "--max-new-tokens", "--dtype",
+                   "--presence-penalty", "--frequency-penalty",
                    "--compare", "chain:K", ".gguf", "interactive", "bench", "costs"):
         assert option in result.stdout, option
 
@@ -68,8 +69,10 @@ def test_stop_min_new_tokens_and_min_p_reach_both_decodings(model_dir):
                                "--stop", "never said"), out, err) == 0
     assert out.getvalue() == expected.text + "\n"
     assert err.getvalue().splitlines()[2].endswith("x; outputs identical")
-    a = args(model_dir, "--stop", "", "--min-new-tokens", "7", "--min-p", "0.1")
-    assert cli._decoding(a) | {} == {**cli._decoding(a), "stop": [], "min_new_tokens": 7, "min_p": 0.1}
+    a = args(model_dir, "--stop", "", "--min-new-tokens", "7", "--min-p", "0.1", "--presence-penalty", "0.5",
+             "--frequency-penalty", "-0.25")
+    assert cli._decoding(a) | {} == {**cli._decoding(a), "stop": [], "min_new_tokens": 7, "min_p": 0.1,
+                                     "presence_penalty": 0.5, "frequency_penalty": -0.25}
     assert cli._decoding(args(model_dir))["stop"] is None  # the generation config's
 
 
