@@ -28,7 +28,7 @@ import torch
 from transformers import AutoConfig, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.streamers import BaseStreamer
 
-from selfspec import registry
+from selfspec import processors, registry
 from selfspec.drafter import Drafter, verifier_for
 from selfspec.generate import stream as spec_stream
 from selfspec.logprobs import TokenLogprob, token_logprobs
@@ -162,11 +162,10 @@ class StepCounter(BaseStreamer):
         return None
 
 
-UNAPPLIED = {"no_repeat_ngram_size": 0, "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None,
-             "forced_bos_token_id": None, "forced_eos_token_id": None,
-             "sequence_bias": None, "exponential_decay_length_penalty": None, "epsilon_cutoff": 0.0,
-             "eta_cutoff": 0.0, "typical_p": 1.0, "watermarking_config": None}
-"""logits processors a generation config may ask for that selfspec does not apply, with their neutral values."""
+UNAPPLIED = {"epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "typical_p": 1.0, "top_h": None, "watermarking_config": None,
+             "remove_invalid_values": False, "renormalize_logits": False}
+"""logits processors a generation config may ask for that selfspec does not apply, with their neutral values (the
+others: ``selfspec.sampling``, ``selfspec.stopping`` and ``selfspec.processors``)."""
 
 
 def unapplied_processors(generation_config: Any) -> dict[str, Any]:
@@ -254,9 +253,13 @@ class SpecModel:
 
     def _steps(self, r: "_Request", max_new_tokens: int, logprobs: int | None = None,
                prompt_logprobs: int | None = None) -> Iterator:
+        # the generation config's other processors (no_repeat_ngram_size, bad_words_ids, ...), as generate builds them
+        procs = processors.from_config(self.model.generation_config, r.ids.shape[0], max_new_tokens,
+                                       self.eos_token_id, self.target.device)
         return spec_stream(self.target, self.drafter, r.ids, max_new_tokens, sampling=r.sampling,
                            eos_token_id=self.eos_token_id, generator=r.generator, stopping_criteria=r.criteria,
-                           min_new_tokens=r.min_new_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                           min_new_tokens=r.min_new_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                           processors=procs)
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int | None = None, chat: bool = True,

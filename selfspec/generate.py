@@ -26,7 +26,8 @@ import torch
 from selfspec.accept import Acceptance, greedy_accept, sample_accept, typical_accept
 from selfspec.drafter import Drafter, DraftState, LayerStates
 from selfspec.logprobs import MAX_TOP, TokenLogprob, token_logprobs
-from selfspec.sampling import Sampling, block_eos, next_token, path_scores, process_logits
+from selfspec.processors import Processors
+from selfspec.sampling import Sampling, next_token, path_scores, process_logits
 from selfspec.stopping import Criterion, first_stop
 from selfspec.target import Target
 
@@ -113,6 +114,7 @@ def stream(
     min_new_tokens: int = 0,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    processors: Processors = Processors(),
 ) -> Iterator[Step]:
     """Yield each step's new tokens as soon as the target has accepted them. input_ids [T] or [1, T].
 
@@ -120,7 +122,8 @@ def stream(
     after every new token as ``generate`` checks them; min_new_tokens: the end-of-sequence tokens are blocked until
     that many tokens are out, as ``generate(min_new_tokens=...)`` blocks them; logprobs = k: each step also carries the
     target's log-probability of each new token and its k likeliest alternatives (``selfspec.logprobs``; None: none);
-    prompt_logprobs = k: the prefill's step carries the same for every prompt token after the first."""
+    prompt_logprobs = k: the prefill's step carries the same for every prompt token after the first; processors: the
+    generation config's logits processors (``selfspec.processors.from_config``), applied to each node's own text."""
     check_request(target, input_ids, max_new_tokens)
     if min_new_tokens < 0:
         raise ValueError(f"min_new_tokens must be >= 0, found {min_new_tokens}")
@@ -140,9 +143,9 @@ def stream(
     # 1. prefill: the prompt in one causal forward; the target's own first token becomes the root
     t0 = time.perf_counter()
     pre = target.prefill(prompt, cache, every_logit=prompt_logprobs is not None)
-    last = path_scores(pre.logits[-1:], sampling, prompt, prompt.shape[0])  # [1, V]
-    if min_new_tokens > 0:
-        last = block_eos(last, torch.ones(1, dtype=torch.bool), eos_ids)
+    short = torch.ones(1, dtype=torch.bool) if min_new_tokens > 0 else None
+    last = path_scores(pre.logits[-1:], sampling, prompt, prompt.shape[0], short=short, eos=eos_ids,
+                       processors=processors)  # [1, V]
     root = next_token(last[0], sampling, generator)
     sync()
     tokens = torch.cat([prompt, prompt.new_tensor([root])])  # [T]
@@ -178,9 +181,10 @@ def stream(
         # 4. accept: the longest path the target agrees with, plus the target's own next token (scores penalised for
         #    the text before each node, where penalties or a logit bias are asked for; no EOS from a node whose text
         #    is still shorter than min_new_tokens)
-        logits = path_scores(out.logits, sampling, tokens, prompt.shape[0], draft.tree, draft.tokens)  # [N, V]
-        if produced < min_new_tokens:
-            logits = block_eos(logits, produced + draft.tree.depth_tensor.to(logits.device) < min_new_tokens, eos_ids)
+        short = produced + draft.tree.depth_tensor.to(out.logits.device) < min_new_tokens  # [N]
+        logits = path_scores(out.logits, sampling, tokens, prompt.shape[0], draft.tree, draft.tokens,
+                             short=short if produced < min_new_tokens else None, eos=eos_ids,
+                             processors=processors)  # [N, V]
         acc: Acceptance
         if sampling.greedy:
             acc = greedy_accept(draft.tree, draft.tokens, logits)

@@ -1,8 +1,8 @@
 """How a next-token distribution is drawn from logits: one function for speculative and plain decoding alike.
 
 The order and the tie rules match transformers' logits processors (a logit bias, the repetition penalty, the
-end-of-sequence block of ``min_new_tokens``, presence / frequency penalties as a custom processor after them, then
-temperature, top-k, top-p and min-p), so greedy and sampled decoding through selfspec and ``model.generate(...)`` pick
+end-of-sequence block of ``min_new_tokens``, the generation config's other processors (``selfspec.processors``),
+presence / frequency penalties as a custom processor after them, then temperature, top-k, top-p and min-p), so greedy and sampled decoding through selfspec and ``model.generate(...)`` pick
 from the same scores; tests pin this. The penalties and the end-of-sequence block depend on the text before each
 position: in a tree, each node's text is the committed tokens and the drafts on its path (``repeated``, ``counted``,
 and its depth for ``block_eos``); ``path_scores`` applies them all.
@@ -13,9 +13,11 @@ Shapes: T committed tokens, N tree nodes, V vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
+from selfspec.processors import Processors, by_depth
 from selfspec.tree import Tree
 
 
@@ -131,11 +133,14 @@ def penalize_presence(logits: torch.Tensor, counts: tuple[torch.Tensor, torch.Te
 
 
 def path_scores(logits: torch.Tensor, sampling: Sampling, text: torch.Tensor, prompt_length: int,
-                tree: Tree | None = None, tree_tokens: torch.Tensor | None = None) -> torch.Tensor:
+                tree: Tree | None = None, tree_tokens: torch.Tensor | None = None, short: torch.Tensor | None = None,
+                eos: Sequence[int] = (), processors: Processors = Processors()) -> torch.Tensor:
     """The scores each next token is chosen from, for a text [T] whose first ``prompt_length`` tokens are the prompt:
     logits [1, V] after the text, or [N, V] after each node of a tree rooted at its last token (tokens [N]) -> the same
-    with the logit bias, the repetition penalty and the presence / frequency penalties applied for each row's own text,
-    in transformers' order (``logits`` itself when none is asked for)."""
+    with everything ``generate`` applies before sampling, for each row's own text and in its order: the logit bias
+    (and the generation config's sequence bias), the repetition penalty, the end-of-sequence block of min_new_tokens
+    in the rows ``short`` (bool [N]) marks, the generation config's other processors, the presence / frequency
+    penalties. ``logits`` itself when none is asked for."""
     vocab = logits.shape[-1]
     if sampling.logit_bias:
         bias = torch.zeros(vocab, dtype=torch.float32, device=logits.device)
@@ -144,8 +149,12 @@ def path_scores(logits: torch.Tensor, sampling: Sampling, text: torch.Tensor, pr
                 raise ValueError(f"logit_bias names token {token}; this model's vocabulary has {vocab} (0..{vocab - 1})")
             bias[token] += value
         logits = logits.float() + bias
+    logits = by_depth(processors.before, logits, text, tree, tree_tokens)
     if sampling.repetition_penalty != 1.0:
         logits = penalize_repeats(logits, repeated(text, vocab, tree, tree_tokens), sampling.repetition_penalty)
+    if short is not None:
+        logits = block_eos(logits, short, list(eos))
+    logits = by_depth(processors.after, logits, text, tree, tree_tokens)
     if sampling.presence_penalty or sampling.frequency_penalty:
         counts = counted(text[prompt_length:], vocab, tree, tree_tokens)
         logits = penalize_presence(logits, counts, sampling.presence_penalty, sampling.frequency_penalty)

@@ -71,12 +71,13 @@ def test_the_model_generation_configs_repetition_penalty_is_applied_as_generate_
 
 def test_generation_config_processors_selfspec_does_not_apply_are_named(ngram, recwarn):
     config = ngram.model.generation_config
-    config.no_repeat_ngram_size, config.min_length = 3, 0  # 0: the neutral value older configs save
+    config.typical_p, config.min_length, config.no_repeat_ngram_size = 0.9, 0, 3  # 0: older configs' neutral value
     try:
-        with pytest.warns(UserWarning, match=r"asks for no_repeat_ngram_size=3, which selfspec does not apply"):
+        with pytest.warns(UserWarning, match=r"asks for typical_p=0.9, which selfspec does not apply") as caught:
             api.SpecModel(ngram.target, ngram.tokenizer, ngram.drafter, "m")
+        assert "no_repeat_ngram_size" not in str(caught[0].message)  # applied (selfspec.processors)
     finally:
-        config.no_repeat_ngram_size = None
+        config.typical_p, config.no_repeat_ngram_size = None, None
     api.SpecModel(ngram.target, ngram.tokenizer, ngram.drafter, "m")
     assert not [w for w in recwarn if "selfspec does not apply" in str(w.message)]
 
