@@ -162,8 +162,7 @@ class StepCounter(BaseStreamer):
         return None
 
 
-UNAPPLIED = {"epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "typical_p": 1.0, "top_h": None, "watermarking_config": None,
-             "remove_invalid_values": False, "renormalize_logits": False}
+UNAPPLIED = {"top_h": None, "watermarking_config": None, "remove_invalid_values": False, "renormalize_logits": False}
 """logits processors a generation config may ask for that selfspec does not apply, with their neutral values (the
 others: ``selfspec.sampling``, ``selfspec.stopping`` and ``selfspec.processors``)."""
 
@@ -237,8 +236,12 @@ class SpecModel:
         if any(k >= self.target.vocab_size for k, _ in bias):
             raise ValueError(f"logit_bias names token {max(k for k, _ in bias)}; this model's vocabulary has "
                              f"{self.target.vocab_size} (0..{self.target.vocab_size - 1})")
+        gen = self.model.generation_config  # its sampling warpers, which generate applies alongside the call's settings
+        warpers = dict(typical_p=float(gen.typical_p or 1.0), epsilon_cutoff=float(gen.epsilon_cutoff or 0.0),
+                       eta_cutoff=float(gen.eta_cutoff or 0.0))
         sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=penalty,
-                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=bias)
+                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=bias,
+                            **warpers)
         stops = self.stop_strings if stop is None else ((stop,) if isinstance(stop, str) else tuple(stop))
         if stops not in self._criteria:
             if len(self._criteria) >= 16:  # a server's clients may each send their own: keep the latest few

@@ -17,6 +17,8 @@ from typing import Sequence
 
 import torch
 
+from transformers.generation.logits_process import EpsilonLogitsWarper, EtaLogitsWarper, TypicalLogitsWarper
+
 from selfspec.processors import Processors, by_depth
 from selfspec.tree import Tree
 
@@ -43,11 +45,19 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token, bias) pairs added to the logits first, as OpenAI's ``logit_bias`` and transformers' one-token
     ``sequence_bias``."""
+    typical_p: float = 1.0
+    """locally typical sampling's mass, after min-p (1.0 = off); with epsilon_cutoff and eta_cutoff, transformers'
+    own warpers, in its order (what a generation config may ask for)."""
+    epsilon_cutoff: float = 0.0
+    """drop tokens less likely than this (0 = off)."""
+    eta_cutoff: float = 0.0
+    """eta sampling's cut (0 = off)."""
 
     def __post_init__(self) -> None:
         for name, types in (("temperature", (int, float)), ("top_k", (int,)), ("top_p", (int, float)),
                             ("min_p", (int, float)), ("repetition_penalty", (int, float)),
-                            ("presence_penalty", (int, float)), ("frequency_penalty", (int, float))):
+                            ("presence_penalty", (int, float)), ("frequency_penalty", (int, float)),
+                            ("typical_p", (int, float)), ("epsilon_cutoff", (int, float)), ("eta_cutoff", (int, float))):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, types):
                 expected = "an int" if types == (int,) else "a number"
@@ -62,6 +72,11 @@ class Sampling:
             raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
         if not self.repetition_penalty > 0.0:
             raise ValueError(f"repetition_penalty must be > 0 (1.0 = off), got {self.repetition_penalty}")
+        if not 0.0 < self.typical_p <= 1.0:
+            raise ValueError(f"typical_p must be in (0, 1] (1.0 = off), got {self.typical_p}")
+        for name in ("epsilon_cutoff", "eta_cutoff"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1) (0 = off), got {getattr(self, name)}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
@@ -188,7 +203,8 @@ def block_eos(logits: torch.Tensor, rows: torch.Tensor, eos: list[int]) -> torch
 
 
 def process_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """Probabilities after temperature, top-k, top-p and min-p. logits [..., V] -> probs [..., V] (float32)."""
+    """Probabilities after temperature, top-k, top-p, min-p and the warpers typical-p, epsilon and eta. logits [..., V]
+    -> probs [..., V] (float32)."""
     if sampling.greedy:
         raise ValueError("process_logits is for sampling; greedy decoding takes the argmax of the raw logits")
     scores = logits.float() / sampling.temperature
@@ -206,6 +222,14 @@ def process_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     if sampling.min_p > 0.0:
         probs = scores.softmax(dim=-1)
         scores = scores.masked_fill(probs < sampling.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    warpers = ([TypicalLogitsWarper(mass=sampling.typical_p)] if sampling.typical_p < 1.0 else []) + \
+        ([EpsilonLogitsWarper(epsilon=sampling.epsilon_cutoff)] if sampling.epsilon_cutoff > 0.0 else []) + \
+        ([EtaLogitsWarper(epsilon=sampling.eta_cutoff, device=scores.device)] if sampling.eta_cutoff > 0.0 else [])
+    if warpers:  # transformers' own, on rows of [B, V] (they do not read the text)
+        flat = scores.reshape(-1, scores.shape[-1])
+        for warp in warpers:
+            flat = warp(None, flat)
+        scores = flat.reshape(scores.shape)
     return scores.softmax(dim=-1)
 
 

@@ -71,13 +71,14 @@ def test_the_model_generation_configs_repetition_penalty_is_applied_as_generate_
 
 def test_generation_config_processors_selfspec_does_not_apply_are_named(ngram, recwarn):
     config = ngram.model.generation_config
-    config.typical_p, config.min_length, config.no_repeat_ngram_size = 0.9, 0, 3  # 0: older configs' neutral value
+    config.top_h, config.min_length, config.no_repeat_ngram_size, config.typical_p = 0.5, 0, 3, 0.9  # 0: neutral
     try:
-        with pytest.warns(UserWarning, match=r"asks for typical_p=0.9, which selfspec does not apply") as caught:
+        with pytest.warns(UserWarning, match=r"asks for top_h=0.5, which selfspec does not apply") as caught:
             api.SpecModel(ngram.target, ngram.tokenizer, ngram.drafter, "m")
         assert "no_repeat_ngram_size" not in str(caught[0].message)  # applied (selfspec.processors)
+        assert "typical_p" not in str(caught[0].message)  # applied (selfspec.sampling)
     finally:
-        config.typical_p, config.no_repeat_ngram_size = None, None
+        config.top_h, config.typical_p, config.no_repeat_ngram_size = None, None, None
     api.SpecModel(ngram.target, ngram.tokenizer, ngram.drafter, "m")
     assert not [w for w in recwarn if "selfspec does not apply" in str(w.message)]
 
@@ -263,3 +264,22 @@ def test_presence_frequency_and_logit_bias_equal_generate_plains(ngram):
         ngram.generate(PROMPTS[1], logit_bias={99999: 1.0})
     with pytest.raises(ValueError, match=r"frequency_penalty must be in \[-2, 2\]"):
         ngram.generate(PROMPTS[1], frequency_penalty=3.0)
+
+
+def test_the_generation_configs_sampling_warpers_apply_as_generate_applies_them(model_dir):
+    """typical_p / epsilon_cutoff / eta_cutoff from the model's generation config: sampled without drafts from the same
+    global seed, selfspec draws generate_plain's tokens; and they change what is drawn."""
+    m = api.load(str(model_dir), draft="none")
+    before = [None, None]
+    torch.manual_seed(5)
+    before[0] = m.generate(PROMPTS[1], max_new_tokens=24, temperature=1.4).tokens
+    config = m.model.generation_config
+    config.typical_p, config.eta_cutoff = 0.5, 0.01
+    try:
+        torch.manual_seed(5)
+        spec = m.generate(PROMPTS[1], max_new_tokens=24, temperature=1.4).tokens
+        torch.manual_seed(5)
+        plain = m.generate_plain(PROMPTS[1], max_new_tokens=24, temperature=1.4).tokens
+    finally:
+        config.typical_p, config.eta_cutoff = None, None
+    assert spec == plain != before[0]

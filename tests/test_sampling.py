@@ -7,7 +7,8 @@ import itertools
 
 import pytest
 import torch
-from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import (EpsilonLogitsWarper, EtaLogitsWarper, MinPLogitsWarper, TemperatureLogitsWarper,
+                          TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper)
 
 from conftest import VOCAB, random_prompts, tiny_model
 from selfspec import NoDrafter, Sampling, Target, Tree, generate, next_token, process_logits
@@ -25,6 +26,12 @@ def hf_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
         scores = TopPLogitsWarper(s.top_p)(ids, scores)
     if s.min_p > 0.0:
         scores = MinPLogitsWarper(s.min_p)(ids, scores)
+    if s.typical_p < 1.0:
+        scores = TypicalLogitsWarper(s.typical_p)(ids, scores)
+    if s.epsilon_cutoff > 0.0:
+        scores = EpsilonLogitsWarper(s.epsilon_cutoff)(ids, scores)
+    if s.eta_cutoff > 0.0:
+        scores = EtaLogitsWarper(s.eta_cutoff)(ids, scores)
     return scores.softmax(-1)
 
 
@@ -55,6 +62,43 @@ def test_min_p_equals_transformers_warper_after_the_others(temperature, top_k, t
     without = process_logits(logits, Sampling(temperature=temperature, top_k=top_k, top_p=top_p))
     if min_p >= 0.3 or top_k == 0:
         assert (ours > 0).sum() < (without > 0).sum()  # min-p cut something
+
+
+@pytest.mark.parametrize("typical_p, epsilon, eta", [(0.5, 0.0, 0.0), (0.9, 0.0, 0.0), (1.0, 0.05, 0.0),
+                                                     (1.0, 0.0, 0.02), (0.8, 0.01, 0.01)])
+def test_typical_epsilon_and_eta_are_transformers_warpers_after_min_p(typical_p, epsilon, eta):
+    """The sampling warpers a generation config may ask for, in generate's order after top-k, top-p and min-p."""
+    g = torch.Generator().manual_seed(int(typical_p * 10 + epsilon * 100 + eta * 1000))
+    logits = torch.randn(16, V, generator=g) * 3
+    s = Sampling(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01, typical_p=typical_p, epsilon_cutoff=epsilon,
+                 eta_cutoff=eta)
+    ours, theirs = process_logits(logits, s), hf_probs(logits, s)
+    assert torch.equal(ours > 0, theirs > 0)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-7)
+    without = process_logits(logits, Sampling(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01))
+    assert (ours > 0).sum() < (without > 0).sum()  # the warper cut something
+    assert process_logits(logits[:2, None], s).shape == (2, 1, V)  # any leading shape
+    with pytest.raises(ValueError, match=r"typical_p must be in \(0, 1\]"):
+        Sampling(typical_p=0.0)
+    with pytest.raises(ValueError, match=r"eta_cutoff must be in \[0, 1\)"):
+        Sampling(eta_cutoff=1.0)
+
+
+def test_typical_p_sampling_through_the_loop_is_generate_do_sample():
+    model = tiny_model("qwen2")
+    target = Target(model)
+    s = Sampling(temperature=1.3, typical_p=0.6, epsilon_cutoff=0.002)
+    differs = 0
+    for i, prompt in enumerate(random_prompts(5, VOCAB, seed=16)):
+        kwargs = dict(attention_mask=torch.ones_like(prompt)[None], do_sample=True, temperature=s.temperature,
+                      top_k=0, max_new_tokens=20, pad_token_id=0)
+        torch.manual_seed(i)
+        ref = model.generate(prompt[None], typical_p=0.6, epsilon_cutoff=0.002, **kwargs)[0, prompt.shape[0]:].tolist()
+        torch.manual_seed(i)
+        differs += ref != model.generate(prompt[None], **kwargs)[0, prompt.shape[0]:].tolist()
+        torch.manual_seed(i)
+        assert generate(target, NoDrafter(), prompt, 20, sampling=s).tokens == ref
+    assert differs >= 3
 
 
 def test_min_p_is_checked():
