@@ -181,10 +181,10 @@ def stream(
         # 4. accept: the longest path the target agrees with, plus the target's own next token (scores penalised for
         #    the text before each node, where penalties or a logit bias are asked for; no EOS from a node whose text
         #    is still shorter than min_new_tokens)
-        short = produced + draft.tree.depth_tensor.to(out.logits.device) < min_new_tokens  # [N]
-        logits = path_scores(out.logits, sampling, tokens, prompt.shape[0], draft.tree, draft.tokens,
-                             short=short if produced < min_new_tokens else None, eos=eos_ids,
-                             processors=processors)  # [N, V]
+        short = None if produced >= min_new_tokens else \
+            produced + draft.tree.depth_tensor.to(out.logits.device) < min_new_tokens  # [N]
+        logits = path_scores(out.logits, sampling, tokens, prompt.shape[0], draft.tree, draft.tokens, short=short,
+                             eos=eos_ids, processors=processors)  # [N, V]
         acc: Acceptance
         if sampling.greedy:
             acc = greedy_accept(draft.tree, draft.tokens, logits)

@@ -34,21 +34,12 @@ from selfspec.tree import Tree
 Processor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """transformers' logits processor: (input_ids [B, L], scores [B, V]) -> scores [B, V]."""
 
-APPLIED = ("sequence_bias", "no_repeat_ngram_size", "bad_words_ids", "forced_bos_token_id", "forced_eos_token_id",
-           "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens")
-"""the generation-config settings built here (the repetition penalty, min_length / min_new_tokens, stop strings and
-the sampling warpers are applied by selfspec.sampling and selfspec.stopping)."""
-
-
 @dataclass(frozen=True)
 class Processors:
     before: tuple[Processor, ...] = ()
     """applied first, before the repetition penalty (transformers' sequence bias)."""
     after: tuple[Processor, ...] = ()
     """applied after the end-of-sequence block of min_new_tokens, in transformers' order."""
-
-    def __bool__(self) -> bool:
-        return bool(self.before or self.after)
 
 
 def from_config(gen: Any, prompt_length: int, max_new_tokens: int, eos: Sequence[int], device: str | torch.device

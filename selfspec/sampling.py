@@ -2,7 +2,8 @@
 
 The order and the tie rules match transformers' logits processors (a logit bias, the repetition penalty, the
 end-of-sequence block of ``min_new_tokens``, the generation config's other processors (``selfspec.processors``),
-presence / frequency penalties as a custom processor after them, then temperature, top-k, top-p and min-p), so greedy and sampled decoding through selfspec and ``model.generate(...)`` pick
+presence / frequency penalties as a custom processor after them, then temperature, top-k, top-p, min-p and the
+typical-p / epsilon / eta warpers), so greedy and sampled decoding through selfspec and ``model.generate(...)`` pick
 from the same scores; tests pin this. The penalties and the end-of-sequence block depend on the text before each
 position: in a tree, each node's text is the committed tokens and the drafts on its path (``repeated``, ``counted``,
 and its depth for ``block_eos``); ``path_scores`` applies them all.
@@ -16,7 +17,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-
 from transformers.generation.logits_process import EpsilonLogitsWarper, EtaLogitsWarper, TypicalLogitsWarper
 
 from selfspec.processors import Processors, by_depth

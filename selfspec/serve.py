@@ -331,9 +331,9 @@ class Session:
         return r
 
     def pieces(self, r: Request, index: int = 0) -> Iterator[Piece]:
-        """Answer ``index`` of ``r`` (to prompt index // r.n), as Pieces: text as the target accepts it, with stop strings cut
-        (text that could begin one is held back until it cannot), then Piece("", ..., end) with finish_reason and
-        usage. Decoded on the worker thread, after the requests before it; closing this iterator early stops the
+        """Answer ``index`` of ``r`` (to prompt index // r.n), as Pieces: text as the target accepts it, with stop
+        strings cut (text that could begin one is held back until it cannot), then Piece("", ..., end) with
+        finish_reason and usage. Decoded on the worker thread, after the requests before it; closing this iterator early stops the
         decoding."""
         job = _Job(self._decode(r, index))
         self._jobs.put(job)
