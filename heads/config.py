@@ -64,6 +64,10 @@ class LossConfig:
     """"ce": cross-entropy on the data's tokens; "kl": KL(target || head) to the target's own distribution."""
     decay: float = 0.8
     """head k's loss weight is decay**(k-1)."""
+    vocab: Literal["draft", "full"] = "draft"
+    """Medusa and Hydra heads with a draft vocabulary (heads.draft_vocab): "draft" reads their loss and accuracy on it,
+    as they draft (5-7x less LM-head work per step on a CPU, heads/losses.py); "full": over the whole vocabulary. An
+    EAGLE head always trains on its draft vocabulary, an exit head on the whole one."""
 
 
 @dataclass

@@ -128,9 +128,11 @@ class HydraHeads(nn.Module, DraftCheckpoint):
         """As ``head_logits``, on the draft vocabulary: [N, V'] (``draft_vocab.base_ids`` maps a column to its token)."""
         return self.draft_vocab.linear(self._frozen[1], self.heads[k - 1].features(hidden, self.embed(path[:, :k])))
 
-    def forward(self, hidden: torch.Tensor, following: torch.Tensor) -> torch.Tensor:
-        """hidden [N, D], following [N, K] (tokens t+1..t+K, from ``following``) -> logits [K, N, V]."""
-        return torch.stack([self.head_logits(hidden, following, k) for k in range(1, len(self.heads) + 1)])
+    def forward(self, hidden: torch.Tensor, following: torch.Tensor, on_draft_vocab: bool = False) -> torch.Tensor:
+        """hidden [N, D], following [N, K] (tokens t+1..t+K, from ``following``) -> logits [K, N, V], or [K, N, V'] on
+        the draft vocabulary (``on_draft_vocab``, for heads that have one: what training reads, heads/losses.py)."""
+        logits = self.draft_logits if on_draft_vocab else self.head_logits
+        return torch.stack([logits(hidden, following, k) for k in range(1, len(self.heads) + 1)])
 
     # --------------------------------------------------------------------- storage (heads.checkpoint.DraftCheckpoint)
     def card(self, location: str) -> str:

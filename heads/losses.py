@@ -24,7 +24,14 @@ it has none). Two entry points compute the same numbers:
 - ``scored_loss(logits [K, N, V], targets [K, N])``: N positions already gathered (the trainer runs the heads only on
   positions some head is scored on; on chat data that skips the prompts, and it never builds [K, B, T, V]).
 
-Shapes: K heads, B batch, T time, V vocabulary, N gathered positions, R ranks.
+On a draft vocabulary (``vocab``: the V' token ids heads draft from, heads/draft_vocab.py) the heads' logits are
+[K, N, V'] and the loss is read there, as drafting reads them: the cross-entropy of the data's token where it lies in
+V' (a token outside V' is no head's to draft, so it teaches nothing), the KL to the target's distribution restricted to
+V' and renormalised; accuracy still counts every scored position, a token outside V' as a miss at every rank (what
+the tree built from it will meet when drafting). With the frozen LM head shared, the logits on V' cost V'/V of a
+full-vocabulary pass (on SmolLM2, 8,192 of 49,152 rows): the bulk of a training step on a CPU.
+
+Shapes: K heads, B batch, T time, V vocabulary, V' draft vocabulary, N gathered positions, R ranks.
 """
 
 from __future__ import annotations
@@ -108,38 +115,62 @@ def scored_loss(
     kind: str = "ce",
     target_logits: Sequence[torch.Tensor] | torch.Tensor | None = None,
     ranks: int = 5,
+    vocab: torch.Tensor | None = None,
 ) -> MedusaLoss:
-    """logits [K, N, V]; targets [K, N] (token ids from ``head_targets``, -100 = not scored).
+    """logits [K, N, V] (or [K, N, V'] with ``vocab``); targets [K, N] (token ids from ``head_targets``, -100 = not
+    scored).
 
     kind "kl": target_logits[k-1] [N, V] are the target's logits for the token head k predicts at each position (the
     target at t+k). Accuracy is always measured against ``targets``, over the top ``ranks`` candidates of each head;
-    ranks=0 measures none (hits [K, 0], count 0).
+    ranks=0 measures none (hits [K, 0], count 0). vocab [V']: the draft vocabulary the logits are on (see the module
+    docstring; the target's logits may then be [N, V] or already [N, V']); None: the whole vocabulary.
     """
     K, N, V = logits.shape
     if targets.shape != (K, N):
         raise ValueError(f"expected targets [K, N] = {[K, N]} to match logits [K, N, V], found {list(targets.shape)}")
     if kind not in ("ce", "kl"):
         raise ValueError(f"loss kind: expected 'ce' or 'kl', found {kind!r}")
-    bad_kl = target_logits is None or len(target_logits) != K or any(p.shape != (N, V) for p in target_logits)
-    if kind == "kl" and bad_kl:
+    if vocab is not None and vocab.shape != (V,):
+        raise ValueError(f"expected the draft vocabulary [V'] = [{V}] of the logits [K, N, V'], found {list(vocab.shape)}")
+    width = None if target_logits is None or not len(target_logits) else target_logits[0].shape[-1]
+    if vocab is not None and width is not None and width > int(vocab.max()):
+        width = V  # the target's logits over the whole vocabulary: restricted to V' below
+    bad_kl = target_logits is None or len(target_logits) != K or any(p.shape[0] != N for p in target_logits)
+    if kind == "kl" and (bad_kl or width != V or len({p.shape[-1] for p in target_logits}) > 1):
         found = None if target_logits is None else [list(p.shape) for p in target_logits]
-        raise ValueError(f"kind='kl' needs the target's logits, one [N, V] = {[N, V]} per head ({K}), found {found}")
+        want = "V" if vocab is None else f"V' = {V} (on the draft vocabulary) or the whole vocabulary (> {int(vocab.max())})"
+        raise ValueError(f"kind='kl' needs the target's logits, one [N, {want}] per head ({K}) with N = {N}, "
+                         f"found {found}")
+    to_draft = None
+    if vocab is not None:  # base token id -> column of the logits (-1: outside the draft vocabulary)
+        size = max(int(vocab.max()), int(targets.max()) if targets.numel() else 0) + 1
+        to_draft = torch.full((size,), -1, dtype=torch.long, device=logits.device)
+        to_draft[vocab.to(logits.device)] = torch.arange(V, device=logits.device)
     weights = head_weights(K, decay).to(logits.device)
     losses, hits, counts = [], [], []
     for k, head in enumerate(logits.unbind(0)):  # unbind: its backward writes each head's gradient once
         valid = targets[k] != IGNORE_INDEX  # [N]
-        q_logits = head[valid].float()  # [n, V]
-        y = targets[k][valid]  # [n]
+        q_logits = head[valid].float()  # [n, V] or [n, V']
+        y = targets[k][valid]  # [n] base token ids
         n = y.numel()
-        if kind == "ce":
+        if kind == "ce" and to_draft is None:
             loss_k = F.cross_entropy(q_logits, y, reduction="sum") / max(n, 1)
+        elif kind == "ce":
+            col = to_draft[y]  # [n] column of y (-1: not in V')
+            learn = col >= 0
+            loss_k = F.cross_entropy(q_logits[learn], col[learn], reduction="sum") / max(int(learn.sum()), 1)
         else:
-            log_p = F.log_softmax(target_logits[k][valid].float(), dim=-1)  # [n, V]
+            p_logits = target_logits[k][valid]  # [n, V] or already [n, V']
+            if vocab is not None and p_logits.shape[-1] != V:
+                p_logits = p_logits[:, vocab.to(p_logits.device)]  # [n, V'] renormalised by the softmax below
+            log_p = F.log_softmax(p_logits.float(), dim=-1)
             log_q = F.log_softmax(q_logits, dim=-1)
             loss_k = (log_p.exp() * (log_p - log_q)).sum() / max(n, 1)
         losses.append(loss_k)
         with torch.no_grad():
-            top = q_logits.topk(min(ranks, V), dim=-1).indices  # [n, R]
+            top = q_logits.topk(min(ranks, V), dim=-1).indices  # [n, R] columns
+            if vocab is not None:
+                top = vocab.to(top.device)[top]  # [n, R] base token ids
             hit = (top == y[:, None]).sum(0)  # [R]
             hits.append(F.pad(hit, (0, ranks - hit.numel())).cpu())
             counts.append(n if ranks else 0)

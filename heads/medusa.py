@@ -303,8 +303,14 @@ class MedusaHeads(nn.Module):
             return head.proj(x.to(head.proj.weight.dtype))
         return head.proj(x)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., D]: the base's final hidden state (after its final norm) -> logits [K, ..., V]."""
+    def forward(self, hidden: torch.Tensor, on_draft_vocab: bool = False) -> torch.Tensor:
+        """hidden [..., D]: the base's final hidden state (after its final norm) -> logits [K, ..., V], or [K, ..., V']
+        on the draft vocabulary (``on_draft_vocab``, for heads that have one: what training reads, heads/losses.py)."""
+        if on_draft_vocab and self.draft_vocab.tokens is not None:
+            if self.config.projection == "shared":  # only the V' rows of the frozen LM head are ever multiplied
+                features = torch.stack([head.features(hidden) for head in self.heads])  # [K, ..., D]
+                return self.draft_vocab.linear(self.lm_head, features)
+            return self.draft_vocab.restrict(self(hidden))
         return torch.stack([self.head_logits(hidden, k) for k in range(len(self.heads))])
 
     def draft_logits(self, hidden: torch.Tensor, num: int) -> torch.Tensor:

@@ -11,11 +11,15 @@ import pytest
 import torch
 from conftest import random_prompts, reference, state_after_prefill, tiny_model
 
+from heads.base_model import lm_logits
+from heads.config import load_config
 from heads.draft_vocab import DraftVocab, with_draft_vocab
 from heads.drafter import MedusaDrafter
-from heads.hydra import HydraConfig, HydraHeads
+from heads.hydra import HydraConfig, HydraHeads, following
 from heads.hydra_drafter import HydraDrafter
+from heads.losses import IGNORE_INDEX, gather_scored, scored_loss
 from heads.medusa import MedusaConfig, MedusaHeads
+from heads.trainer import heads_loss
 from selfspec import Target, generate
 from selfspec.tree import DynamicTree, Tree
 
@@ -71,6 +75,59 @@ def test_hydra_logits_on_the_draft_vocabulary_are_the_full_logits_at_its_tokens(
     hidden, path = torch.randn(2, 32), torch.tensor([[4, 9], [7, 1]])
     torch.testing.assert_close(heads.draft_logits(hidden, path, 2), heads.head_logits(hidden, path, 2)[:, KEEP],
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("projection", ["shared", "own", "lora"])
+def test_training_logits_on_the_draft_vocabulary_are_the_full_logits_at_its_tokens(model, projection):
+    heads = medusa(model, projection)
+    hidden = torch.randn(5, 32)
+    full = heads(hidden)  # [K, N, V]
+    on_vocab = heads(hidden, on_draft_vocab=True)  # [K, N, V']
+    assert on_vocab.shape == (3, 5, len(KEEP))
+    torch.testing.assert_close(on_vocab, full[..., KEEP], rtol=1e-5, atol=1e-5)
+    on_vocab.sum().backward()  # the heads learn through it; the frozen LM head gets no gradient
+    assert all(p.grad is not None for p in heads.parameters())
+    assert model.get_output_embeddings().weight.grad is None
+    without = medusa(model, projection, vocab=None)  # no draft vocabulary: every token
+    torch.testing.assert_close(without(hidden, on_draft_vocab=True), full, rtol=1e-5, atol=1e-5)
+    h = hydra(model)
+    path = torch.tensor([[4, 9, 2], [7, 1, 5], [3, 3, 3], [0, 8, 6], [9, 2, 1]])
+    torch.testing.assert_close(h(hidden, path, on_draft_vocab=True), h(hidden, path)[..., KEEP], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["medusa", "hydra"])
+@pytest.mark.parametrize("kind", ["ce", "kl"])
+def test_the_trainer_reads_the_loss_on_the_draft_vocabulary_unless_told_otherwise(model, method, kind):
+    """heads_loss with loss.vocab=draft (the default) is scored_loss of the heads' logits at the draft vocabulary's
+    columns; loss.vocab=full is the whole-vocabulary loss of the same heads."""
+    heads = medusa(model) if method == "medusa" else hydra(model)
+    g = torch.Generator().manual_seed(4)
+    B, T = 2, 16
+    ids = torch.randint(0, VOCAB, (B, T), generator=g)
+    ids[:, ::3] = KEEP[:6].repeat(B, 1)[:, : ids[:, ::3].shape[1]]  # a share of the tokens in V', the rest anywhere
+    labels = ids.clone()
+    labels[:, :4] = IGNORE_INDEX  # a prompt
+    batch = {"input_ids": ids, "labels": labels}
+    hidden, target_logits = torch.randn(B, T, 32, generator=g), torch.randn(B, T, VOCAB, generator=g)
+    states = lambda batch, split: (hidden, target_logits if kind == "kl" else None)  # noqa: E731  the target's states
+    scored, targets, shifted = gather_scored(labels, 3, target_logits if kind == "kl" else None)
+    if method == "hydra":
+        full = heads(hidden[scored], following(ids, scored, 3))
+    else:
+        full = heads(hidden[scored])  # [K, N, V]
+    for vocab, want in (("draft", scored_loss(full[..., KEEP], targets, 0.8, kind, shifted, 5, KEEP)),
+                        ("full", scored_loss(full, targets, 0.8, kind, shifted, 5))):
+        cfg = load_config(REPO / "configs/medusa_tiny.yaml",
+                          [f"method={method}", "heads.num_heads=3", f"loss.kind={kind}", f"loss.vocab={vocab}"])
+        got = heads_loss(cfg, heads, states, batch, "train", ranks=5)
+        torch.testing.assert_close(got.per_head, want.per_head, rtol=1e-5, atol=1e-6)
+        assert torch.equal(got.hits, want.hits) and torch.equal(got.count, want.count)
+    assert not torch.allclose(want.per_head, scored_loss(full[..., KEEP], targets, 0.8, kind, shifted, 5, KEEP).per_head)
+
+
+def test_the_targets_logits_on_draft_vocabulary_rows_are_its_full_logits_there(model):
+    hidden = torch.randn(2, 5, 32)
+    torch.testing.assert_close(lm_logits(model, hidden, KEEP), lm_logits(model, hidden)[..., KEEP], rtol=1e-5, atol=1e-6)
 
 
 def test_drafts_hold_only_draft_vocabulary_tokens_below_the_root(model):

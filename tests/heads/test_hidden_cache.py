@@ -81,6 +81,12 @@ def test_cached_rows_skip_the_target_and_give_identical_hidden_states(tmp_path):
     assert len(calls) == 2  # a split without a cache runs the target
     direct = final_hidden(model, ids, mask)
     assert torch.allclose(first[0], direct[0], atol=1e-2)  # only fp16 rounding between the cache and the target
+    rows = torch.tensor([0, 7, 42, 199])  # a draft vocabulary: the KL loss reads the target's logits there only
+    on_rows = TargetStates(model, torch.device("cpu"), contextlib.nullcontext, "kl",
+                           {"train": HiddenCache.open(tmp_path, {"t": 1})}, "float16", logit_rows=rows)
+    _, rows_logits = on_rows(batch, "train")
+    assert rows_logits.shape == (2, 6, 4)
+    torch.testing.assert_close(rows_logits, second_logits[..., rows], rtol=1e-5, atol=1e-6)
 
 
 def test_training_reads_the_cache_in_its_second_epoch_with_the_kl_loss(tmp_path):

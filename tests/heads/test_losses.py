@@ -132,3 +132,49 @@ def test_loss_on_gathered_positions_equals_the_whole_sequence_loss(kind):
     unmeasured = scored_loss(logits[:, scored], targets, kind=kind, target_logits=shifted, ranks=0)
     assert torch.equal(unmeasured.per_head, gathered.per_head)  # ranks=0: the same loss, no accuracy measured
     assert unmeasured.hits.shape == (K, 0) and unmeasured.count.tolist() == [0] * K
+
+
+def test_on_a_draft_vocabulary_the_loss_reads_its_columns_and_counts_tokens_outside_it_as_misses():
+    """scored_loss(vocab=...): logits [K, N, V'] over V' token ids. The cross-entropy of a token in V' is the
+    cross-entropy over V' alone; a token outside V' teaches nothing but is a miss at every rank; the KL is to the
+    target's distribution restricted to V' and renormalised."""
+    torch.manual_seed(0)
+    vocab = torch.tensor([2, 5, 7, 11, 13, 17, 19, 23, 29, 31])  # V' = 10 of V = 50
+    N = 40
+    full = torch.randn(K, N, V) * 3
+    targets = vocab[torch.randint(0, len(vocab), (K, N))]
+    targets[:, ::4] = 40  # every 4th position's token lies outside V'
+    targets[1, 1] = IGNORE_INDEX
+    out = scored_loss(full[..., vocab], targets, vocab=vocab, ranks=10)
+    for k in range(K):
+        valid = targets[k] != IGNORE_INDEX
+        inside = valid & torch.isin(targets[k], vocab)
+        col = (targets[k][inside][:, None] == vocab).float().argmax(1)
+        want = F.cross_entropy(full[k][inside][:, vocab], col)
+        assert math.isclose(out.per_head[k].item(), want.item(), rel_tol=1e-5)
+        assert out.count[k].item() == int(valid.sum())  # outside V' still counted ...
+        masked = full[k].clone()
+        masked[:, [t for t in range(V) if t not in vocab.tolist()]] = float("-inf")
+        rank = (masked[valid] > masked[valid].gather(1, targets[k][valid].clamp(min=0)[:, None])).sum(1)
+        hits = [int(((rank == r) & torch.isin(targets[k][valid], vocab)).sum()) for r in range(10)]
+        assert out.hits[k].tolist() == hits  # ... as a miss at every rank
+    assert out.hits.sum() < out.count.sum()
+    # the full-vocabulary loss of the same logits differs: the softmax there runs over all 50 tokens
+    assert not torch.allclose(scored_loss(full, targets).per_head, out.per_head)
+
+    # KL on V': zero when the head's logits equal the target's on V' (whatever the target puts outside V')
+    target = [torch.randn(N, V) * 2 for _ in range(K)]
+    same = torch.stack([p[:, vocab] + 1.5 for p in target])  # shifted: the softmax over V' is the same
+    kl = scored_loss(same, targets, kind="kl", target_logits=target, vocab=vocab)
+    assert kl.per_head.abs().max().item() < 1e-5
+    restricted = scored_loss(same * 0.5, targets, kind="kl", target_logits=[p[:, vocab] for p in target], vocab=vocab)
+    assert torch.equal(restricted.per_head,  # the target's logits given on V' already (TargetStates' logit_rows)
+                       scored_loss(same * 0.5, targets, kind="kl", target_logits=target, vocab=vocab).per_head)
+    with pytest.raises(ValueError, match=r"V' = 10 \(on the draft vocabulary\) or the whole vocabulary"):
+        scored_loss(same, targets, kind="kl", target_logits=[p[:, :20] for p in target], vocab=vocab)
+    off = scored_loss(torch.zeros(K, N, len(vocab)), targets, kind="kl", target_logits=target, vocab=vocab)
+    p_v = F.softmax(target[0][targets[0] != IGNORE_INDEX][:, vocab], -1)
+    want = (p_v * (p_v.log() - math.log(1 / len(vocab)))).sum(-1).mean()
+    assert math.isclose(off.per_head[0].item(), want.item(), rel_tol=1e-5)
+    with pytest.raises(ValueError, match=r"draft vocabulary \[V'\] = \[10\]"):
+        scored_loss(full[..., vocab], targets, vocab=vocab[:5])
