@@ -139,16 +139,14 @@ def expand_feature_states(states: torch.Tensor, model: PreTrainedModel, layers: 
     return torch.cat([blocks[0]] + [by_layer.get(layer, blocks[0]) for layer in layers], dim=-1)
 
 
-def lm_logits(model: PreTrainedModel, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+def lm_logits(model: PreTrainedModel, hidden: torch.Tensor, vocab=None) -> torch.Tensor:
     """hidden [B, T, D] -> the target's logits [B, T, V], as its own forward computes them from that hidden state;
-    with rows [V'] (token ids) only those columns, [B, T, V'], at V'/V of the cost."""
+    with vocab (a ``heads.draft_vocab.DraftVocab``) only its columns, [B, T, V'], at V'/V of the cost."""
     lm_head = model.get_output_embeddings()
-    if rows is None:
+    if vocab is None:
         logits = lm_head(hidden.to(lm_head.weight.dtype))
     else:
-        rows = rows.to(lm_head.weight.device)
-        bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias[rows]
-        logits = torch.nn.functional.linear(hidden.to(lm_head.weight.dtype), lm_head.weight[rows], bias)
+        logits = vocab.linear(lm_head, hidden)
     cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap

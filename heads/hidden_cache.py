@@ -210,16 +210,16 @@ class TargetStates:
     layer None: the final hidden states (Medusa heads); E: layer E's input (an exit head), not cached with the KL loss
     (the config refuses that combination: the logits need the final states too). feature_layers (an EAGLE-3 head):
     [B, T, (1 + L) D], the final hidden states then the states at those ``hidden_states`` indices, concatenated (the
-    cache holds the final state once, ``expand_feature_states`` repeats it where it is a feature layer). logit_rows
-    [V']: the KL loss reads the target's logits on a draft vocabulary only: [B, T, V'] (heads/losses.py)."""
+    cache holds the final state once, ``expand_feature_states`` repeats it where it is a feature layer). logit_vocab
+    (a DraftVocab): the KL loss reads the target's logits on that draft vocabulary only: [B, T, V'] (heads/losses.py)."""
 
     def __init__(self, model, device: torch.device, autocast: Callable[[], ContextManager], loss_kind: str,
                  caches: dict[str, HiddenCache], cache_dtype: str, layer: int | None = None,
-                 feature_layers: list[int] | None = None, logit_rows: torch.Tensor | None = None):
+                 feature_layers: list[int] | None = None, logit_vocab=None):
         """autocast: a context-manager factory the target forward runs under (``accelerator.autocast``)."""
         self.model, self.device, self.autocast, self.loss_kind = model, device, autocast, loss_kind
         self.caches, self.cache_dtype, self.layer = caches, cache_dtype, layer
-        self.feature_layers, self.logit_rows = feature_layers, logit_rows
+        self.feature_layers, self.logit_vocab = feature_layers, logit_vocab
         self.seconds, self.seconds_total, self.cache_hits = 0.0, 0.0, 0
 
     @torch.no_grad()
@@ -251,7 +251,7 @@ class TargetStates:
             hidden = expand_feature_states(hidden, self.model, self.feature_layers)  # [B, T, (1 + L) D]
         if self.layer is None:
             final = hidden[..., : base_sizes(self.model)[0]]  # [B, T, D]
-        target_logits = lm_logits(self.model, final, self.logit_rows) if self.loss_kind == "kl" else None  # [B, T, V]
+        target_logits = lm_logits(self.model, final, self.logit_vocab) if self.loss_kind == "kl" else None  # [B, T, V]
         elapsed = time.perf_counter() - start
         self.seconds += elapsed
         self.seconds_total += elapsed

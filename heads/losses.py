@@ -132,11 +132,11 @@ def scored_loss(
         raise ValueError(f"loss kind: expected 'ce' or 'kl', found {kind!r}")
     if vocab is not None and vocab.shape != (V,):
         raise ValueError(f"expected the draft vocabulary [V'] = [{V}] of the logits [K, N, V'], found {list(vocab.shape)}")
-    width = None if target_logits is None or not len(target_logits) else target_logits[0].shape[-1]
-    if vocab is not None and width is not None and width > int(vocab.max()):
-        width = V  # the target's logits over the whole vocabulary: restricted to V' below
-    bad_kl = target_logits is None or len(target_logits) != K or any(p.shape[0] != N for p in target_logits)
-    if kind == "kl" and (bad_kl or width != V or len({p.shape[-1] for p in target_logits}) > 1):
+    shapes = set() if target_logits is None else {tuple(p.shape) for p in target_logits}
+    shape = shapes.pop() if len(shapes) == 1 else None  # (N, width), the same for every head
+    # the target's logits are [N, V]; on a draft vocabulary [N, V'], or over the whole vocabulary (restricted below)
+    fits = shape is not None and shape[0] == N and (shape[1] == V or (vocab is not None and shape[1] > int(vocab.max())))
+    if kind == "kl" and not (fits and len(target_logits) == K):
         found = None if target_logits is None else [list(p.shape) for p in target_logits]
         want = "V" if vocab is None else f"V' = {V} (on the draft vocabulary) or the whole vocabulary (> {int(vocab.max())})"
         raise ValueError(f"kind='kl' needs the target's logits, one [N, {want}] per head ({K}) with N = {N}, "

@@ -306,16 +306,13 @@ class MedusaHeads(nn.Module):
     def forward(self, hidden: torch.Tensor, on_draft_vocab: bool = False) -> torch.Tensor:
         """hidden [..., D]: the base's final hidden state (after its final norm) -> logits [K, ..., V], or [K, ..., V']
         on the draft vocabulary (``on_draft_vocab``, for heads that have one: what training reads, heads/losses.py)."""
-        if on_draft_vocab and self.draft_vocab.tokens is not None:
-            if self.config.projection == "shared":  # only the V' rows of the frozen LM head are ever multiplied
-                features = torch.stack([head.features(hidden) for head in self.heads])  # [K, ..., D]
-                return self.draft_vocab.linear(self.lm_head, features)
-            return self.draft_vocab.restrict(self(hidden))
+        if on_draft_vocab:
+            return self.draft_logits(hidden, len(self.heads))
         return torch.stack([self.head_logits(hidden, k) for k in range(len(self.heads))])
 
     def draft_logits(self, hidden: torch.Tensor, num: int) -> torch.Tensor:
-        """hidden [D] -> logits [num, V'] of heads 1..num on the draft vocabulary (``draft_vocab.base_ids`` maps a
-        column to its token). With the shared LM head, one matmul for all heads over V' rows: drafting's main cost."""
+        """hidden [..., D] -> logits [num, ..., V'] of heads 1..num on the draft vocabulary (``draft_vocab.base_ids``
+        maps a column to its token; without one, every token). With the shared LM head, one matmul for all heads over V' rows: drafting's main cost."""
         if self.config.projection == "shared":
             features = torch.stack([self.heads[k].features(hidden) for k in range(num)])  # [num, D]
             return self.draft_vocab.linear(self.lm_head, features)

@@ -42,7 +42,7 @@ from heads.config import TrainConfig, to_dict
 from heads.checkpoint import push_folder, write_checkpoint
 from heads.data import build_datasets
 from heads.eagle import EagleConfig, EagleHead, eagle_card
-from heads.draft_vocab import draft_vocabulary, end_of_turn
+from heads.draft_vocab import DraftVocab, draft_vocabulary, end_of_turn
 from heads.eagle_loss import eagle_loss
 from heads.exit_head import ExitHead, ExitHeadConfig, ExitLogits, final_norm
 from heads.hydra import HydraConfig, HydraHeads, following
@@ -196,7 +196,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     # Medusa and Hydra heads read on theirs (loss.vocab)
     states = TargetStates(model, accelerator.device, accelerator.autocast,
                           "ce" if cfg.method == "eagle" else cfg.loss.kind, caches, cfg.hidden_cache.dtype, layer=layer,
-                          feature_layers=cfg.feature_layers, logit_rows=loss_vocab(cfg, heads))
+                          feature_layers=cfg.feature_layers, logit_vocab=loss_vocab(cfg, heads))
     uses_deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     log.info("process %d/%d on %s: %d train rows, %d batches per epoch, %d optimizer steps in all%s",
              accelerator.process_index, accelerator.num_processes, accelerator.device, len(train_rows), len(train_dl),
@@ -380,12 +380,13 @@ def draft_vocab_size(size: int, lm_head) -> int | None:
     return size if 0 < size < V else None
 
 
-def loss_vocab(cfg: TrainConfig, heads) -> torch.Tensor | None:
-    """The draft vocabulary [V'] that Medusa and Hydra heads read their loss on (loss.vocab "draft", heads with one),
-    or None: the whole vocabulary."""
+def loss_vocab(cfg: TrainConfig, heads) -> DraftVocab | None:
+    """The draft vocabulary that Medusa and Hydra heads read their loss on (loss.vocab "draft", heads with one), or
+    None: the whole vocabulary."""
     if cfg.method not in ("medusa", "hydra") or cfg.loss.vocab != "draft":
         return None
-    return (heads.module if hasattr(heads, "module") else heads).draft_vocab.tokens  # DDP / DeepSpeed wrap them
+    vocab = (heads.module if hasattr(heads, "module") else heads).draft_vocab  # DDP / DeepSpeed wrap them
+    return vocab if vocab.tokens is not None else None
 
 
 def heads_loss(cfg: TrainConfig, heads, states, batch: dict, split: str, ranks: int, per_row: bool = False):
@@ -400,20 +401,21 @@ def heads_loss(cfg: TrainConfig, heads, states, batch: dict, split: str, ranks: 
     scored, targets, shifted = gather_scored(batch["labels"], K, target_logits, first)  # [B, T], [K, N]
     if cfg.method == "exit_head" and shifted is not None:  # an exit head is scored on agreeing with the target itself
         targets = torch.where(targets == IGNORE_INDEX, targets, shifted[0].argmax(-1)[None])
-    vocab = loss_vocab(cfg, heads)  # [V'] or None
+    vocab = loss_vocab(cfg, heads)
+    tokens = None if vocab is None else vocab.tokens  # [V'] the columns of the logits below, or None: every token
     args = dict(on_draft_vocab=True) if vocab is not None else {}
     if cfg.method == "hydra":  # each head also reads the tokens after t (teacher forcing)
         logits = heads(hidden[scored], following(batch["input_ids"], scored, K), **args)  # [K, N, V or V']
     else:
         logits = heads(hidden[scored], **args)  # [K, N, V or V']
     if not per_row:
-        return scored_loss(logits, targets, cfg.loss.decay, cfg.loss.kind, shifted, ranks, vocab)
+        return scored_loss(logits, targets, cfg.loss.decay, cfg.loss.kind, shifted, ranks, tokens)
     row_of = scored.nonzero()[:, 0]  # [N]
     outs = []
     for b in range(scored.shape[0]):
         m = row_of == b
         outs.append(scored_loss(logits[:, m], targets[:, m], cfg.loss.decay, cfg.loss.kind,
-                                None if shifted is None else [p[m] for p in shifted], ranks, vocab))
+                                None if shifted is None else [p[m] for p in shifted], ranks, tokens))
     return outs
 
 

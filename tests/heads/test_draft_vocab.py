@@ -126,8 +126,9 @@ def test_the_trainer_reads_the_loss_on_the_draft_vocabulary_unless_told_otherwis
 
 
 def test_the_targets_logits_on_draft_vocabulary_rows_are_its_full_logits_there(model):
-    hidden = torch.randn(2, 5, 32)
-    torch.testing.assert_close(lm_logits(model, hidden, KEEP), lm_logits(model, hidden)[..., KEEP], rtol=1e-5, atol=1e-6)
+    hidden, vocab = torch.randn(2, 5, 32), DraftVocab(len(KEEP), VOCAB)
+    vocab.set(KEEP)
+    torch.testing.assert_close(lm_logits(model, hidden, vocab), lm_logits(model, hidden)[..., KEEP], rtol=1e-5, atol=1e-6)
 
 
 def test_drafts_hold_only_draft_vocabulary_tokens_below_the_root(model):

@@ -17,6 +17,7 @@ import torch
 
 from heads.base_model import final_hidden, load_base
 from heads.config import ModelConfig
+from heads.draft_vocab import DraftVocab
 from heads.hidden_cache import HiddenCache, TargetStates, round_trip, rows_fingerprint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,8 +83,10 @@ def test_cached_rows_skip_the_target_and_give_identical_hidden_states(tmp_path):
     direct = final_hidden(model, ids, mask)
     assert torch.allclose(first[0], direct[0], atol=1e-2)  # only fp16 rounding between the cache and the target
     rows = torch.tensor([0, 7, 42, 199])  # a draft vocabulary: the KL loss reads the target's logits there only
+    vocab = DraftVocab(len(rows), model.config.vocab_size)
+    vocab.set(rows)
     on_rows = TargetStates(model, torch.device("cpu"), contextlib.nullcontext, "kl",
-                           {"train": HiddenCache.open(tmp_path, {"t": 1})}, "float16", logit_rows=rows)
+                           {"train": HiddenCache.open(tmp_path, {"t": 1})}, "float16", logit_vocab=vocab)
     _, rows_logits = on_rows(batch, "train")
     assert rows_logits.shape == (2, 6, 4)
     torch.testing.assert_close(rows_logits, second_logits[..., rows], rtol=1e-5, atol=1e-6)
