@@ -17,7 +17,8 @@ without ``temperature`` decodes with the server's (``--temperature``, default 0:
 
 Log-probabilities as OpenAI reports them (chat: ``logprobs: true`` and ``top_logprobs``; completions: ``logprobs: k``
 and ``echo`` for the prompt's own, what evaluation harnesses score multiple-choice questions with): the target's own,
-before sampling and penalties (``selfspec.logprobs``). A completion's ``prompt`` may be text, token ids, or a list of
+before sampling and penalties (``selfspec.logprobs``), with each token's own ``bytes`` (a piece of a character split
+across tokens included, ``selfspec.token_bytes``). A completion's ``prompt`` may be text, token ids, or a list of
 either (one choice per prompt, decoded in turn); ``n`` answers each (decoded in turn). ``presence_penalty``,
 ``frequency_penalty`` and ``logit_bias`` apply as OpenAI applies them. Fields the server cannot honour (tools,
 structured output, suffixes) and unknown fields are refused with a 400 that names them, as OpenAI refuses unknown
@@ -40,6 +41,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 from selfspec.api import SpecModel
 from selfspec.logprobs import MAX_TOP, TokenLogprob
+from selfspec.token_bytes import token_bytes, token_text
 
 CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
                "seed", "stop", "stream", "stream_options", "repetition_penalty", "min_tokens", "n", "logprobs",
@@ -296,6 +298,7 @@ class Session:
         self.default_temperature, self.default_max_tokens = default_temperature, default_max_tokens
         self._jobs: queue.Queue[_Job] = queue.Queue()  # batch size 1: one request decodes at a time
         self._texts: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
         threading.Thread(target=self._work, daemon=True, name="selfspec-decode").start()
 
     def _work(self) -> None:
@@ -303,10 +306,17 @@ class Session:
             self._jobs.get().run()
 
     def token_text(self, token: int) -> str:
-        """A token's own text (special tokens by name), as log-probabilities name it."""
+        """The text a token adds (special tokens by name; SentencePiece's "▁b" is " b"), as log-probabilities name it."""
         if token not in self._texts:
-            self._texts[token] = self.model.tokenizer.decode([token], clean_up_tokenization_spaces=False)
+            self._texts[token] = token_text(self.model.tokenizer, token)
         return self._texts[token]
+
+    def token_bytes(self, token: int) -> list[int]:
+        """The bytes a token adds (a piece of a character split across tokens: its own bytes, not U+FFFD's), as
+        log-probabilities' ``bytes`` give them."""
+        if token not in self._bytes:
+            self._bytes[token] = list(token_bytes(self.model.tokenizer, token))
+        return self._bytes[token]
 
     def warm_up(self) -> None:
         """Decode a few tokens on the worker, so that the first request does not pay for its first use."""
@@ -419,8 +429,7 @@ def _logprobs(session: Session, r: Request, tokens: tuple[Scored, ...] | list[Sc
     text = session.token_text
     if r.chat:
         def entry(token: int, logprob: float) -> dict:
-            t = text(token)
-            return {"token": t, "logprob": logprob, "bytes": list(t.encode())}
+            return {"token": text(token), "logprob": logprob, "bytes": session.token_bytes(token)}
 
         return {"content": [{**entry(s.token, s.logprob.logprob),
                              "top_logprobs": [entry(i, v) for i, v in s.logprob.top]}
