@@ -312,7 +312,8 @@ class MedusaHeads(nn.Module):
 
     def draft_logits(self, hidden: torch.Tensor, num: int) -> torch.Tensor:
         """hidden [..., D] -> logits [num, ..., V'] of heads 1..num on the draft vocabulary (``draft_vocab.base_ids``
-        maps a column to its token; without one, every token). With the shared LM head, one matmul for all heads over V' rows: drafting's main cost."""
+        maps a column to its token; without one, every token). With the shared LM head, one matmul for all heads over V'
+        rows: drafting's main cost."""
         if self.config.projection == "shared":
             features = torch.stack([self.heads[k].features(hidden) for k in range(num)])  # [num, D]
             return self.draft_vocab.linear(self.lm_head, features)

@@ -60,7 +60,7 @@ def _anchor(tokenizer: Any) -> tuple[int, str]:
 
 
 def token_text(tokenizer: Any, token: int) -> str:
-    """The text token id ``token`` adds to a text ("\ufffd" for a piece of a split character; a special token: its
+    """The text token id ``token`` adds to a text (U+FFFD for a piece of a split character; a special token: its
     name)."""
     anchor, before = _anchor(tokenizer)
     text = tokenizer.decode([anchor, token], clean_up_tokenization_spaces=False)
