@@ -6,11 +6,12 @@
                     step's draft with its node scores and the path the target accepted. A budget-N tree is the N
                     best-scored nodes of the same candidates (EAGLE-2's rerank), so its accepted length at each
                     recorded step is exact: the part of the recorded accepted path inside those N nodes, plus the bonus
-    3. choose       expected tokens/s (N, d) = accepted(N, d) / (verify_ms(N + 1 nodes) + other_ms(d)), where other_ms
-                    is the measured rest of a step at depth d (drafting, acceptance, cache commit); the maximum is
+    3. choose       expected tokens/s (N, d) = accepted(N, d) / (r · verify_ms(N + 1 nodes) + other_ms(d)), where
+                    other_ms is the measured rest of a step at depth d (drafting, acceptance, cache commit) and r this
+                    run's verifications over the cached curve's (the curve's shape, this run's level); the maximum is
                     cached per (draft, target, dtype, machine) and ``--tree auto`` uses it, unless the calibration's
-                    own verifications ran much slower than the cached curve says (a busy machine: the drafting cost
-                    measured now would not match the verify cost measured then, and the choice would be wrong)
+                    own verifications ran much slower than the cached curve says (a busy machine: the choice would fit
+                    the load, not the machine that decodes later)
 
 It needs a drafter that grows its tree by score under a budget and a depth and reports the scores (``Draft.scores``):
 EAGLE heads, and Medusa heads with a dynamic tree. Nothing is guessed: accepted lengths come from the target's own verdicts on this machine's dtype.
@@ -151,7 +152,7 @@ class Choice:
 class Tuning:
     best: Choice
     plain_ms: float
-    """the verify of a single node: one plain decoding step."""
+    """the verify of a single node: one plain decoding step (the cached curve's, at this run's level)."""
     table: list[Choice]
     verify_ratio: float = 1.0
     """median over the calibration steps of measured verify time / the cached curve's at the same tree size: about 1
@@ -164,10 +165,15 @@ class Tuning:
 
 def tune(target, make_drafter: Callable[[int, int], Drafter], prompts: Sequence[torch.Tensor], curve: dict[int, float],
          depths: Sequence[int], budgets: Sequence[int], max_new_tokens: int = 64, progress: bool = False) -> Tuning:
-    """Record one greedy decode per depth at the largest budget; predict tokens/s for every (depth, budget)."""
+    """Record one greedy decode per depth at the largest budget; predict tokens/s for every (depth, budget).
+
+    The cached curve gives the verify cost's shape against tree size; its level is this run's: the curve is scaled by
+    ``verify_ratio`` (this run's verifications over the curve's), so the verify and the drafting cost in a prediction
+    come from the same run. A curve measured while the machine was busier or slower than now (or on longer contexts)
+    would otherwise overstate verification against drafting and favour deeper trees than are fastest now."""
     big = max(budgets)
     generate(target, NoDrafter(), prompts[0], 2)  # warm-up
-    table, ratios = [], []
+    recorded, ratios = [], []  # per depth: (depth, the recorded steps, median ms of a step outside the verify)
     bar = tqdm(total=len(depths) * len(prompts), desc="calibrating", unit="decode", disable=not progress, leave=False)
     for d in depths:
         recorder = _Recorder(make_drafter(d, big))
@@ -178,15 +184,17 @@ def tune(target, make_drafter: Callable[[int, int], Drafter], prompts: Sequence[
             bar.update()
             other += [s.other_s for s in out.steps[1:]]
             ratios += [1000 * s.verify_s / interpolate(curve, s.tree_size) for s in out.steps[1:]]
-        records = recorder.steps
-        other_ms = 1000 * statistics.median(other)
+        recorded.append((d, recorder.steps, 1000 * statistics.median(other)))
+    bar.close()
+    ratio = statistics.median(ratios or [1.0])
+    table = []
+    for d, records, other_ms in recorded:
         for n in budgets:
             gains = [accepted_at(scores, dep, path, n, d) for scores, dep, path in records]
             acc = sum(gains) / max(len(gains), 1)
-            table.append(Choice(depth=d, budget=n, accepted=acc, step_ms=interpolate(curve, n + 1) + other_ms))
-    bar.close()
+            table.append(Choice(depth=d, budget=n, accepted=acc, step_ms=ratio * interpolate(curve, n + 1) + other_ms))
     best = max(table, key=lambda c: c.tokens_per_s)
-    return Tuning(best=best, plain_ms=curve[1], table=table, verify_ratio=statistics.median(ratios or [1.0]))
+    return Tuning(best=best, plain_ms=ratio * curve[1], table=table, verify_ratio=ratio)
 
 
 def format_tuning(t: Tuning) -> str:

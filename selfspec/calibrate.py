@@ -242,8 +242,8 @@ def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
     if tuning.busy:
         out.write(f"{budget.format_tuning(tuning)}\n\nerror: nothing cached for --tree auto. This run's verifications "
                   f"took {tuning.verify_ratio:.1f}x the time the cached verify costs say (one-token step "
-                  f"{tuning.plain_ms:.1f} ms): the machine is busier than when those were measured, so the drafting "
-                  f"cost measured now does not match them and the choice above is not to be trusted. Run tune-tree "
+                  f"{tuning.plain_ms:.1f} ms): the machine is busier than when those were measured, and a tree fitted to "
+                  f"a loaded machine is not the one to decode with on a quiet one. Run tune-tree "
                   f"again with nothing else running (or with --refresh-costs if the machine itself changed)\n")
         return 1
     path = budget.save_tuned(a.draft, target, a.model, tuning, a.draft_revision)

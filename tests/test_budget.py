@@ -141,6 +141,30 @@ def test_tune_caches_costs_and_the_best_tree_for_tree_auto(setup, tmp_path, monk
         registry.resolve_tree("auto", registry.parse_draft("ngram"), target, "tiny")
 
 
+def test_tune_predicts_at_this_runs_level_whatever_level_the_cached_curve_was_measured_at(setup):
+    """A cost curve measured when the machine was 10x slower (busier, another load) predicts the same tokens/s as one
+    measured now: its shape is kept, its level scaled to this run's own verifications, so the verify cost and the
+    drafting cost (measured now) of a prediction come from the same run. Unscaled, the stale curve's predictions are
+    ~10x off and it favours deeper trees than are fastest now."""
+    model, head = setup
+    target = Target(model)
+    prompts = random_prompts(3, VOCAB, seed=7)
+    curve = {r.nodes: r.median_ms for r in budget.verify_costs(target, sizes=budget.SIZES, repeats=5)}
+    stale = {n: 10 * ms for n, ms in curve.items()}
+
+    def run(c):
+        return budget.tune(target, lambda d, n: EagleDrafter(head, d, 3, n), prompts, c, depths=(1, 3), budgets=(2, 8),
+                           max_new_tokens=24)
+
+    now, then = run(curve), run(stale)
+    assert 0.03 < then.verify_ratio / now.verify_ratio < 0.3  # the stale curve is seen as ~10x this run's level
+    assert 1 / 3 < then.plain_ms / now.plain_ms < 3  # timings of a tiny model on a shared machine: loose bounds
+    for a, b in zip(sorted(now.table, key=lambda c: (c.depth, c.budget)),
+                    sorted(then.table, key=lambda c: (c.depth, c.budget))):
+        assert (a.depth, a.budget, a.accepted) == (b.depth, b.budget, b.accepted)
+        assert 1 / 3 < b.tokens_per_s / a.tokens_per_s < 3, (a, b)
+
+
 def test_dynamic_tree_depth_option_parses_and_limits_the_drafts(setup):
     assert registry.parse_tree("dynamic:24,depth=3") == DynamicTree(24, depth=3)
     with pytest.raises(ValueError, match="bad --tree"):
@@ -190,8 +214,8 @@ def test_the_tuning_table_warns_when_no_tree_beats_one_token_decoding():
 def test_tune_tree_caches_nothing_when_the_machine_is_busier_than_its_cost_curve(model_dir, tmp_path, monkeypatch,
                                                                                  capsys):
     """A cost curve 20x cheaper than what the calibration's own verifications take stands for a machine busy during
-    tune-tree (or a stale curve): the choice would mix costs measured under different loads, so nothing is cached for
-    --tree auto and the message says what to do."""
+    tune-tree (or a stale curve): the choice would fit that load, so nothing is cached for --tree auto and the message
+    says what to do."""
     from selfspec import cli
     from selfspec.layerskip import LayerSkipConfig
 
