@@ -137,6 +137,22 @@ def test_hydra_drafts_through_the_runtime_stay_token_identical_to_generate(arch)
         assert generate(target, dynamic, prompt, max_new_tokens=24).tokens == reference(model, prompt, 24)
 
 
+def test_hydra_heads_merged_with_prompt_lookup_stay_token_identical_to_generate():
+    """ngram+hydra with skip_after=1, the merged draft BENCHMARKS §22 measures: the heads rest whenever prompt lookup
+    had a token accepted (stateless, they need nothing handed over), and the output is still plain decoding's."""
+    from selfspec import NGramDrafter
+    from selfspec.merge import MergedDrafter
+
+    model = tiny_model("llama", initializer_range=0.5)  # repetitive greedy continuations: prompt lookup gets accepted
+    heads = make_heads(model, seed=7)
+    target = Target(model)
+    merged = MergedDrafter([NGramDrafter(depth=4, max_nodes=6), HydraDrafter(heads, DynamicTree(8, depth=3))],
+                           skip_after=1)
+    for prompt in random_prompts(6, VOCAB, seed=9):
+        assert generate(target, merged, prompt, max_new_tokens=32).tokens == reference(model, prompt, 32)
+    assert merged.skipped[0] == 0 and merged.skipped[1] >= 5, merged.skipped  # the heads really sat out steps
+
+
 def test_save_load_round_trip_is_strict_and_exact(model, tmp_path):
     heads = make_heads(model, seed=6, num_layers=2)
     heads.config.tree = [[0], [1], [0, 0]]
