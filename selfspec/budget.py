@@ -16,6 +16,11 @@
 It needs a drafter that grows its tree by score under a budget and a depth and reports the scores (``Draft.scores``):
 EAGLE heads, and Medusa heads with a dynamic tree. Nothing is guessed: accepted lengths come from the target's own verdicts on this machine's dtype.
 
+Inside a merge (``--draft ngram+HEADS``, ``tune_merged``) the head's budget is tuned with the other parts drafting
+beside it: at each recorded step, a budget-N merged tree is the trie of the other parts' drafts and the head's N
+best-scored nodes, its accepted length the accepted tokens that trie holds, its cost the verify of its own size. Where
+prompt lookup already proposes what the head would, the head's best budget is smaller than alone.
+
 Shapes: N tree nodes.
 """
 
@@ -37,6 +42,7 @@ from selfspec.accept import Acceptance
 from selfspec.costs import verify_costs
 from selfspec.drafter import Draft, Drafter, DraftState, NoDrafter
 from selfspec.generate import generate
+from selfspec.merge import MergedDrafter
 from selfspec.tree import DynamicTree
 
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -134,6 +140,89 @@ def accepted_at(scores: torch.Tensor, depths: Sequence[int], path: Sequence[int]
     return gained + 1
 
 
+TokenPath = tuple[int, ...]
+"""a tree node as the tokens from the root (excluded) down to it: the root is (), its children (t,)."""
+
+
+def token_paths(draft: Draft) -> list[TokenPath]:
+    """Every node of ``draft`` as its token path, in node order. Shapes: N nodes -> N paths."""
+    ids, parents = draft.tokens.tolist(), draft.tree.parents
+    paths: list[TokenPath] = [()]
+    for i in range(1, len(ids)):
+        paths.append(paths[parents[i]] + (ids[i],))
+    return paths
+
+
+@dataclass(frozen=True)
+class MergedStep:
+    """One recorded step of a merged draft: the tuned part's draft and the others', and the tokens the step added."""
+
+    own: tuple[torch.Tensor, tuple[int, ...], list[TokenPath]] | None
+    """the tuned part's node scores [N_k], depths and token paths; None when it sat out the step (skip_after)."""
+    others: frozenset[TokenPath]
+    """every node the other parts drafted."""
+    accepted: TokenPath
+    """the accepted drafts, then the target's bonus token."""
+
+
+def merged_at(step: MergedStep, budget: int, depth: int) -> tuple[int, int]:
+    """(tokens the step gains, nodes verified) had the tuned part drafted only its ``budget`` best-scored nodes of
+    depth <= ``depth`` (ties as in ``accepted_at``) beside the other parts' drafts: the accepted tokens the merged trie
+    holds plus the bonus, and the trie's size with its root."""
+    paths = set(step.others)
+    if step.own is not None:
+        scores, depths, own = step.own
+        nodes = [i for i in range(1, len(depths)) if depths[i] <= depth]
+        for i in sorted(nodes, key=lambda i: (-float(scores[i]), depths[i], i))[:budget]:
+            paths.update(own[i][:j] for j in range(1, len(own[i]) + 1))  # a trie holds each node's ancestors
+    gained = 0
+    while gained < len(step.accepted) - 1 and step.accepted[:gained + 1] in paths:
+        gained += 1
+    return gained + 1, len(paths) + 1
+
+
+class _Tap:
+    """One part of a merge, passed through; keeps the draft it made this step (None when it sat out)."""
+
+    def __init__(self, inner: Drafter):
+        self.inner, self.last = inner, None
+
+    def draft(self, state: DraftState) -> Draft:
+        self.last = self.inner.draft(state)
+        return self.last
+
+    def update(self, draft: Draft, acceptance: Acceptance) -> None:
+        self.inner.update(draft, acceptance)
+
+
+class _MergedRecorder:
+    """A merge of ``parts`` whose part ``tuned`` is recorded with its scores; keeps each step as a MergedStep."""
+
+    def __init__(self, parts: Sequence[Drafter], tuned: int, skip_after: int | None):
+        self.taps = [_Tap(d) for d in parts]
+        self.merged, self.tuned = MergedDrafter(self.taps, skip_after=skip_after), tuned
+        self.steps: list[MergedStep] = []
+
+    def draft(self, state: DraftState) -> Draft:
+        for tap in self.taps:
+            tap.last = None
+        draft = self.merged.draft(state)
+        own = self.taps[self.tuned].last
+        if own is not None and own.scores is None:
+            raise TypeError(f"{type(self.taps[self.tuned].inner).__name__} does not report node scores "
+                            "(Draft.scores): budget tuning needs a drafter that grows its tree by score")
+        return draft
+
+    def update(self, draft: Draft, acceptance: Acceptance) -> None:
+        own = self.taps[self.tuned].last
+        others = frozenset(p for k, tap in enumerate(self.taps) if k != self.tuned and tap.last is not None
+                           for p in token_paths(tap.last)[1:])
+        self.steps.append(MergedStep(
+            own=None if own is None else (own.scores, tuple(own.tree.depths), token_paths(own)), others=others,
+            accepted=tuple(int(draft.tokens[i]) for i in acceptance.path[1:]) + (acceptance.bonus,)))
+        self.merged.update(draft, acceptance)
+
+
 @dataclass(frozen=True)
 class Choice:
     depth: int
@@ -141,7 +230,10 @@ class Choice:
     accepted: float
     """mean tokens per decoding step (bonus included, prefill excluded)."""
     step_ms: float
-    """predicted ms per step: verify of budget + 1 nodes + the measured rest of a step at this depth."""
+    """predicted ms per step: verify of budget + 1 nodes (in a merge: of each step's merged tree) + the measured rest
+    of a step at this depth."""
+    nodes: float | None = None
+    """in a merge: the merged tree's mean size with its root (alone it is budget + 1)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -163,20 +255,16 @@ class Tuning:
         return self.verify_ratio > BUSY
 
 
-def tune(target, make_drafter: Callable[[int, int], Drafter], prompts: Sequence[torch.Tensor], curve: dict[int, float],
-         depths: Sequence[int], budgets: Sequence[int], max_new_tokens: int = 64, progress: bool = False) -> Tuning:
-    """Record one greedy decode per depth at the largest budget; predict tokens/s for every (depth, budget).
-
-    The cached curve gives the verify cost's shape against tree size; its level is this run's: the curve is scaled by
-    ``verify_ratio`` (this run's verifications over the curve's), so the verify and the drafting cost in a prediction
-    come from the same run. A curve measured while the machine was busier or slower than now (or on longer contexts)
-    would otherwise overstate verification against drafting and favour deeper trees than are fastest now."""
-    big = max(budgets)
+def _calibrate(target, make_recorder: Callable[[int], _Recorder | _MergedRecorder], prompts: Sequence[torch.Tensor],
+               curve: dict[int, float], depths: Sequence[int], max_new_tokens: int, progress: bool):
+    """One greedy decode of every prompt per depth through the recorder ``make_recorder(depth)``. Returns, per depth,
+    (depth, the recorded steps, median ms of a step outside the verify), and the median over all steps of measured
+    verify ms / the curve's at the same size."""
     generate(target, NoDrafter(), prompts[0], 2)  # warm-up
-    recorded, ratios = [], []  # per depth: (depth, the recorded steps, median ms of a step outside the verify)
+    recorded, ratios = [], []
     bar = tqdm(total=len(depths) * len(prompts), desc="calibrating", unit="decode", disable=not progress, leave=False)
     for d in depths:
-        recorder = _Recorder(make_drafter(d, big))
+        recorder = make_recorder(d)
         other = []
         for prompt in prompts:
             bar.set_postfix_str(f"depth {d}")
@@ -186,7 +274,20 @@ def tune(target, make_drafter: Callable[[int, int], Drafter], prompts: Sequence[
             ratios += [1000 * s.verify_s / interpolate(curve, s.tree_size) for s in out.steps[1:]]
         recorded.append((d, recorder.steps, 1000 * statistics.median(other)))
     bar.close()
-    ratio = statistics.median(ratios or [1.0])
+    return recorded, statistics.median(ratios or [1.0])
+
+
+def tune(target, make_drafter: Callable[[int, int], Drafter], prompts: Sequence[torch.Tensor], curve: dict[int, float],
+         depths: Sequence[int], budgets: Sequence[int], max_new_tokens: int = 64, progress: bool = False) -> Tuning:
+    """Record one greedy decode per depth at the largest budget; predict tokens/s for every (depth, budget).
+
+    The cached curve gives the verify cost's shape against tree size; its level is this run's: the curve is scaled by
+    ``verify_ratio`` (this run's verifications over the curve's), so the verify and the drafting cost in a prediction
+    come from the same run. A curve measured while the machine was busier or slower than now (or on longer contexts)
+    would otherwise overstate verification against drafting and favour deeper trees than are fastest now."""
+    big = max(budgets)
+    recorded, ratio = _calibrate(target, lambda d: _Recorder(make_drafter(d, big)), prompts, curve, depths,
+                                 max_new_tokens, progress)
     table = []
     for d, records, other_ms in recorded:
         for n in budgets:
@@ -197,14 +298,38 @@ def tune(target, make_drafter: Callable[[int, int], Drafter], prompts: Sequence[
     return Tuning(best=best, plain_ms=ratio * curve[1], table=table, verify_ratio=ratio)
 
 
+def tune_merged(target, make_parts: Callable[[int, int], Sequence[Drafter]], tuned: int, skip_after: int | None,
+                prompts: Sequence[torch.Tensor], curve: dict[int, float], depths: Sequence[int],
+                budgets: Sequence[int], max_new_tokens: int = 64, progress: bool = False) -> Tuning:
+    """``tune`` for part ``tuned`` of a merge (``make_parts(depth, budget)``: the merge's drafters, in order, that part
+    at this depth and budget), the other parts drafting beside it as they will when decoding: one greedy decode per
+    depth at the largest budget, every step's merged tree cut to each smaller budget (``merged_at``), each cut tree's
+    verify cost at its own size."""
+    big = max(budgets)
+    recorded, ratio = _calibrate(target, lambda d: _MergedRecorder(make_parts(d, big), tuned, skip_after), prompts,
+                                 curve, depths, max_new_tokens, progress)
+    table = []
+    for d, records, other_ms in recorded:
+        for n in budgets:
+            cut = [merged_at(step, n, d) for step in records]  # (gained, nodes) per step
+            k = max(len(cut), 1)
+            verify = sum(interpolate(curve, nodes) for _, nodes in cut) / k
+            table.append(Choice(depth=d, budget=n, accepted=sum(g for g, _ in cut) / k,
+                                step_ms=ratio * verify + other_ms, nodes=sum(nodes for _, nodes in cut) / k))
+    best = max(table, key=lambda c: c.tokens_per_s)
+    return Tuning(best=best, plain_ms=ratio * curve[1], table=table, verify_ratio=ratio)
+
+
 def format_tuning(t: Tuning) -> str:
     plain = 1000 / t.plain_ms
-    lines = ["| depth | budget | mean accepted | predicted ms / step | predicted tokens/s | vs one-token step |",
-             "|---:|---:|---:|---:|---:|---:|"]
+    merged = t.best.nodes is not None
+    lines = ["| depth | budget |" + (" merged tree nodes |" if merged else "") + " mean accepted | predicted ms / step "
+             "| predicted tokens/s | vs one-token step |", "|---:|---:|" + ("---:|" if merged else "") + "---:|---:|---:|---:|"]
     for c in sorted(t.table, key=lambda c: (c.depth, c.budget)):
         mark = " **best**" if c == t.best else ""
-        lines.append(f"| {c.depth} | {c.budget} | {c.accepted:.2f} | {c.step_ms:.1f} | {c.tokens_per_s:.1f}{mark} | "
-                     f"{c.tokens_per_s / plain:.2f}× |")
+        nodes = f" {c.nodes:.1f} |" if merged else ""
+        lines.append(f"| {c.depth} | {c.budget} |{nodes} {c.accepted:.2f} | {c.step_ms:.1f} | "
+                     f"{c.tokens_per_s:.1f}{mark} | {c.tokens_per_s / plain:.2f}× |")
     if t.best.tokens_per_s < plain:
         lines += ["", f"warning: no tree is predicted to beat one-token decoding here (best {t.best.tokens_per_s:.1f} "
                       f"against {plain:.1f} tokens/s): on this machine and dtype, verifying several tokens costs more "
@@ -252,20 +377,41 @@ def _tuned_elsewhere(key: dict) -> list[str]:
     return found
 
 
-def tuned_key(draft_location: str, target, model_id: str, revision: str | None = None) -> dict:
-    return {"draft": draft_stamp(draft_location, revision), **machine_key(target, model_id)}
+def merge_stamp(spec, tuned) -> str:
+    """What identifies the merge a draft part is tuned in (``spec``: a merged DraftSpec, ``tuned``: its part whose
+    budget is tuned): the other parts in order (a checkpoint by its ``draft_stamp``, prompt lookup by its options),
+    '*' in the tuned part's place, and the merge's options: 'ngram:depth=6,max_nodes=8+*+skip_after=3'."""
+    def name(p) -> str:
+        if p is tuned:
+            return "*"
+        if p.location:
+            return f"{p.kind}@{draft_stamp(p.location, p.revision)}"
+        return ":".join([p.kind, ",".join(f"{k}={v}" for k, v in sorted(p.config.items()))][:2 if p.config else 1])
+
+    parts = [name(p) for p in spec.parts]
+    return "+".join(parts + [f"{k}={v}" for k, v in spec.config.items()])
 
 
-def save_tuned(draft_location: str, target, model_id: str, tuning: Tuning, revision: str | None = None) -> Path:
-    key = tuned_key(draft_location, target, model_id, revision)
+def tuned_key(draft_location: str, target, model_id: str, revision: str | None = None,
+              merged: str | None = None) -> dict:
+    """merged: the ``merge_stamp`` of the merge the draft was tuned in (None: tuned alone)."""
+    return {"draft": draft_stamp(draft_location, revision), **({"merged": merged} if merged else {}),
+            **machine_key(target, model_id)}
+
+
+def save_tuned(draft_location: str, target, model_id: str, tuning: Tuning, revision: str | None = None,
+               merged: str | None = None) -> Path:
+    key = tuned_key(draft_location, target, model_id, revision, merged)
     _write_json(_cache_file("tree", key), {"key": key, "draft": draft_location, "revision": revision,
                                           "best": asdict(tuning.best), "table": [asdict(c) for c in tuning.table]})
     return _cache_file("tree", key)
 
 
-def load_tuned(draft_location: str, target, model_id: str, revision: str | None = None) -> DynamicTree:
-    """The tuned DynamicTree (budget, depth) for this draft on this target, dtype and machine (``--tree auto``)."""
-    key = tuned_key(draft_location, target, model_id, revision)
+def load_tuned(draft_location: str, target, model_id: str, revision: str | None = None,
+               merged: str | None = None) -> DynamicTree:
+    """The tuned DynamicTree (budget, depth) for this draft on this target, dtype and machine (``--tree auto``), tuned
+    alone or, with ``merged``, inside that merge."""
+    key = tuned_key(draft_location, target, model_id, revision, merged)
     path = _cache_file("tree", key)
     if not path.is_file():
         at, flag = (f" at revision {revision}", f" --draft-revision {revision}") if revision else ("", "")

@@ -190,7 +190,9 @@ def build_tune_parser() -> argparse.ArgumentParser:
                                 "The best is cached for --tree auto.")
     _common(p)
     p.add_argument("--draft", required=True, help="the draft checkpoint whose dynamic tree to tune: an EAGLE head, "
-                                                  "Medusa or Hydra heads, an exit head or a layer-skip config")
+                   "Medusa or Hydra heads, an exit head or a layer-skip config; or a merged draft such as "
+                   "'ngram+DIR+skip_after=3', whose checkpoint part is tuned with the other parts drafting beside it "
+                   "(cached for that merge; --tree auto on the merge prefers it to the part's own tuning)")
     p.add_argument("--draft-revision", default=None, help="Hub revision of a --draft checkpoint (each revision is "
                    "tuned on its own; --tree auto with the same --draft-revision uses it)")
     p.add_argument("--depths", default="3,4,5,6,8", help="depths to try, comma-separated (default: %(default)s)")
@@ -208,13 +210,12 @@ def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
     from selfspec.tree import DynamicTree
 
     a = build_tune_parser().parse_args(argv)
-    spec = registry.parse_draft(a.draft, a.draft_revision)
-    if spec.parts:
-        raise ValueError(f"tune-tree tunes one draft's tree: run it on the checkpoint part of {a.draft!r} alone; "
-                         f"--draft {a.draft} --tree auto then uses that tree for it")
+    merge = registry.parse_draft(a.draft, a.draft_revision)
+    spec = registry.tree_part(merge) if merge.parts else merge  # the part whose budget is tuned
     if spec.kind not in registry.TUNABLE_KINDS:
+        within = f" (the part of {a.draft} that --tree applies to)" if merge.parts else ""
         raise ValueError(f"tune-tree tunes drafts that grow their tree by score ({', '.join(registry.TUNABLE_KINDS)} "
-                         f"heads); {a.draft} is a {spec.kind!r} draft")
+                         f"heads); {spec.text}{within} is a {spec.kind!r} draft")
     depths = [int(x) for x in a.depths.split(",")]
     budgets = [int(x) for x in a.budgets.split(",")]
     _check_drafts(a.model, [a.draft], a.revision, a.allow_other_base, a.draft_revision)
@@ -238,7 +239,16 @@ def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
                         "an exit head or a layer-skip draft")
     curve = budget.cached_verify_costs(target, a.model, refresh=a.refresh_costs, progress=not a.no_progress)
     prompts = [p.to(target.device) for p in calibration_inputs(tokenizer, a.prompts)]
-    tuning = budget.tune(target, make, prompts, curve, depths, budgets, a.max_new_tokens, progress=not a.no_progress)
+    if merge.parts:  # the part's budget with the other parts drafting beside it, each depth's merge built afresh
+        tuned = merge.parts.index(spec)
+
+        def make_parts(d: int, n: int):
+            return [make(d, n) if k == tuned else registry.build_drafter(p, target) for k, p in enumerate(merge.parts)]
+        tuning = budget.tune_merged(target, make_parts, tuned, merge.config.get("skip_after"), prompts, curve, depths,
+                                    budgets, a.max_new_tokens, progress=not a.no_progress)
+    else:
+        tuning = budget.tune(target, make, prompts, curve, depths, budgets, a.max_new_tokens,
+                             progress=not a.no_progress)
     if tuning.busy:
         out.write(f"{budget.format_tuning(tuning)}\n\nerror: nothing cached for --tree auto. This run's verifications "
                   f"took {tuning.verify_ratio:.1f}x the time the cached verify costs say (one-token step "
@@ -246,11 +256,13 @@ def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
                   f"a loaded machine is not the one to decode with on a quiet one. Run tune-tree "
                   f"again with nothing else running (or with --refresh-costs if the machine itself changed)\n")
         return 1
-    path = budget.save_tuned(a.draft, target, a.model, tuning, a.draft_revision)
+    path = budget.save_tuned(spec.location, target, a.model, tuning, a.draft_revision,
+                             merged=budget.merge_stamp(merge, spec) if merge.parts else None)
     b = tuning.best
+    within = f" inside {a.draft}" if merge.parts else ""
     out.write(f"{a.model} {a.dtype}, {a.prompts} calibration prompts x {a.max_new_tokens} tokens, one-token step "
               f"{tuning.plain_ms:.1f} ms (this run's verifications: {tuning.verify_ratio:.2f}x the cached costs):\n"
               f"{budget.format_tuning(tuning)}\n\nbest: --tree dynamic:{b.budget},depth="
-              f"{b.depth} (mean accepted {b.accepted:.2f}, predicted {b.tokens_per_s:.1f} tokens/s); cached in {path} "
-              f"for --tree auto\n")
+              f"{b.depth}{within} (mean accepted {b.accepted:.2f}, predicted {b.tokens_per_s:.1f} tokens/s); cached "
+              f"in {path} for --draft {a.draft} --tree auto\n")
     return 0

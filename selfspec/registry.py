@@ -11,7 +11,8 @@
   selfspec never imports the package that trains drafts; that package registers its loaders in its pyproject.
 
 - ``A+B`` (any number of parts)    the drafts of A and B verified as one tree each step (``merge.MergedDrafter``),
-  e.g. ``runs/eagle_head+ngram``: a trained head and prompt lookup; ``--tree`` applies to the first checkpoint part;
+  e.g. ``runs/eagle_head+ngram``: a trained head and prompt lookup; ``--tree`` applies to the first checkpoint part
+  (``auto``: the budget ``infer.py tune-tree --draft A+B`` tuned inside this merge, else the one tuned for the part);
   a trailing ``+skip_after=K`` lets a part sit out the steps where an earlier part had K of its tokens accepted
   (``ngram+runs/eagle_head+skip_after=3``: the head rests while prompt lookup is copying)
 
@@ -68,6 +69,13 @@ class DraftSpec:
             options = ",".join(f"{k}={v}" for k, v in self.config.items())
             return f"{self.kind}:{options}" if options else self.kind
         return Path(self.location.rstrip("/")).name or self.kind
+
+    @property
+    def text(self) -> str:
+        """The ``--draft`` string that parses to this spec (a checkpoint by its directory or Hub id)."""
+        if self.parts:
+            return "+".join([p.text for p in self.parts] + [f"{k}={v}" for k, v in self.config.items()])
+        return self.location or self.label
 
 
 def drafter_loaders() -> dict[str, Any]:
@@ -268,7 +276,20 @@ def resolve_tree(tree: str | Tree | DynamicTree | None, spec: DraftSpec, target:
     fastest for this draft, target, dtype and machine (selfspec/budget.py); anything else as ``parse_tree``. For a
     merged draft, the tree of its first part."""
     if spec.parts:
-        return resolve_tree(tree, _tree_part(spec), target, model_id)
+        part = tree_part(spec)
+        if tree == "auto" and part.kind in TUNABLE_KINDS:  # the budget tuned for this merge, else for the part alone
+            from selfspec.budget import load_tuned, merge_stamp
+
+            try:
+                return load_tuned(part.location, target, model_id, part.revision, merged=merge_stamp(spec, part))
+            except FileNotFoundError:
+                pass
+            try:
+                return resolve_tree(tree, part, target, model_id)
+            except FileNotFoundError as err:
+                raise FileNotFoundError(f"{err}, or tune it inside this merge: `python infer.py tune-tree --draft "
+                                        f"{spec.text} ...`") from None
+        return resolve_tree(tree, part, target, model_id)
     if tree == "auto":
         if spec.kind not in TUNABLE_KINDS:
             raise ValueError(f"--tree auto is for drafts whose tree budget infer.py tune-tree can tune "
@@ -279,7 +300,7 @@ def resolve_tree(tree: str | Tree | DynamicTree | None, spec: DraftSpec, target:
     return parse_tree(tree) if isinstance(tree, str) else tree
 
 
-def _tree_part(spec: DraftSpec) -> DraftSpec:
+def tree_part(spec: DraftSpec) -> DraftSpec:
     """The part of a merged draft that --tree applies to: its first checkpoint (else its first part)."""
     return next((p for p in spec.parts if p.location is not None), spec.parts[0])
 
@@ -296,7 +317,7 @@ def build_drafter(spec: DraftSpec, target: Target, tree: Tree | DynamicTree | No
     if spec.parts:
         from selfspec.merge import MergedDrafter
 
-        takes_tree = _tree_part(spec)
+        takes_tree = tree_part(spec)
         return MergedDrafter([build_drafter(p, target, tree if p is takes_tree else None) for p in spec.parts],
                              skip_after=spec.config.get("skip_after"))
     if spec.kind in ("none", "ngram"):

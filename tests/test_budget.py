@@ -276,3 +276,87 @@ def test_tune_tree_tunes_a_layer_skip_draft_for_tree_auto(model_dir, tmp_path, m
     with pytest.raises(FileNotFoundError, match=r"\(it is tuned for float32, \d+ threads: decode in that dtype, or "
                                                 r"tune this one\); run `python infer.py tune-tree .* --dtype bfloat16`"):
         api.load(str(model_dir), draft=str(ckpt), tree="auto", dtype="bfloat16")
+
+
+# ------------------------------------------------------------------------------------------ the budget inside a merge
+def test_merged_at_cuts_the_tuned_part_and_keeps_the_other_parts_whole():
+    scores = torch.tensor([0.0, -0.1, -2.0, -0.3])  # the head's root, a=1 (depth 1), b=2 (1), a->c=3 (2)
+    own = (scores, (0, 1, 1, 2), [(), (1,), (2,), (1, 3)])
+    lookup = frozenset({(5,), (5, 6)})  # prompt lookup drafted 5 -> 6
+    copying = budget.MergedStep(own=own, others=lookup, accepted=(5, 6, 9))  # it was right: 5, 6, then the bonus 9
+    assert budget.merged_at(copying, 1, 2) == (3, 4)  # both of its tokens + the bonus; root + 5, 6 + a
+    head_right = budget.MergedStep(own=own, others=lookup, accepted=(1, 3, 7))  # the head was: a, c, bonus 7
+    assert budget.merged_at(head_right, 1, 2) == (2, 4)  # a only
+    assert budget.merged_at(head_right, 3, 2) == (3, 6)  # a, c (b too, not accepted)
+    assert budget.merged_at(head_right, 3, 1) == (2, 5)  # depth 1: a, b
+    shared = budget.MergedStep(own=own, others=frozenset({(1,), (1, 3)}), accepted=(1, 3, 7))
+    assert budget.merged_at(shared, 3, 2) == (3, 4)  # a path both drafted is verified once
+    odd = budget.MergedStep(own=(torch.tensor([0.0, -0.1, -2.0, -0.05]), *own[1:]), others=lookup, accepted=(1, 3, 7))
+    assert budget.merged_at(odd, 1, 2) == (3, 5)  # a child scored above its parent brings the parent into the trie
+    resting = budget.MergedStep(own=None, others=lookup, accepted=(5, 6, 9))  # the head sat out (skip_after)
+    assert budget.merged_at(resting, 1, 2) == budget.merged_at(resting, 64, 4) == (3, 3)
+
+
+def test_recorded_merge_predicts_what_the_merge_with_a_smaller_head_budget_accepts_and_verifies(setup):
+    """Prompt lookup and an EAGLE head merged: at the first drafted step of each prompt (the same state in both runs),
+    the big-budget recording cut to budget N predicts exactly the tokens a real merge with an N-node head gains and the
+    size of the tree it verifies (the trie of both drafts: shared paths once)."""
+    from selfspec.merge import MergedDrafter
+    from selfspec.ngram import NGramDrafter
+
+    model, head = setup
+    target = Target(model)
+
+    def parts(n: int):
+        return [NGramDrafter(depth=4, max_nodes=6), EagleDrafter(head, 4, 3, n)]
+
+    prompts = random_prompts(12, VOCAB, seed=4)
+    looked_up = 0
+    for small in (1, 3, 6):
+        predicted, real = [], []
+        for p in prompts:
+            recorder = budget._MergedRecorder(parts(16), tuned=1, skip_after=2)
+            generate(target, recorder, p, max_new_tokens=8)
+            step = recorder.steps[0]
+            looked_up += bool(step.others)
+            predicted.append(budget.merged_at(step, small, 4))
+            out = generate(target, MergedDrafter(parts(small), skip_after=2), p, max_new_tokens=8)
+            real.append((len(out.steps[1].tokens), out.steps[1].tree_size))
+        assert predicted == real, small
+    assert max(g for g, _ in real) > 1 and looked_up  # drafts are accepted, and prompt lookup drafts too
+
+
+def test_tune_tree_tunes_a_draft_inside_a_merge_and_tree_auto_prefers_that_tuning(model_dir, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """infer.py tune-tree on 'ngram+CKPT+skip_after=2' tunes CKPT's budget with prompt lookup drafting beside it and
+    caches it for that merge alone: --tree auto on the same merge uses it, CKPT alone keeps its own tuning, a merge
+    with other options falls back to CKPT's own, and with neither tuned the error names both commands."""
+    from selfspec import api, cli
+    from selfspec.layerskip import LayerSkipConfig
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    ckpt = tmp_path / "skip"
+    LayerSkipConfig(base_model="model", num_hidden_layers=2, skip_layers=(1,), draft_depth=3).save(ckpt)
+    merge, other_merge = f"ngram:depth=4,max_nodes=6+{ckpt}+skip_after=2", f"ngram+{ckpt}"
+    common = ["--model", str(model_dir), "--dtype", "fp32", "--depths", "2", "--prompts", "2", "--max-new-tokens", "8"]
+
+    def load(draft: str):
+        return api.load(str(model_dir), draft=draft, tree="auto").drafter
+
+    with pytest.raises(FileNotFoundError, match=rf"run `python infer.py tune-tree --draft {ckpt} .*, or tune it inside "
+                                                rf"this merge: `python infer.py tune-tree --draft ngram:depth=4,"):
+        load(merge)
+    assert cli.main(["tune-tree", *common, "--draft", str(ckpt), "--budgets", "3"]) == 0
+    capsys.readouterr()
+    assert cli.main(["tune-tree", *common, "--draft", merge, "--budgets", "2,6"]) == 0
+    printed = capsys.readouterr().out
+    assert "| merged tree nodes |" in printed and f"inside {merge}" in printed
+    tuned = [json.loads(f.read_text())["best"] for f in (tmp_path / "cache").rglob("tree-*.json")]
+    inside = next(b for b in tuned if b["nodes"] is not None)
+    assert len(tuned) == 2 and inside["budget"] in (2, 6) and inside["nodes"] > 1
+    assert load(merge).drafters[1].dynamic == DynamicTree(inside["budget"], depth=2)
+    assert load(str(ckpt)).dynamic == DynamicTree(3, depth=2)
+    assert load(other_merge).drafters[1].dynamic == DynamicTree(3, depth=2)  # not tuned in: the part's own
+    assert cli.main(["tune-tree", *common, "--draft", "ngram:depth=4+ngram"]) == 2  # no part to tune
+    assert ("ngram:depth=4 (the part of ngram:depth=4+ngram that --tree applies to) is a 'ngram' draft"
+            in capsys.readouterr().err)
