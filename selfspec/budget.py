@@ -18,8 +18,9 @@ EAGLE heads, and Medusa heads with a dynamic tree. Nothing is guessed: accepted 
 
 Inside a merge (``--draft ngram+HEADS``, ``tune_merged``) the head's budget is tuned with the other parts drafting
 beside it: at each recorded step, a budget-N merged tree is the trie of the other parts' drafts and the head's N
-best-scored nodes, its accepted length the accepted tokens that trie holds, its cost the verify of its own size. Where
-prompt lookup already proposes what the head would, the head's best budget is smaller than alone.
+best-scored nodes, its accepted length the accepted tokens that trie holds, its cost the verify of its own size. The
+head's best budget there can differ from its best alone: prompt lookup's nodes already take verify time, and on the
+steps where it copies a span they already hold what the head would add.
 
 Shapes: N tree nodes.
 """
