@@ -27,7 +27,7 @@ from selfspec.drafter import NoDrafter, verifier_for
 from selfspec.early_exit import EarlyExitDrafter, check_exit_layer
 from selfspec.generate import generate
 from selfspec.layerskip import PartialModelDrafter
-from selfspec.layerskip_search import Measurement, calibration_inputs, measure, search_skip_layers
+from selfspec.layerskip_search import CALIBRATION_PROMPTS, Measurement, calibration_inputs, measure, search_skip_layers
 from selfspec.models import DEFAULT_MODEL, load_model
 from selfspec.target import Target
 
@@ -93,10 +93,63 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default=None, help="Hub revision of --model")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--dtype", default="bfloat16", help="the dtype decoding will use (default: %(default)s)")
-    p.add_argument("--prompts", type=int, default=4, help="calibration prompts (1..8, default: %(default)s)")
+    p.add_argument("--prompts", type=int, default=None, help="how many calibration prompts (default: 4 of the 8 "
+                   "built-in ones, or all of --prompts-file)")
+    p.add_argument("--prompts-file", default=None, help="calibrate on prompts like your own workload's instead of the "
+                   "built-in generic requests: a text file, one prompt per line, or a .jsonl with a \"prompt\" string "
+                   "or Spec-Bench's \"turns\" (its first turn) per line. Drafts that copy (prompt lookup) gain most "
+                   "on prompts that hold text to copy, which the built-in ones do not")
     p.add_argument("--max-new-tokens", type=int, default=64, help="per prompt (default: %(default)s)")
     p.add_argument("--depth", type=int, default=4, help="draft tokens per step (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def read_prompts(path: str) -> list[str]:
+    """The prompts of a --prompts-file: one per non-blank line of a text file, or a .jsonl's "prompt" / first of
+    "turns" per line."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(f"--prompts-file {file} does not exist: expected a text file, one prompt per line, or "
+                                "a .jsonl with a \"prompt\" or \"turns\" field per line")
+    lines = [(n, line) for n, line in enumerate(file.read_text().splitlines(), 1) if line.strip()]
+    if file.suffix != ".jsonl":
+        prompts = [line.strip() for _, line in lines]
+    else:
+        prompts = []
+        for n, line in lines:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{file} line {n}: expected a JSON object, found {line[:60]!r} ({err})") from None
+            turns = row.get("turns") if isinstance(row, dict) else None
+            text = row.get("prompt") if isinstance(row, dict) and "prompt" in row else (turns or [None])[0]
+            if not isinstance(text, str) or not text.strip():
+                raise ValueError(f"{file} line {n}: expected a non-empty \"prompt\" string or \"turns\" list of "
+                                 f"strings, found {line[:60]!r}")
+            prompts.append(text)
+    if not prompts:
+        raise ValueError(f"--prompts-file {file} holds no prompts (every line is blank)")
+    return prompts
+
+
+def _parse(p: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """Parse, and read the calibration prompts (``a.texts``, their count ``a.prompts``) before any model loads."""
+    a = p.parse_args(argv)
+    a.texts = read_prompts(a.prompts_file) if a.prompts_file else CALIBRATION_PROMPTS
+    a.prompts = a.prompts if a.prompts is not None else (len(a.texts) if a.prompts_file else 4)
+    if not 1 <= a.prompts <= len(a.texts):
+        raise ValueError(f"--prompts must be in 1..{len(a.texts)} (the prompts {a.prompts_file or 'built in'} holds), "
+                         f"found {a.prompts}")
+    return a
+
+
+def _source(a: argparse.Namespace) -> str:
+    return f" from {a.prompts_file}" if a.prompts_file else ""
+
+
+def _calibration(a: argparse.Namespace, tokenizer, device) -> list[torch.Tensor]:
+    """The calibration prompts the options name, as token ids [T] on ``device``."""
+    return [p.to(device) for p in calibration_inputs(tokenizer, a.prompts, a.texts)]
 
 
 def _allow_other_base(p: argparse.ArgumentParser) -> None:
@@ -126,7 +179,7 @@ def build_sweep_parser() -> argparse.ArgumentParser:
 
 
 def run_sweep_cli(argv: Sequence[str], out: TextIO) -> int:
-    a = build_sweep_parser().parse_args(argv)
+    a = _parse(build_sweep_parser(), argv)
     _check_drafts(a.model, [h for h in a.exit_heads.split(",") if h], a.revision, a.allow_other_base,
                   a.draft_revision)
     model, tokenizer = load_model(a.model, dtype=a.dtype, revision=a.revision, device=a.device)
@@ -134,11 +187,11 @@ def run_sweep_cli(argv: Sequence[str], out: TextIO) -> int:
     layers = [int(x) for x in a.layers.split(",")] if a.layers else list(range(4, num_layers, 4))
     heads = [h for h in a.exit_heads.split(",") if h]
     target = Target(model)
-    rows = sweep_exit_layers(target, [p.to(target.device) for p in calibration_inputs(tokenizer, a.prompts)], layers,
+    rows = sweep_exit_layers(target, _calibration(a, tokenizer, target.device), layers,
                              depth=a.depth, exit_heads=heads, max_new_tokens=a.max_new_tokens,
                              draft_revision=a.draft_revision, progress=not a.no_progress)
     table = format_exit_rows(rows)
-    out.write(f"{a.model} {a.dtype}, {a.prompts} calibration prompts x {a.max_new_tokens} tokens, chain of {a.depth}:\n"
+    out.write(f"{a.model} {a.dtype}, {a.prompts} calibration prompts{_source(a)} x {a.max_new_tokens} tokens, chain of {a.depth}:\n"
               f"{table}\n")
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
@@ -166,10 +219,10 @@ def build_search_parser() -> argparse.ArgumentParser:
 
 
 def run_search_cli(argv: Sequence[str], out: TextIO) -> int:
-    a = build_search_parser().parse_args(argv)
+    a = _parse(build_search_parser(), argv)
     model, tokenizer = load_model(a.model, dtype=a.dtype, revision=a.revision, device=a.device)
     target = Target(model)
-    prompts = [p.to(target.device) for p in calibration_inputs(tokenizer, a.prompts)]
+    prompts = _calibration(a, tokenizer, target.device)
     result = search_skip_layers(target, prompts, depth=a.depth, stop_below=a.stop_below,
                                 max_new_tokens=a.max_new_tokens, per_round=a.per_round or None, patience=a.patience,
                                 seed=a.seed, progress=not a.no_progress)
@@ -209,7 +262,7 @@ def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
     from selfspec import budget
     from selfspec.tree import DynamicTree
 
-    a = build_tune_parser().parse_args(argv)
+    a = _parse(build_tune_parser(), argv)
     merge = registry.parse_draft(a.draft, a.draft_revision)
     spec = registry.tree_part(merge) if merge.parts else merge  # the part whose budget is tuned
     if spec.kind not in registry.TUNABLE_KINDS:
@@ -238,7 +291,7 @@ def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
         raise TypeError(f"{a.draft} built a {type(drafter).__name__}; tune-tree expected EAGLE, Medusa or Hydra heads, "
                         "an exit head or a layer-skip draft")
     curve = budget.cached_verify_costs(target, a.model, refresh=a.refresh_costs, progress=not a.no_progress)
-    prompts = [p.to(target.device) for p in calibration_inputs(tokenizer, a.prompts)]
+    prompts = _calibration(a, tokenizer, target.device)
     if merge.parts:  # the part's budget with the other parts drafting beside it, each depth's merge built afresh
         tuned = merge.parts.index(spec)
 
@@ -260,7 +313,7 @@ def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
                              merged=budget.merge_stamp(merge, spec) if merge.parts else None)
     b = tuning.best
     within = f" inside {a.draft}" if merge.parts else ""
-    out.write(f"{a.model} {a.dtype}, {a.prompts} calibration prompts x {a.max_new_tokens} tokens, one-token step "
+    out.write(f"{a.model} {a.dtype}, {a.prompts} calibration prompts{_source(a)} x {a.max_new_tokens} tokens, one-token step "
               f"{tuning.plain_ms:.1f} ms (this run's verifications: {tuning.verify_ratio:.2f}x the cached costs):\n"
               f"{budget.format_tuning(tuning)}\n\nbest: --tree dynamic:{b.budget},depth="
               f"{b.depth}{within} (mean accepted {b.accepted:.2f}, predicted {b.tokens_per_s:.1f} tokens/s); cached "

@@ -39,12 +39,15 @@ CALIBRATION_PROMPTS = (
 """Generic chat requests (written for this project, in the style of ShareGPT) for calibrating drafters."""
 
 
-def calibration_inputs(tokenizer: PreTrainedTokenizerBase, n: int = 4) -> list[torch.Tensor]:
-    """The first n calibration prompts as token ids [T], through the chat template when the tokenizer has one."""
-    if not 1 <= n <= len(CALIBRATION_PROMPTS):
-        raise ValueError(f"n must be in 1..{len(CALIBRATION_PROMPTS)}, found {n}")
+def calibration_inputs(tokenizer: PreTrainedTokenizerBase, n: int = 4,
+                       texts: Sequence[str] = CALIBRATION_PROMPTS) -> list[torch.Tensor]:
+    """The first n of ``texts`` (default: the built-in calibration prompts) as token ids [T], through the chat
+    template when the tokenizer has one."""
+    if not 1 <= n <= len(texts):
+        raise ValueError(f"the number of calibration prompts must be in 1..{len(texts)} (the prompts there are), "
+                         f"found {n}")
     out = []
-    for text in CALIBRATION_PROMPTS[:n]:
+    for text in texts[:n]:
         if getattr(tokenizer, "chat_template", None):
             ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
             ids = ids["input_ids"] if not isinstance(ids, list) else ids

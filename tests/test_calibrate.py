@@ -52,3 +52,46 @@ def test_search_writes_a_layer_skip_draft_that_decodes_losslessly(model_dir, tmp
     assert isinstance(spec.drafter, LayerSkipDrafter)
     ids = spec.encode("hello there")
     assert spec.generate(ids, max_new_tokens=10).tokens == reference(model, ids, 10)
+
+
+def test_calibration_prompts_come_from_a_file_of_the_users_own(model_dir, tmp_path, monkeypatch, capsys):
+    """--prompts-file: a text file (one prompt per line) or a .jsonl of "prompt" / Spec-Bench "turns" rows; the sweep
+    decodes exactly those prompts, all of them unless --prompts says how many; a missing, blank or malformed file, or
+    more prompts than it holds, is refused before any model loads."""
+    from selfspec import calibrate
+
+    text = tmp_path / "mine.txt"
+    text.write_text("Copy this list: a, b, c.\n\n  Repeat after me: hello world.  \n")
+    rows = tmp_path / "mine.jsonl"
+    rows.write_text(json.dumps({"question_id": 1, "turns": ["Summarise: the cat sat.", "Shorter."]}) + "\n"
+                    + json.dumps({"prompt": "Name three colours."}) + "\n")
+    assert calibrate.read_prompts(str(text)) == ["Copy this list: a, b, c.", "Repeat after me: hello world."]
+    assert calibrate.read_prompts(str(rows)) == ["Summarise: the cat sat.", "Name three colours."]
+
+    seen = []
+    real = calibrate.calibration_inputs
+    monkeypatch.setattr(calibrate, "calibration_inputs", lambda tok, n, texts: seen.append(list(texts[:n])) or
+                        real(tok, n, texts))
+    common = ["sweep-exit", "--model", str(model_dir), "--dtype", "float32", "--layers", "1", "--max-new-tokens", "4"]
+    assert cli.main([*common, "--prompts-file", str(rows)]) == 0
+    assert seen[-1] == ["Summarise: the cat sat.", "Name three colours."]
+    assert f"2 calibration prompts from {rows} x 4 tokens" in capsys.readouterr().out
+    assert cli.main([*common, "--prompts-file", str(text), "--prompts", "1"]) == 0
+    assert seen[-1] == ["Copy this list: a, b, c."]
+    assert cli.main([*common, "--prompts", "1"]) == 0
+    assert seen[-1] == [calibrate.CALIBRATION_PROMPTS[0]]
+    capsys.readouterr()
+
+    loaded = []
+    monkeypatch.setattr(calibrate, "load_model", lambda *a, **k: loaded.append(a))
+    blank, bad = tmp_path / "blank.txt", tmp_path / "bad.jsonl"
+    blank.write_text("\n  \n")
+    bad.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"question": "no prompt here"}) + "\n")
+    for args, message in (([str(tmp_path / "none.txt")], "does not exist: expected a text file, one prompt per line"),
+                          ([str(blank)], "holds no prompts (every line is blank)"),
+                          ([str(bad)], 'line 2: expected a non-empty "prompt" string or "turns" list of strings'),
+                          ([str(text), "--prompts", "3"], f"--prompts must be in 1..2 (the prompts {text} holds), "
+                                                          "found 3")):
+        assert cli.main([*common, "--prompts-file", *args]) == 2
+        assert message in capsys.readouterr().err
+    assert not loaded
