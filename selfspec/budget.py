@@ -182,42 +182,25 @@ def merged_at(step: MergedStep, budget: int, depth: int) -> tuple[int, int]:
     return gained + 1, len(paths) + 1
 
 
-class _Tap:
-    """One part of a merge, passed through; keeps the draft it made this step (None when it sat out)."""
-
-    def __init__(self, inner: Drafter):
-        self.inner, self.last = inner, None
-
-    def draft(self, state: DraftState) -> Draft:
-        self.last = self.inner.draft(state)
-        return self.last
-
-    def update(self, draft: Draft, acceptance: Acceptance) -> None:
-        self.inner.update(draft, acceptance)
-
-
 class _MergedRecorder:
     """A merge of ``parts`` whose part ``tuned`` is recorded with its scores; keeps each step as a MergedStep."""
 
     def __init__(self, parts: Sequence[Drafter], tuned: int, skip_after: int | None):
-        self.taps = [_Tap(d) for d in parts]
-        self.merged, self.tuned = MergedDrafter(self.taps, skip_after=skip_after), tuned
+        self.merged, self.tuned = MergedDrafter(parts, skip_after=skip_after), tuned
         self.steps: list[MergedStep] = []
 
     def draft(self, state: DraftState) -> Draft:
-        for tap in self.taps:
-            tap.last = None
         draft = self.merged.draft(state)
-        own = self.taps[self.tuned].last
+        own = self.merged.part_drafts[self.tuned]
         if own is not None and own.scores is None:
-            raise TypeError(f"{type(self.taps[self.tuned].inner).__name__} does not report node scores "
+            raise TypeError(f"{type(self.merged.drafters[self.tuned]).__name__} does not report node scores "
                             "(Draft.scores): budget tuning needs a drafter that grows its tree by score")
         return draft
 
     def update(self, draft: Draft, acceptance: Acceptance) -> None:
-        own = self.taps[self.tuned].last
-        others = frozenset(p for k, tap in enumerate(self.taps) if k != self.tuned and tap.last is not None
-                           for p in token_paths(tap.last)[1:])
+        own, parts = self.merged.part_drafts[self.tuned], self.merged.part_drafts
+        others = frozenset(p for k, d in enumerate(parts) if k != self.tuned and d is not None
+                           for p in token_paths(d)[1:])
         self.steps.append(MergedStep(
             own=None if own is None else (own.scores, tuple(own.tree.depths), token_paths(own)), others=others,
             accepted=tuple(int(draft.tokens[i]) for i in acceptance.path[1:]) + (acceptance.bonus,)))
@@ -387,7 +370,8 @@ def merge_stamp(spec, tuned) -> str:
             return "*"
         if p.location:
             return f"{p.kind}@{draft_stamp(p.location, p.revision)}"
-        return ":".join([p.kind, ",".join(f"{k}={v}" for k, v in sorted(p.config.items()))][:2 if p.config else 1])
+        options = ",".join(f"{k}={v}" for k, v in sorted(p.config.items()))  # sorted: one name however they were given
+        return f"{p.kind}:{options}" if options else p.kind
 
     parts = [name(p) for p in spec.parts]
     return "+".join(parts + [f"{k}={v}" for k, v in spec.config.items()])

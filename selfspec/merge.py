@@ -82,7 +82,7 @@ class MergedDrafter:
                 raise ValueError(f"{type(d).__name__} verifies its drafts with its own target (it reuses the work it "
                                  "did while drafting), so it cannot share a tree with other drafters; use it alone")
         self.drafters, self.skip_after = list(drafters), skip_after
-        self._drafts: list[Draft | None] = []
+        self.part_drafts: list[Draft | None] = []  # this step's draft of each drafter, None where it sat out
         self._accepted = [0] * len(self.drafters)  # each drafter's own tokens accepted at the previous step
         # (new_hidden [A_j, D], new_states or None) held for drafters that sat out
         self._pending: list[list[tuple[torch.Tensor, LayerStates | None]]] = [[] for _ in self.drafters]
@@ -92,12 +92,12 @@ class MergedDrafter:
         if state.starts_request:
             self._accepted, self._pending = [0] * len(self.drafters), [[] for _ in self.drafters]
         # 1. draft: each drafter, unless an earlier one is copying a span
-        self._drafts = []
+        self.part_drafts = []
         for k, d in enumerate(self.drafters):
             if self.skip_after is not None and any(a >= self.skip_after for a in self._accepted[:k]):
                 if state.new_hidden is not None:
                     self._pending[k].append((state.new_hidden, state.new_states))
-                self._drafts.append(None)
+                self.part_drafts.append(None)
                 self.skipped[k] += 1
                 continue
             own = state
@@ -106,14 +106,14 @@ class MergedDrafter:
                 states = None if any(s is None for _, s in held) else sum((s for _, s in held[1:]), held[0][1])
                 own = replace(state, new_hidden=torch.cat([h for h, _ in held]), new_states=states)  # [A, D]
                 self._pending[k] = []
-            self._drafts.append(d.draft(own))
+            self.part_drafts.append(d.draft(own))
         # 2. merge
-        return merge_drafts([d for d in self._drafts if d is not None])
+        return merge_drafts([d for d in self.part_drafts if d is not None])
 
     def update(self, draft: Draft, acceptance: Acceptance) -> None:
         # 3. each drafter that drafted hears the verdict on its own draft
         accepted = [int(draft.tokens[i]) for i in acceptance.path[1:]] + [acceptance.bonus]
-        for k, (d, own) in enumerate(zip(self.drafters, self._drafts)):
+        for k, (d, own) in enumerate(zip(self.drafters, self.part_drafts)):
             if own is None:
                 self._accepted[k] = 0
                 continue
