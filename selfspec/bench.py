@@ -170,8 +170,10 @@ def draft_method(spec: str, revision: str | None = None) -> Method:
 
 
 def _runner(method: Method, target: Target, tokenizer: Any, model_name: str,
-            repetition_penalty: float | None = None) -> SpecModel:
-    tree = registry.resolve_tree(method.tree, method.draft, target, model_name) if method.tree else None
+            repetition_penalty: float | None = None, tree_spec: str | None = None) -> SpecModel:
+    """tree_spec: the --tree to decode with, if not ``method.tree`` (what its 'auto' stands for in this run)."""
+    tree_spec = tree_spec or method.tree
+    tree = registry.resolve_tree(tree_spec, method.draft, target, model_name) if tree_spec else None
     drafter = registry.build_drafter(method.draft, target, tree) if method.draft is not None else NoDrafter()
     return SpecModel(target, tokenizer, drafter, name=model_name, repetition_penalty=repetition_penalty)
 
@@ -297,7 +299,11 @@ def run_bench(cfg: BenchConfig) -> specbench.Summary:
     for dname in dtypes:
         model, tokenizer = load_model(cfg.model, dtype=parse_dtype(dname), revision=cfg.revision, device=cfg.device)
         target = Target(model)
-        runners[dname] = {m.label: _runner(m, target, tokenizer, cfg.model, cfg.repetition_penalty) for m in methods}
+        runners[dname] = {}
+        for m in methods:  # DRAFT@auto: tune-tree's choice when the run first met it, kept for the whole run
+            tree = m.tree if m.tree != "auto" else log.auto_tree(
+                m.label, dname, lambda: registry.resolve_tree("auto", m.draft, target, cfg.model).spec)
+            runners[dname][m.label] = _runner(m, target, tokenizer, cfg.model, cfg.repetition_penalty, tree)
     # 3. warm-up (every resumed segment too: a fresh process is cold)
     if cfg.warmup_tokens:
         warm = Question(questions[0].question_id, questions[0].category, questions[0].turns[:1])

@@ -1,7 +1,7 @@
 """A bench run's log on disk, so a run of hours that is interrupted resumes where it was and loses nothing.
 
-    out_dir/run.json       what the run measures (model, questions, methods, dtypes, tokens, repeats) and when each
-                           segment of it ran; written atomically
+    out_dir/run.json       what the run measures (model, questions, methods, dtypes, tokens, repeats, the tree each
+                           DRAFT@auto stands for) and when each segment of it ran; written atomically
     out_dir/answers.jsonl  one line per finished (method, dtype, question): the answer with its token ids, appended and
                            fsync'ed as soon as it exists; a line cut short by a kill is dropped on resume
 
@@ -15,13 +15,14 @@ import json
 import os
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from selfspec.specbench import Answer
 
 MANIFEST = "run.json"
 LOG = "answers.jsonl"
-SEGMENTS = "segments"  # the one manifest key that may differ between segments of one run
+SEGMENTS = "segments"  # when and where each segment of the run ran: differs between segments
+AUTO_TREES = "auto_trees"  # {method label: {dtype name: --tree}}: what DRAFT@auto resolved to when the run first met it
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -55,7 +56,7 @@ class BenchLog:
                 raise FileExistsError(
                     f"{out_dir} already holds a bench run ({len(finished)} answers logged): pass --resume to continue "
                     f"it, or choose another --out-dir (or delete {out_dir} to start over)")
-            changed = {k: (old.get(k), manifest.get(k)) for k in {*old, *manifest} - {SEGMENTS}
+            changed = {k: (old.get(k), manifest.get(k)) for k in {*old, *manifest} - {SEGMENTS, AUTO_TREES}
                        if old.get(k) != manifest.get(k)}
             if changed:
                 lines = "; ".join(f"{k}: the run has {was!r}, this command {now!r}" for k, (was, now) in sorted(changed.items()))
@@ -63,11 +64,24 @@ class BenchLog:
                                  f"same options to continue it, or choose another --out-dir")
             done = finished
             segments = old.get(SEGMENTS, [])
+            auto = old.get(AUTO_TREES, {})
+        else:
+            auto = {}
         out_dir.mkdir(parents=True, exist_ok=True)
-        log = cls(out_dir, {**manifest, SEGMENTS: [*segments, segment]}, done)
+        log = cls(out_dir, {**manifest, AUTO_TREES: auto, SEGMENTS: [*segments, segment]}, done)
         atomic_write(path, json.dumps(log.manifest, indent=1) + "\n")
         atomic_write(out_dir / LOG, "".join(_line(k, a) for k, a in done.items()))  # drops a torn last line
         return log
+
+    def auto_tree(self, method: str, dtype: str, resolve: Callable[[], str]) -> str:
+        """The --tree that ``method``'s 'auto' stands for in ``dtype`` in this run: the one recorded when the run first
+        resolved it (a resumed run keeps measuring the tree it started with, even if tune-tree has chosen another
+        since), else ``resolve()``, recorded now."""
+        trees = self.manifest[AUTO_TREES].setdefault(method, {})
+        if dtype not in trees:
+            trees[dtype] = resolve()
+            atomic_write(self.out_dir / MANIFEST, json.dumps(self.manifest, indent=1) + "\n")
+        return trees[dtype]
 
     def has(self, method: str, dtype: str, question_id: Any) -> bool:
         return (method, dtype, question_id) in self.done

@@ -28,7 +28,7 @@ from selfspec.early_exit import EarlyExitDrafter, check_exit_layer
 from selfspec.generate import generate
 from selfspec.layerskip import PartialModelDrafter
 from selfspec.layerskip_search import CALIBRATION_PROMPTS, Measurement, calibration_inputs, measure, search_skip_layers
-from selfspec.models import DEFAULT_MODEL, load_model
+from selfspec.models import DEFAULT_MODEL, load_model, parse_dtype
 from selfspec.target import Target
 
 
@@ -88,11 +88,11 @@ def format_exit_rows(rows: Sequence[ExitRow]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------- CLIs
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, dtype_help: str = "the dtype decoding will use (default: %(default)s)") -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="target model (default: the built-in %(default)s)")
     p.add_argument("--revision", default=None, help="Hub revision of --model")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    p.add_argument("--dtype", default="bfloat16", help="the dtype decoding will use (default: %(default)s)")
+    p.add_argument("--dtype", default="bfloat16", help=dtype_help)
     p.add_argument("--prompts", type=int, default=None, help="how many calibration prompts (default: 4 of the 8 "
                    "built-in ones, or all of --prompts-file)")
     p.add_argument("--prompts-file", default=None, help="calibrate on prompts like your own workload's instead of the "
@@ -241,7 +241,8 @@ def build_tune_parser() -> argparse.ArgumentParser:
                                 "cost against tree size is measured once per model, dtype and machine (cached), the "
                                 "accepted lengths at every budget come from greedy decoding of calibration prompts. "
                                 "The best is cached for --tree auto.")
-    _common(p)
+    _common(p, dtype_help="the dtype decoding will use, or several, comma-separated (fp32,bf16: each tuned and cached "
+            "in turn, as infer.py bench --dtype fp32,bf16 decodes; default: %(default)s)")
     p.add_argument("--draft", required=True, help="the draft checkpoint whose dynamic tree to tune: an EAGLE head, "
                    "Medusa or Hydra heads, an exit head or a layer-skip config; or a merged draft such as "
                    "'ngram+DIR+skip_after=3', whose checkpoint part is tuned with the other parts drafting beside it "
@@ -256,12 +257,6 @@ def build_tune_parser() -> argparse.ArgumentParser:
 
 
 def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
-    from heads.drafter import MedusaDrafter
-    from heads.eagle_drafter import EagleDrafter
-    from heads.hydra_drafter import HydraDrafter
-    from selfspec import budget
-    from selfspec.tree import DynamicTree
-
     a = _parse(build_tune_parser(), argv)
     merge = registry.parse_draft(a.draft, a.draft_revision)
     spec = registry.tree_part(merge) if merge.parts else merge  # the part whose budget is tuned
@@ -271,8 +266,24 @@ def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
                          f"heads); {spec.text}{within} is a {spec.kind!r} draft")
     depths = [int(x) for x in a.depths.split(",")]
     budgets = [int(x) for x in a.budgets.split(",")]
+    dtypes = [d.strip() for d in a.dtype.split(",")]
+    for d in dtypes:
+        parse_dtype(d)  # an unknown dtype fails before anything loads
     _check_drafts(a.model, [a.draft], a.revision, a.allow_other_base, a.draft_revision)
-    model, tokenizer = load_model(a.model, dtype=a.dtype, revision=a.revision, device=a.device)
+    return max(_tune_one(a, merge, spec, dtype, depths, budgets, out) for dtype in dtypes)
+
+
+def _tune_one(a: argparse.Namespace, merge, spec, dtype: str, depths: list[int], budgets: list[int],
+              out: TextIO) -> int:
+    """tune-tree in one dtype: load the target in it, calibrate, print the table, cache the best. Returns 0, or 1 when
+    the machine was too busy to cache the result."""
+    from heads.drafter import MedusaDrafter
+    from heads.eagle_drafter import EagleDrafter
+    from heads.hydra_drafter import HydraDrafter
+    from selfspec import budget
+    from selfspec.tree import DynamicTree
+
+    model, tokenizer = load_model(a.model, dtype=dtype, revision=a.revision, device=a.device)
     target = Target(model)
     drafter = registry.build_drafter(spec, target)
     if isinstance(drafter, EagleDrafter):
@@ -313,7 +324,7 @@ def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
                              merged=budget.merge_stamp(merge, spec) if merge.parts else None)
     b = tuning.best
     within = f" inside {a.draft}" if merge.parts else ""
-    out.write(f"{a.model} {a.dtype}, {a.prompts} calibration prompts{_source(a)} x {a.max_new_tokens} tokens, one-token step "
+    out.write(f"{a.model} {dtype}, {a.prompts} calibration prompts{_source(a)} x {a.max_new_tokens} tokens, one-token step "
               f"{tuning.plain_ms:.1f} ms (this run's verifications: {tuning.verify_ratio:.2f}x the cached costs):\n"
               f"{budget.format_tuning(tuning)}\n\nbest: --tree dynamic:{b.budget},depth="
               f"{b.depth}{within} (mean accepted {b.accepted:.2f}, predicted {b.tokens_per_s:.1f} tokens/s); cached "

@@ -223,6 +223,11 @@ def to_markdown(summary: Summary) -> str:
                   f"{sampling['top_k']}{min_p}; every method's turn seeded alike from seed {sampling['seed']}): lossless "
                   f"sampling draws from the target's own distribution, not the same tokens as plain sampling, so "
                   f"answers are not compared token for token.")
+    auto = summary.meta.get("auto_trees") or {}
+    if auto:
+        intro += (" `@auto`: the tree `infer.py tune-tree` had chosen for this machine when the run started (kept on "
+                  "resume): " + "; ".join(f"{label} {tree} ({dtype})" for label, trees in auto.items()
+                                          for dtype, tree in trees.items()) + ".")
     rows = lambda category: (_line(r, greedy) for r in summary.rows if r.category == category)  # noqa: E731
     lines = [intro, "", "### overall", "", *header, *rows("overall")]
     for category in dict.fromkeys(r.category for r in summary.rows if r.category != "overall"):

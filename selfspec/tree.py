@@ -262,3 +262,12 @@ class DynamicTree:
         if self.budget < 1 or self.max_rank < 1 or (self.depth is not None and self.depth < 1):
             raise ValueError(f"a dynamic tree needs budget >= 1, max_rank >= 1 and depth >= 1 (or none), found "
                              f"{self.budget}, {self.max_rank}, {self.depth}")
+
+    @property
+    def spec(self) -> str:
+        """The --tree string that gives this rule back ('dynamic:24,depth=4'; 'dynamic:24,depth=4,max_rank=4' is not
+        a --tree form, so a rule of another max_rank has none)."""
+        if self.max_rank != DynamicTree.max_rank:
+            raise ValueError(f"a dynamic tree with max_rank={self.max_rank} has no --tree form (--tree dynamic:N takes "
+                             f"the top {DynamicTree.max_rank} candidates per depth)")
+        return f"dynamic:{self.budget}" + (f",depth={self.depth}" if self.depth is not None else "")

@@ -265,6 +265,52 @@ def test_an_interrupted_run_resumes_where_it_stopped(model_dir, tmp_path, monkey
     assert json.loads((out / "summary.json").read_text())["meta"]["n_questions"] == 3
 
 
+def test_draft_at_auto_keeps_the_tree_the_run_started_with_across_a_resume(model_dir, tmp_path, monkeypatch, capsys):
+    """DRAFT@auto is resolved once per run and dtype and recorded in run.json: when tune-tree chooses another tree
+    between two segments, the resumed segment still decodes with the first one (a run measures one thing); a new run
+    takes the new choice. The summary says which tree @auto stood for."""
+    from selfspec import budget
+    from selfspec.tree import DynamicTree
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(budget, "BUSY", float("inf"))  # cache the tuning even beside other work on the cores
+    heads = tiny_chat_model.build_heads(model_dir, tmp_path / "heads")
+    assert cli.main(["tune-tree", "--model", str(model_dir), "--draft", str(heads), "--dtype", "fp32", "--depths", "2",
+                     "--budgets", "2,6", "--prompts", "2", "--max-new-tokens", "8", "--no-progress"]) == 0
+    tuned = next((tmp_path / "cache").rglob("tree-*.json"))
+    first = json.loads(tuned.read_text())["best"]
+    first_spec = f"dynamic:{first['budget']},depth={first['depth']}"
+    questions = write_questions(tmp_path / "q.jsonl", QUESTIONS)
+    argv = ["bench", "--model", str(model_dir), "--questions", str(questions), "--methods", f"plain,{heads}@auto",
+            "--dtype", "fp32", "--max-new-tokens", "8", "--warmup-tokens", "0", "--no-progress"]
+
+    real, trees = bench.answer_question, []
+
+    def dies_at_the_third(runner, method, question, *args):
+        if method.label == "heads@auto":
+            trees.append(runner.drafter.dynamic)
+        if len(trees) == 2 and method.label == "heads@auto" and not (tmp_path / "cut" / "twice").exists():
+            (tmp_path / "cut" / "twice").touch()
+            raise KeyboardInterrupt
+        return real(runner, method, question, *args)
+
+    monkeypatch.setattr(bench, "answer_question", dies_at_the_third)
+    out = tmp_path / "cut"
+    assert cli.main([*argv, "--out-dir", str(out)]) == 130
+    assert json.loads((out / "run.json").read_text())["auto_trees"] == {"heads@auto": {"float32": first_spec}}
+    # tune-tree chooses another tree meanwhile
+    other = {**first, "budget": first["budget"] + 3, "depth": 1}
+    tuned.write_text(json.dumps({**json.loads(tuned.read_text()), "best": other}))
+    assert cli.main([*argv, "--out-dir", str(out), "--resume"]) == 0
+    assert set(trees) == {DynamicTree(first["budget"], depth=first["depth"])} and len(trees) == 4
+    assert json.loads((out / "run.json").read_text())["auto_trees"] == {"heads@auto": {"float32": first_spec}}
+    assert f"heads@auto {first_spec} (float32)" in (out / "summary.md").read_text()
+    trees.clear()
+    assert cli.main([*argv, "--out-dir", str(tmp_path / "new")]) == 0  # a new run: the new choice
+    assert set(trees) == {DynamicTree(other["budget"], depth=1)}
+    capsys.readouterr()
+
+
 def test_resume_refuses_a_run_that_measured_something_else(model_dir, tmp_path, monkeypatch, capsys):
     questions = write_questions(tmp_path / "q.jsonl", QUESTIONS[:1])
     argv = ["bench", "--model", str(model_dir), "--questions", str(questions), "--methods", "plain",

@@ -278,6 +278,31 @@ def test_tune_tree_tunes_a_layer_skip_draft_for_tree_auto(model_dir, tmp_path, m
         api.load(str(model_dir), draft=str(ckpt), tree="auto", dtype="bfloat16")
 
 
+def test_tune_tree_tunes_every_dtype_of_a_list_as_bench_decodes_them(model_dir, tmp_path, monkeypatch, capsys):
+    """--dtype fp32,bf16 tunes and caches each dtype in turn (what `infer.py bench --dtype fp32,bf16` with DRAFT@auto
+    needs); a list naming an unknown dtype is refused before any model loads."""
+    from selfspec import api, cli
+    from selfspec.layerskip import LayerSkipConfig
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(budget, "BUSY", float("inf"))  # cache the tuning even beside other work on the cores
+    ckpt = tmp_path / "skip"
+    LayerSkipConfig(base_model="model", num_hidden_layers=2, skip_layers=(1,), draft_depth=3).save(ckpt)
+    common = ["--model", str(model_dir), "--draft", str(ckpt), "--depths", "2", "--budgets", "2,6", "--prompts", "2",
+              "--max-new-tokens", "8", "--no-progress"]
+    assert cli.main(["tune-tree", *common, "--dtype", "fp32,fp8"]) == 2
+    assert "unknown dtype 'fp8'" in capsys.readouterr().err
+    assert not (tmp_path / "cache" / "tuning").exists()  # refused before the fp32 tuning ran
+    assert cli.main(["tune-tree", *common, "--dtype", "fp32,bf16"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("best: --tree dynamic:") == 2 and " fp32, " in printed and " bf16, " in printed
+    dtypes = {json.loads(f.read_text())["key"]["dtype"] for f in (tmp_path / "cache").rglob("tree-*.json")}
+    assert dtypes == {"torch.float32", "torch.bfloat16"}
+    for dtype in ("float32", "bfloat16"):
+        assert isinstance(api.load(str(model_dir), draft=str(ckpt), tree="auto", dtype=dtype).drafter.dynamic,
+                          DynamicTree)
+
+
 # ------------------------------------------------------------------------------------------ the budget inside a merge
 def test_merged_at_cuts_the_tuned_part_and_keeps_the_other_parts_whole():
     scores = torch.tensor([0.0, -0.1, -2.0, -0.3])  # the head's root, a=1 (depth 1), b=2 (1), a->c=3 (2)
