@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence, TextIO
 
@@ -246,7 +246,8 @@ def build_tune_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", required=True, help="the draft checkpoint whose dynamic tree to tune: an EAGLE head, "
                    "Medusa or Hydra heads, an exit head or a layer-skip config; or a merged draft such as "
                    "'ngram+DIR+skip_after=3', whose checkpoint part is tuned with the other parts drafting beside it "
-                   "(cached for that merge; --tree auto on the merge prefers it to the part's own tuning)")
+                   "(cached for that merge; --tree auto on the merge prefers it to the part's own tuning), and the "
+                   "merge tuned for every skip_after besides its own (1, 2, 3, 4, 6, never; each cached)")
     p.add_argument("--draft-revision", default=None, help="Hub revision of a --draft checkpoint (each revision is "
                    "tuned on its own; --tree auto with the same --draft-revision uses it)")
     p.add_argument("--depths", default="3,4,5,6,8", help="depths to try, comma-separated (default: %(default)s)")
@@ -303,13 +304,18 @@ def _tune_one(a: argparse.Namespace, merge, spec, dtype: str, depths: list[int],
                         "an exit head or a layer-skip draft")
     curve = budget.cached_verify_costs(target, a.model, refresh=a.refresh_costs, progress=not a.no_progress)
     prompts = _calibration(a, tokenizer, target.device)
+    variants: dict[int | None, registry.DraftSpec] = {}  # a merge: the same merge with each skip_after tuned
     if merge.parts:  # the part's budget with the other parts drafting beside it, each depth's merge built afresh
         tuned = merge.parts.index(spec)
 
         def make_parts(d: int, n: int):
             return [make(d, n) if k == tuned else registry.build_drafter(p, target) for k, p in enumerate(merge.parts)]
-        tuning = budget.tune_merged(target, make_parts, tuned, merge.config.get("skip_after"), prompts, curve, depths,
-                                    budgets, a.max_new_tokens, progress=not a.no_progress)
+        own_skip = merge.config.get("skip_after")
+        variants = {k: replace(merge, config={} if k is None else {"skip_after": k})
+                    for k in dict.fromkeys([own_skip, *budget.SKIPS])}
+        tunings = budget.tune_merged(target, make_parts, tuned, prompts, curve, depths, budgets, list(variants),
+                                     a.max_new_tokens, progress=not a.no_progress)
+        tuning = tunings[own_skip]
     else:
         tuning = budget.tune(target, make, prompts, curve, depths, budgets, a.max_new_tokens,
                              progress=not a.no_progress)
@@ -329,4 +335,15 @@ def _tune_one(a: argparse.Namespace, merge, spec, dtype: str, depths: list[int],
               f"{budget.format_tuning(tuning)}\n\nbest: --tree dynamic:{b.budget},depth="
               f"{b.depth}{within} (mean accepted {b.accepted:.2f}, predicted {b.tokens_per_s:.1f} tokens/s); cached "
               f"in {path} for --draft {a.draft} --tree auto\n")
+    if variants:  # every skip_after's best, each cached for its own merge
+        for k, variant in variants.items():
+            if k != own_skip:
+                budget.save_tuned(spec.location, target, a.model, tunings[k], a.draft_revision,
+                                  merged=budget.merge_stamp(variant, spec))
+        out.write(f"\n{budget.format_skips(tunings, own_skip)}\n")
+        fastest = max(tunings, key=lambda k: tunings[k].best.tokens_per_s)
+        gain = tunings[fastest].best.tokens_per_s / b.tokens_per_s
+        if fastest != own_skip and gain > 1.01:
+            out.write(f"\npredicted {gain:.2f}x faster than {a.draft}: --draft {variants[fastest].text} --tree auto "
+                      f"(its tree is cached too)\n")
     return 0

@@ -22,6 +22,7 @@ Shapes: N nodes of the merged tree, N_k nodes of drafter k's tree.
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import Sequence
 
@@ -83,6 +84,7 @@ class MergedDrafter:
                                  "did while drafting), so it cannot share a tree with other drafters; use it alone")
         self.drafters, self.skip_after = list(drafters), skip_after
         self.part_drafts: list[Draft | None] = []  # this step's draft of each drafter, None where it sat out
+        self.part_seconds: list[float] = []  # this step's time in each drafter (its draft and its update)
         self._accepted = [0] * len(self.drafters)  # each drafter's own tokens accepted at the previous step
         # (new_hidden [A_j, D], new_states or None) held for drafters that sat out
         self._pending: list[list[tuple[torch.Tensor, LayerStates | None]]] = [[] for _ in self.drafters]
@@ -92,7 +94,7 @@ class MergedDrafter:
         if state.starts_request:
             self._accepted, self._pending = [0] * len(self.drafters), [[] for _ in self.drafters]
         # 1. draft: each drafter, unless an earlier one is copying a span
-        self.part_drafts = []
+        self.part_drafts, self.part_seconds = [], [0.0] * len(self.drafters)
         for k, d in enumerate(self.drafters):
             if self.skip_after is not None and any(a >= self.skip_after for a in self._accepted[:k]):
                 if state.new_hidden is not None:
@@ -106,7 +108,9 @@ class MergedDrafter:
                 states = None if any(s is None for _, s in held) else sum((s for _, s in held[1:]), held[0][1])
                 own = replace(state, new_hidden=torch.cat([h for h, _ in held]), new_states=states)  # [A, D]
                 self._pending[k] = []
+            t0 = time.perf_counter()
             self.part_drafts.append(d.draft(own))
+            self.part_seconds[k] += time.perf_counter() - t0
         # 2. merge
         return merge_drafts([d for d in self.part_drafts if d is not None])
 
@@ -117,6 +121,8 @@ class MergedDrafter:
             if own is None:
                 self._accepted[k] = 0
                 continue
+            t0 = time.perf_counter()
             verdict = restrict(accepted, own)
             self._accepted[k] = verdict.num_accepted_drafts
             d.update(own, verdict)
+            self.part_seconds[k] += time.perf_counter() - t0

@@ -307,25 +307,65 @@ def test_tune_tree_tunes_every_dtype_of_a_list_as_bench_decodes_them(model_dir, 
 def test_merged_at_cuts_the_tuned_part_and_keeps_the_other_parts_whole():
     scores = torch.tensor([0.0, -0.1, -2.0, -0.3])  # the head's root, a=1 (depth 1), b=2 (1), a->c=3 (2)
     own = (scores, (0, 1, 1, 2), [(), (1,), (2,), (1, 3)])
-    lookup = frozenset({(5,), (5, 6)})  # prompt lookup drafted 5 -> 6
-    copying = budget.MergedStep(own=own, others=lookup, accepted=(5, 6, 9))  # it was right: 5, 6, then the bonus 9
-    assert budget.merged_at(copying, 1, 2) == (3, 4)  # both of its tokens + the bonus; root + 5, 6 + a
-    head_right = budget.MergedStep(own=own, others=lookup, accepted=(1, 3, 7))  # the head was: a, c, bonus 7
-    assert budget.merged_at(head_right, 1, 2) == (2, 4)  # a only
-    assert budget.merged_at(head_right, 3, 2) == (3, 6)  # a, c (b too, not accepted)
-    assert budget.merged_at(head_right, 3, 1) == (2, 5)  # depth 1: a, b
-    shared = budget.MergedStep(own=own, others=frozenset({(1,), (1, 3)}), accepted=(1, 3, 7))
-    assert budget.merged_at(shared, 3, 2) == (3, 4)  # a path both drafted is verified once
-    odd = budget.MergedStep(own=(torch.tensor([0.0, -0.1, -2.0, -0.05]), *own[1:]), others=lookup, accepted=(1, 3, 7))
-    assert budget.merged_at(odd, 1, 2) == (3, 5)  # a child scored above its parent brings the parent into the trie
-    resting = budget.MergedStep(own=None, others=lookup, accepted=(5, 6, 9))  # the head sat out (skip_after)
-    assert budget.merged_at(resting, 1, 2) == budget.merged_at(resting, 64, 4) == (3, 3)
+    lookup = (frozenset({(5,), (5, 6)}),)  # prompt lookup (the merge's first part) drafted 5 -> 6; the head is second
+
+    def at(step, budget_, depth, resting=frozenset()):
+        cut = budget.merged_at(step, budget_, depth, resting)
+        return cut.gained, cut.nodes
+
+    copying = budget.MergedStep(own=own, others=lookup, accepted=(5, 6, 9), tuned=1)  # it was right: 5, 6, bonus 9
+    assert budget.merged_at(copying, 1, 2) == (3, 4, (2, 0), frozenset())  # both + the bonus; root + 5, 6 + a
+    head_right = budget.MergedStep(own=own, others=lookup, accepted=(1, 3, 7), tuned=1)  # the head was: a, c, bonus 7
+    assert budget.merged_at(head_right, 1, 2) == (2, 4, (0, 1), frozenset())  # a only
+    assert at(head_right, 3, 2) == (3, 6)  # a, c (b too, not accepted)
+    assert at(head_right, 3, 1) == (2, 5)  # depth 1: a, b
+    shared = budget.MergedStep(own=own, others=(frozenset({(1,), (1, 3)}),), accepted=(1, 3, 7), tuned=1)
+    assert budget.merged_at(shared, 3, 2).own == (2, 2)  # both drafted the accepted path...
+    assert at(shared, 3, 2) == (3, 4)  # ...verified once
+    odd = budget.MergedStep(own=(torch.tensor([0.0, -0.1, -2.0, -0.05]), *own[1:]), others=lookup, accepted=(1, 3, 7),
+                            tuned=1)
+    assert at(odd, 1, 2) == (3, 5)  # a child scored above its parent brings the parent into the trie
+    assert budget.merged_at(copying, 64, 2, frozenset({1})) == (3, 3, (2, 0), frozenset({1}))  # the head sat out
+    assert at(head_right, 3, 2, frozenset({0})) == (3, 4)  # prompt lookup sat out: the head's nodes only
 
 
-def test_recorded_merge_predicts_what_the_merge_with_a_smaller_head_budget_accepts_and_verifies(setup):
-    """Prompt lookup and an EAGLE head merged: at the first drafted step of each prompt (the same state in both runs),
-    the big-budget recording cut to budget N predicts exactly the tokens a real merge with an N-node head gains and the
-    size of the tree it verifies (the trie of both drafts: shared paths once)."""
+def test_merged_run_rests_a_part_after_an_earlier_part_had_skip_after_tokens_accepted():
+    """MergedDrafter's rule replayed: a part sits out the step after an earlier part had >= skip_after of its own
+    tokens accepted (in the replayed verdict, not the recorded one), never at a request's first step; its nodes leave
+    that step's trie and its drafting time is what tuning takes off."""
+    own = (torch.tensor([0.0, -0.1]), (0, 1), [(), (1,)])  # the head always drafts the token 1
+    lookup = (frozenset({(5,), (5, 6)}),)
+
+    def step(accepted, starts=False):
+        return budget.MergedStep(own=own, others=lookup, accepted=accepted, tuned=1, starts=starts, part_ms=(0.5, 4.0))
+
+    steps = [step((5, 6, 9), starts=True), step((1, 2)), step((5, 6, 9)), step((5, 9), starts=True), step((5, 6, 9))]
+    rests = [c.resting for c in budget.merged_run(steps, 4, 2, skip_after=2)]
+    # lookup had 2 accepted at step 0 -> the head rests at step 1 (and the 1 it would have drafted is not accepted);
+    # lookup had 0 at step 1 -> the head drafts at 2; 2 again at step 2, but step 3 starts a request; 1 at 3
+    assert rests == [frozenset(), frozenset({1}), frozenset(), frozenset(), frozenset()]
+    assert [c.gained for c in budget.merged_run(steps, 4, 2, skip_after=2)] == [3, 1, 3, 2, 3]
+    assert [c.gained for c in budget.merged_run(steps, 4, 2, skip_after=None)] == [3, 2, 3, 2, 3]
+    assert [c.resting for c in budget.merged_run(steps, 4, 2, skip_after=1)][4] == frozenset({1})
+    # the prediction: verify of each replayed tree at its size, plus the rest of a step less the resting part's time
+    curve = {1: 10.0, 2: 12.0, 4: 14.0}
+    choice = budget.merged_choice(steps, 4, 2, 2, curve, ratio=0.5, other_ms=6.0)
+    sizes = [c.nodes for c in budget.merged_run(steps, 4, 2, 2)]
+    assert sizes == [4, 3, 4, 4, 4]  # root + 5, 6 + the head's 1 (resting at step 1: root + 5, 6)
+    assert choice.step_ms == pytest.approx(0.5 * (4 * 14.0 + 13.0) / 5 + 6.0 - 4.0 / 5)
+    assert (choice.accepted, choice.nodes, choice.resting) == (12 / 5, 19 / 5, 1 / 5)
+    # the head listed first: prompt lookup (now second) rests after the head had tokens accepted
+    first = [budget.MergedStep(own=own, others=lookup, accepted=a, tuned=0, starts=i == 0)
+             for i, a in enumerate([(1, 2), (5, 6, 9)])]
+    assert [c.gained for c in budget.merged_run(first, 4, 2, skip_after=1)] == [2, 1]
+
+
+def test_recorded_merge_predicts_what_the_merge_with_a_smaller_head_budget_and_a_skip_after_accepts(setup):
+    """Prompt lookup and an EAGLE head merged, recorded with both drafting every step at a big budget: replayed with a
+    smaller head budget and skip_after (``merged_run``), it predicts exactly, step for step, the tokens a real merge
+    with them gains, the size of the tree it verifies (the trie of both drafts: shared paths once) and the steps where
+    the head sits out, for as long as the real run stands where the recording stood (until a step accepts less)."""
+    from selfspec.generate import stream
     from selfspec.merge import MergedDrafter
     from selfspec.ngram import NGramDrafter
 
@@ -336,19 +376,28 @@ def test_recorded_merge_predicts_what_the_merge_with_a_smaller_head_budget_accep
         return [NGramDrafter(depth=4, max_nodes=6), EagleDrafter(head, 4, 3, n)]
 
     prompts = random_prompts(12, VOCAB, seed=4)
-    looked_up = 0
-    for small in (1, 3, 6):
-        predicted, real = [], []
+    compared = rested = 0
+    for small, skip in ((16, 1), (16, 2), (6, 2), (3, None), (1, 1)):
         for p in prompts:
-            recorder = budget._MergedRecorder(parts(16), tuned=1, skip_after=2)
-            generate(target, recorder, p, max_new_tokens=8)
-            step = recorder.steps[0]
-            looked_up += bool(step.others)
-            predicted.append(budget.merged_at(step, small, 4))
-            out = generate(target, MergedDrafter(parts(small), skip_after=2), p, max_new_tokens=8)
-            real.append((len(out.steps[1].tokens), out.steps[1].tree_size))
-        assert predicted == real, small
-    assert max(g for g, _ in real) > 1 and looked_up  # drafts are accepted, and prompt lookup drafts too
+            recorder = budget._MergedRecorder(parts(16), tuned=1)
+            recorded = generate(target, recorder, p, max_new_tokens=32)
+            cuts = budget.merged_run(recorder.steps, small, 4, skip)
+            real_drafter = MergedDrafter(parts(small), skip_after=skip)
+            real, real_rested = [], []
+            for n, s in enumerate(stream(target, real_drafter, p, max_new_tokens=32)):
+                if n:  # after the prefill, each step as it is yielded: this step's part drafts are still held
+                    real.append((len(s.tokens), s.tree_size))
+                    real_rested.append(real_drafter.part_drafts[1] is None)
+            recorded_gains = [len(s.tokens) for s in recorded.steps[1:]]
+            for i, (cut, (gained, nodes), resting) in enumerate(zip(cuts, real, real_rested)):
+                if sum(g for g, _ in real[:i]) != sum(recorded_gains[:i]):
+                    break  # the real run stands elsewhere from here on
+                if 1 + sum(g for g, _ in real[:i]) + 4 >= 32:
+                    break  # near max_new_tokens the loop cuts the tree to the tokens still wanted
+                assert (cut.gained, cut.nodes, 1 in cut.resting) == (gained, nodes, resting), (small, skip, i)
+                compared += 1
+                rested += resting
+    assert compared > 100 and rested > 5  # many steps compared, some of them with the head sitting out
 
 
 def test_tune_tree_tunes_a_draft_inside_a_merge_and_tree_auto_prefers_that_tuning(model_dir, tmp_path, monkeypatch,
@@ -376,10 +425,16 @@ def test_tune_tree_tunes_a_draft_inside_a_merge_and_tree_auto_prefers_that_tunin
     assert cli.main(["tune-tree", *common, "--draft", merge, "--budgets", "2,6"]) == 0
     printed = capsys.readouterr().out
     assert "| merged tree nodes |" in printed and f"inside {merge}" in printed
-    tuned = [json.loads(f.read_text())["best"] for f in (tmp_path / "cache").rglob("tree-*.json")]
-    inside = next(b for b in tuned if b["nodes"] is not None)
-    assert len(tuned) == 2 and inside["budget"] in (2, 6) and inside["nodes"] > 1
+    assert "| skip_after | best tree |" in printed and "| 2 (this merge) | dynamic:" in printed and "| never |" in printed
+    files = [json.loads(f.read_text()) for f in (tmp_path / "cache").rglob("tree-*.json")]
+    merges = {f["key"].get("merged"): f["best"] for f in files}
+    assert len(files) == 1 + 6 and set(merges) == {None, *("ngram:depth=4,max_nodes=6+*" + ("" if k is None else f"+skip_after={k}")
+                                                           for k in (1, 2, 3, 4, 6, None))}
+    inside = merges["ngram:depth=4,max_nodes=6+*+skip_after=2"]
+    assert inside["budget"] in (2, 6) and inside["nodes"] > 1
     assert load(merge).drafters[1].dynamic == DynamicTree(inside["budget"], depth=2)
+    four = merges["ngram:depth=4,max_nodes=6+*+skip_after=4"]  # every skip_after was tuned from the same recording
+    assert load(merge.replace("skip_after=2", "skip_after=4")).drafters[1].dynamic == DynamicTree(four["budget"], depth=2)
     assert load(str(ckpt)).dynamic == DynamicTree(3, depth=2)
     assert load(other_merge).drafters[1].dynamic == DynamicTree(3, depth=2)  # not tuned in: the part's own
     assert cli.main(["tune-tree", *common, "--draft", "ngram:depth=4+ngram"]) == 2  # no part to tune
