@@ -110,6 +110,11 @@ def test_parse_tree(tmp_path):
     f.write_text("[[0], [1]]")
     assert registry.parse_tree(str(f)) == Tree.from_choices([(0,), (1,)])
     assert registry.parse_tree("dynamic:24") == DynamicTree(24)
+    for rule in (DynamicTree(24), DynamicTree(8, depth=2)):  # what bench records for DRAFT@auto parses back
+        assert registry.parse_tree(rule.spec) == rule
+    assert DynamicTree(8, depth=2).spec == "dynamic:8,depth=2"
+    with pytest.raises(ValueError, match="max_rank=4 has no --tree form"):
+        DynamicTree(8, max_rank=4).spec
     with pytest.raises(ValueError, match="bad --tree 'dynamic:0'.*budget >= 1"):
         registry.parse_tree("dynamic:0")
     with pytest.raises(ValueError, match="unknown --tree 'medusa63'.*'chain:K'"):
