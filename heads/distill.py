@@ -86,7 +86,8 @@ def regenerate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, conve
 
     Turn by turn, the prompts of all ``conversations`` are answered in batches of ``cfg.batch_size`` by length, so
     each batch pads little (a short prompt batched with a long one waits through the long one's prefill and attends
-    over its padding). ``progress(n)``: n more conversations are finished.
+    over its padding). ``progress(n)``: n more user turns are answered (or dropped with their conversation, when a
+    prompt grows past ``cfg.max_prompt_length``).
     """
     stop = [tokenizer.eos_token_id] + list(_as_list(model.generation_config.eos_token_id))
     stop = sorted({t for t in stop if t is not None})
@@ -102,7 +103,6 @@ def regenerate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, conve
     users = [[m["content"] for m in conv if m["role"] == "user"] for conv in conversations]
     new = [[m] if m["role"] == "system" else [] for m in (conv[0] for conv in conversations)]
     active = [True] * len(conversations)
-    progress(sum(not u for u in users))  # nothing to answer
     for turn in range(max((len(u) for u in users), default=0)):
         pending = []  # (conversation index, prompt ids)
         for i, conv_users in enumerate(users):
@@ -113,7 +113,7 @@ def regenerate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, conve
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(ids) > cfg.max_prompt_length:
                 active[i] = False
-                progress(1)
+                progress(len(conv_users) - turn)  # this turn and the later ones are never answered
                 continue
             pending.append((i, ids))
         pending.sort(key=lambda item: len(item[1]))  # stable: equal lengths keep the conversations' order
@@ -121,7 +121,7 @@ def regenerate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, conve
             chunk = pending[start : start + cfg.batch_size]
             for (i, _), reply in zip(chunk, _generate(model, tokenizer, [ids for _, ids in chunk], gen)):
                 new[i] += [{"role": "user", "content": users[i][turn]}, {"role": "assistant", "content": reply}]
-            progress(sum(turn == len(users[i]) - 1 for i, _ in chunk))
+            progress(len(chunk))
     return new
 
 
@@ -176,8 +176,9 @@ def distill(
     _check_manifest(out, manifest)
     done = [s for s in range(n_shards) if _shard_dir(out, s).exists()]
     written = 0
-    bar = tqdm(total=len(conversations), initial=min(len(done) * cfg.shard_size, len(conversations)),
-               desc="distilling", unit="conv")
+    turns = [sum(m["role"] == "user" for m in conv) for conv in conversations["messages"]]  # replies to write
+    bar = tqdm(total=sum(turns), initial=sum(sum(turns[k * cfg.shard_size : (k + 1) * cfg.shard_size]) for k in done),
+               desc="distilling", unit="reply")  # over replies, not conversations: one-turn conversations finish first
     for s in range(n_shards):
         if _shard_dir(out, s).exists():
             continue

@@ -88,7 +88,7 @@ def test_sampled_resumed_run_equals_uninterrupted_run(model, tok, source, tmp_pa
 
 def test_a_shards_prompts_are_batched_by_length_turn_by_turn(model, tok):
     """Each generate call gets prompts of neighbouring lengths (the shortest first), every reply still lands in its own
-    conversation (equal to answering it alone), and progress counts each conversation once, when it is finished."""
+    conversation (equal to answering it alone), and progress counts each reply as its batch is answered."""
     from heads.distill import regenerate
 
     convs = [[{"role": "user", "content": "x" * n}, {"role": "assistant", "content": "-"}] for n in (40, 1, 30, 2, 20, 3)]
@@ -110,12 +110,27 @@ def test_a_shards_prompts_are_batched_by_length_turn_by_turn(model, tok):
                                 add_special_tokens=False)["input_ids"]) for c in convs)
     assert [n for call in calls[:3] for n in call] == first_turn  # by length: 3 calls of 2
     assert len(calls) == 4 and len(calls[3]) == 1  # the second turn of the one two-turn conversation
-    assert finished == [0, 1, 2, 2, 1]  # the two-turn conversation (in the first call) finishes last
+    assert finished == [2, 2, 2, 1]  # 7 replies: 3 calls of 2, then the second turn
     for conv, out in zip(convs, got):
         for i, m in enumerate(out):
             if m["role"] == "assistant":
                 assert m["content"] == greedy_reply(model, tok, out[:i], 3)
     assert [m["content"] for m in got[1] if m["role"] == "user"] == ["x", "and then?"]
+
+
+def test_a_conversation_whose_prompt_grows_too_long_ends_there_and_its_turns_count_as_done(model, tok):
+    from heads.distill import regenerate
+
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "-"},
+            {"role": "user", "content": "y" * 60}, {"role": "assistant", "content": "-"},
+            {"role": "user", "content": "z"}, {"role": "assistant", "content": "-"}]
+    first = len(tok(tok.apply_chat_template(conv[:1], tokenize=False, add_generation_prompt=True),
+                    add_special_tokens=False)["input_ids"])
+    finished = []
+    [got] = regenerate(model, tok, [conv], DistillConfig(max_new_tokens=2, max_prompt_length=first + 10),
+                       progress=finished.append)
+    assert [m["role"] for m in got] == ["user", "assistant"] and got[0]["content"] == "hi"
+    assert finished == [1, 2]  # the first reply; then the long turn and the one after it, never answered
 
 
 def test_resuming_with_other_settings_is_refused(model, tok, source, tmp_path):
