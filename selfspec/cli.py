@@ -163,7 +163,10 @@ def build_costs_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--loop-prompts", type=int, default=4,
                    help="MT-bench first turns decoded with --loop-draft to measure the loop's overhead (0 = skip)")
-    p.add_argument("--loop-draft", default="ngram", help="the draft used for the overhead measurement")
+    p.add_argument("--loop-draft", default="ngram",
+                   help="the draft used for the overhead measurement: as --draft, or 'DRAFT@TREE' with a --tree value "
+                        "(e.g. runs/medusa-smollm2/heads@dynamic:4,depth=2 or HEADS@auto), as bench --methods takes it "
+                        "(default: %(default)s)")
     p.add_argument("--loop-tokens", type=int, default=64, help="new tokens per overhead prompt")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -306,7 +309,9 @@ def run_costs_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
 
     a = build_costs_parser().parse_args(argv)
     sizes = tuple(int(s) for s in _split(a.sizes))
-    draft = registry.parse_draft(a.loop_draft)
+    from selfspec.bench import draft_method
+
+    loop = draft_method(a.loop_draft)  # 'DRAFT' or 'DRAFT@TREE', checked before any model loads
     questions = specbench.load_questions(DEFAULT_QUESTIONS, per_category=1)[: a.loop_prompts] if a.loop_prompts else []
     for dtype in _split(a.dtype):
         model, tokenizer = load_model(a.model, dtype=dtype, revision=a.revision, device=a.device)
@@ -315,7 +320,8 @@ def run_costs_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
         costs = verify_costs(target, sizes=sizes, context=a.context, repeats=a.repeats, progress=not a.no_progress)
         out.write(format_costs(costs) + "\n")
         if questions:
-            drafter = registry.build_drafter(draft, target)
+            tree = registry.resolve_tree(loop.tree, loop.draft, target, a.model) if loop.tree else None
+            drafter = registry.build_drafter(loop.draft, target, tree)
             spec_model = api.SpecModel(target, tokenizer, drafter, a.model)
             prompts = [spec_model.encode(q.turns[0]) for q in questions]
             loop_overhead(target, drafter, prompts[:1], max_new_tokens=8)  # warm-up

@@ -125,6 +125,23 @@ def test_costs_subcommand(model_dir, capsys):
     assert len(overhead) == 2 and all("% overhead" in line for line in overhead)
 
 
+def test_costs_measures_the_loop_with_a_drafts_own_tree_or_another(model_dir, tmp_path, capsys, monkeypatch):
+    from selfspec import registry
+
+    heads = tiny_chat_model.build_heads(model_dir, tmp_path / "heads")
+    trees, build = [], registry.build_drafter
+    monkeypatch.setattr(registry, "build_drafter", lambda spec, target, tree=None: trees.append(tree) or
+                        build(spec, target, tree))
+    for draft in (str(heads), f"{heads}@chain:2"):
+        assert cli.main(["costs", "--model", str(model_dir), "--sizes", "1", "--context", "8", "--repeats", "1",
+                         "--loop-prompts", "1", "--loop-tokens", "8", "--loop-draft", draft, "--no-progress"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert any(x.startswith(f"loop with --draft {draft} over 1 prompts") for x in lines)
+    assert trees == [None, registry.parse_tree("chain:2")]  # the checkpoint's own tree, then the one asked for
+    assert cli.main(["costs", "--model", str(model_dir), "--loop-draft", f"{heads}@chain:x"]) == 2
+    assert "chain" in capsys.readouterr().err and len(trees) == 2  # a bad tree fails before the model loads
+
+
 class InterruptAfter(io.StringIO):
     def __init__(self, pieces: int):
         super().__init__()
