@@ -26,6 +26,11 @@ the replayed previous step says it would, its nodes left out of that step's trie
 A replayed step keeps its recorded position in the text, so a smaller tree's shorter accepts do not shift the later
 steps; the prediction is exact step for step until the first step that accepts less than the recording did.
 
+Prompt lookup (``--draft ngram``, ``tune_lookup``) has no scores, but its trie under ``max_nodes`` is the first
+``max_nodes`` nodes it inserts: one decode at the largest depth and node count records each step's text, and every
+(depth, max_nodes) is replayed by drafting again on that text (a fraction of a millisecond), its accepted length the
+recorded accepted tokens its trie holds, its cost the verify of the trie's own size.
+
 Shapes: N tree nodes.
 """
 
@@ -49,6 +54,7 @@ from selfspec.costs import verify_costs
 from selfspec.drafter import Draft, Drafter, DraftState, NoDrafter
 from selfspec.generate import generate
 from selfspec.merge import MergedDrafter
+from selfspec.ngram import NGramDrafter
 from selfspec.tree import DynamicTree
 
 log = logging.getLogger(__name__)
@@ -288,6 +294,37 @@ class _MergedRecorder:
             tuned=self.tuned, starts=self._starts, part_ms=tuple(1000 * t for t in self.merged.part_seconds)))
 
 
+class _LookupRecorder:
+    """Wraps prompt lookup; keeps each step's text so far [T] and the tokens the step added (accepted drafts, bonus)."""
+
+    def __init__(self, inner: NGramDrafter):
+        self.inner = inner
+        self.steps: list[tuple[torch.Tensor, TokenPath]] = []
+        self._tokens: torch.Tensor | None = None
+
+    def draft(self, state: DraftState) -> Draft:
+        self._tokens = state.tokens
+        return self.inner.draft(state)
+
+    def update(self, draft: Draft, acceptance: Acceptance) -> None:
+        accepted = tuple(int(draft.tokens[i]) for i in acceptance.path[1:]) + (acceptance.bonus,)
+        self.steps.append((self._tokens, accepted))
+
+
+def lookup_at(tokens: torch.Tensor, accepted: TokenPath, lookup: NGramDrafter) -> tuple[int, int]:
+    """A recorded step replayed with prompt lookup at other options: the tokens it gains and the nodes it verifies,
+    the root included. tokens [T]; accepted: the recorded step's accepted drafts and bonus, the target's next tokens.
+
+    The trie gains the known next tokens it holds, plus a bonus. A smaller trie is not always inside the recorded one
+    (shorter continuations leave room for more of them), so it can hold the recorded bonus too: then it gains at least
+    len(accepted) + 1, and what the target says after that is not recorded (counted as the bonus)."""
+    trie = lookup.trie(tokens)
+    paths: list[TokenPath] = [()]
+    for i in range(1, len(trie)):
+        paths.append(paths[trie.parents[i]] + (trie.tokens[i],))
+    return _held(accepted, set(paths[1:])) + 1, len(trie)
+
+
 @dataclass(frozen=True)
 class Choice:
     depth: int
@@ -298,7 +335,7 @@ class Choice:
     """predicted ms per step: verify of budget + 1 nodes (in a merge: of each step's merged tree) + the measured rest
     of a step at this depth."""
     nodes: float | None = None
-    """in a merge: the merged tree's mean size with its root (alone it is budget + 1)."""
+    """in a merge, or for prompt lookup: the tree's mean size with its root (a tuned head alone: budget + 1)."""
     resting: float = 0.0
     """in a merge: the share of steps the tuned part sits out (skip_after)."""
 
@@ -322,8 +359,9 @@ class Tuning:
         return self.verify_ratio > BUSY
 
 
-def _calibrate(target, make_recorder: Callable[[int], _Recorder | _MergedRecorder], prompts: Sequence[torch.Tensor],
-               curve: dict[int, float], depths: Sequence[int], max_new_tokens: int, progress: bool):
+def _calibrate(target, make_recorder: Callable[[int], _Recorder | _MergedRecorder | _LookupRecorder],
+               prompts: Sequence[torch.Tensor], curve: dict[int, float], depths: Sequence[int], max_new_tokens: int,
+               progress: bool):
     """One greedy decode of every prompt per depth through the recorder ``make_recorder(depth)``. Returns, per depth,
     (depth, the recorded steps, median ms of a step outside the verify), and the median over all steps of measured
     verify ms / the curve's at the same size."""
@@ -363,6 +401,31 @@ def tune(target, make_drafter: Callable[[int, int], Drafter], prompts: Sequence[
             table.append(Choice(depth=d, budget=n, accepted=acc, step_ms=ratio * interpolate(curve, n + 1) + other_ms))
     best = max(table, key=lambda c: c.tokens_per_s)
     return Tuning(best=best, plain_ms=ratio * curve[1], table=table, verify_ratio=ratio)
+
+
+def tune_lookup(target, lookup: NGramDrafter, prompts: Sequence[torch.Tensor], curve: dict[int, float],
+                depths: Sequence[int], budgets: Sequence[int], max_new_tokens: int = 64,
+                progress: bool = False) -> Tuning:
+    """``tune`` for prompt lookup: its depth and ``max_nodes`` (a Choice's budget), its other options as in ``lookup``.
+    One greedy decode at the largest depth and node count records each step's text; every (depth, max_nodes) is
+    replayed on it (``lookup_at``), its step's cost the verify of its own trie's size plus the recording's rest of a
+    step (prompt lookup's drafting costs little whatever its size)."""
+    def sized(d: int, n: int) -> NGramDrafter:
+        return NGramDrafter(lookup.max_ngram, lookup.min_ngram, depth=d, max_nodes=n, max_matches=lookup.max_matches)
+
+    big = sized(max(depths), max(budgets))
+    [(_, records, other_ms)], ratio = _calibrate(target, lambda d: _LookupRecorder(big), prompts, curve,
+                                                 [max(depths)], max_new_tokens, progress)
+    table = []
+    for d in depths:
+        for n in budgets:
+            cuts = [lookup_at(tokens, accepted, sized(d, n)) for tokens, accepted in records]
+            k = max(len(cuts), 1)
+            verify = sum(interpolate(curve, nodes) for _, nodes in cuts) / k
+            table.append(Choice(depth=d, budget=n, accepted=sum(g for g, _ in cuts) / k,
+                                step_ms=ratio * verify + other_ms, nodes=sum(nodes for _, nodes in cuts) / k))
+    return Tuning(best=max(table, key=lambda c: c.tokens_per_s), plain_ms=ratio * curve[1], table=table,
+                  verify_ratio=ratio)
 
 
 SKIPS = (1, 2, 3, 4, 6, None)
@@ -409,8 +472,8 @@ def merged_choice(steps: Sequence[MergedStep], budget: int, depth: int, skip_aft
 
 def format_tuning(t: Tuning) -> str:
     plain = 1000 / t.plain_ms
-    merged = t.best.nodes is not None
-    lines = ["| depth | budget |" + (" merged tree nodes |" if merged else "") + " mean accepted | predicted ms / step "
+    merged = t.best.nodes is not None  # a merge or prompt lookup: trees of varying size
+    lines = ["| depth | budget |" + (" mean tree nodes |" if merged else "") + " mean accepted | predicted ms / step "
              "| predicted tokens/s | vs one-token step |", "|---:|---:|" + ("---:|" if merged else "") + "---:|---:|---:|---:|"]
     for c in sorted(t.table, key=lambda c: (c.depth, c.budget)):
         mark = " **best**" if c == t.best else ""
@@ -421,8 +484,8 @@ def format_tuning(t: Tuning) -> str:
         lines += ["", f"warning: no tree is predicted to beat one-token decoding here (best {t.best.tokens_per_s:.1f} "
                       f"against {plain:.1f} tokens/s): on this machine and dtype, verifying several tokens costs more "
                       f"than this draft gets accepted. Try another --dtype (wide verification is nearly free where "
-                      f"decoding is memory-bound, e.g. bf16 on CPUs with AMX), or decode without this draft (--draft "
-                      f"none, or ngram)"]
+                      f"decoding is memory-bound, e.g. bf16 on CPUs with AMX), or decode with another draft or none "
+                      f"(--draft none)"]
     return "\n".join(lines)
 
 
@@ -488,18 +551,35 @@ def merge_stamp(spec, tuned) -> str:
             return "*"
         if p.location:
             return f"{p.kind}@{draft_stamp(p.location, p.revision)}"
-        options = ",".join(f"{k}={v}" for k, v in sorted(p.config.items()))  # sorted: one name however they were given
-        return f"{p.kind}:{options}" if options else p.kind
+        return with_options(p.kind, p.config)
 
     parts = [name(p) for p in spec.parts]
     return "+".join(parts + [f"{k}={v}" for k, v in spec.config.items()])
 
 
+def with_options(kind: str, config: dict) -> str:
+    """A draft kind with its options as --draft spells them, sorted: "ngram:depth=6,max_nodes=8"."""
+    options = ",".join(f"{k}={v}" for k, v in sorted(config.items()))  # sorted: one name however they were given
+    return f"{kind}:{options}" if options else kind
+
+
+TUNED_LOOKUP = ("depth", "max_nodes")
+"""prompt lookup's options that ``tune_lookup`` tunes (its budget and depth)."""
+
+
+def lookup_name(spec) -> str:
+    """Prompt lookup (a DraftSpec of kind 'ngram') as tuned and cached: 'ngram' with the options it keeps as given,
+    'ngram:max_matches=4'; the tuned ones (``TUNED_LOOKUP``) left out."""
+    return with_options(spec.kind, {k: v for k, v in spec.config.items() if k not in TUNED_LOOKUP})
+
+
 def tuned_key(draft_location: str, target, model_id: str, revision: str | None = None,
               merged: str | None = None) -> dict:
-    """merged: the ``merge_stamp`` of the merge the draft was tuned in (None: tuned alone)."""
-    return {"draft": draft_stamp(draft_location, revision), **({"merged": merged} if merged else {}),
-            **machine_key(target, model_id)}
+    """draft_location: a checkpoint, or prompt lookup's ``lookup_name``; merged: the ``merge_stamp`` of the merge the
+    draft was tuned in (None: tuned alone)."""
+    lookup = draft_location == "ngram" or draft_location.startswith("ngram:")  # never a checkpoint (registry.parse_draft)
+    return {"draft": draft_location if lookup else draft_stamp(draft_location, revision),
+            **({"merged": merged} if merged else {}), **machine_key(target, model_id)}
 
 
 def save_tuned(draft_location: str, target, model_id: str, tuning: Tuning, revision: str | None = None,

@@ -22,13 +22,14 @@ from typing import Sequence, TextIO
 import torch
 from tqdm import tqdm
 
-from selfspec import hf, registry
+from selfspec import budget, hf, registry
 from selfspec.drafter import NoDrafter, verifier_for
 from selfspec.early_exit import EarlyExitDrafter, check_exit_layer
 from selfspec.generate import generate
 from selfspec.layerskip import PartialModelDrafter
 from selfspec.layerskip_search import CALIBRATION_PROMPTS, Measurement, calibration_inputs, measure, search_skip_layers
 from selfspec.models import DEFAULT_MODEL, load_model, parse_dtype
+from selfspec.ngram import NGramDrafter
 from selfspec.target import Target
 
 
@@ -244,7 +245,9 @@ def build_tune_parser() -> argparse.ArgumentParser:
     _common(p, dtype_help="the dtype decoding will use, or several, comma-separated (fp32,bf16: each tuned and cached "
             "in turn, as infer.py bench --dtype fp32,bf16 decodes; default: %(default)s)")
     p.add_argument("--draft", required=True, help="the draft checkpoint whose dynamic tree to tune: an EAGLE head, "
-                   "Medusa or Hydra heads, an exit head or a layer-skip config; or a merged draft such as "
+                   "Medusa or Hydra heads, an exit head or a layer-skip config; prompt lookup ('ngram', or with "
+                   "options other than depth and max_nodes, which are what it tunes; calibrate it with --prompts-file "
+                   "on prompts like your workload's); or a merged draft such as "
                    "'ngram+DIR+skip_after=3', whose checkpoint part is tuned with the other parts drafting beside it "
                    "(cached for that merge; --tree auto on the merge prefers it to the part's own tuning), and the "
                    "merge tuned for every skip_after besides its own (1, 2, 3, 4, 6, never; each cached)")
@@ -261,10 +264,14 @@ def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
     a = _parse(build_tune_parser(), argv)
     merge = registry.parse_draft(a.draft, a.draft_revision)
     spec = registry.tree_part(merge) if merge.parts else merge  # the part whose budget is tuned
-    if spec.kind not in registry.TUNABLE_KINDS:
+    if spec.kind == "ngram" and not merge.parts:  # prompt lookup alone: its depth and max_nodes
+        if given := [k for k in budget.TUNED_LOOKUP if k in spec.config]:
+            raise ValueError(f"tune-tree tunes prompt lookup's {' and '.join(budget.TUNED_LOOKUP)}; --draft {a.draft} "
+                             f"sets {' and '.join(given)}: drop {'them' if len(given) > 1 else 'it'}")
+    elif spec.kind not in registry.TUNABLE_KINDS:
         within = f" (the part of {a.draft} that --tree applies to)" if merge.parts else ""
         raise ValueError(f"tune-tree tunes drafts that grow their tree by score ({', '.join(registry.TUNABLE_KINDS)} "
-                         f"heads); {spec.text}{within} is a {spec.kind!r} draft")
+                         f"heads) and prompt lookup alone (ngram); {spec.text}{within} is a {spec.kind!r} draft")
     depths = [int(x) for x in a.depths.split(",")]
     budgets = [int(x) for x in a.budgets.split(",")]
     dtypes = [d.strip() for d in a.dtype.split(",")]
@@ -281,13 +288,15 @@ def _tune_one(a: argparse.Namespace, merge, spec, dtype: str, depths: list[int],
     from heads.drafter import MedusaDrafter
     from heads.eagle_drafter import EagleDrafter
     from heads.hydra_drafter import HydraDrafter
-    from selfspec import budget
     from selfspec.tree import DynamicTree
 
     model, tokenizer = load_model(a.model, dtype=dtype, revision=a.revision, device=a.device)
     target = Target(model)
     drafter = registry.build_drafter(spec, target)
-    if isinstance(drafter, EagleDrafter):
+    location = spec.location
+    if isinstance(drafter, NGramDrafter):
+        location = budget.lookup_name(spec)
+    elif isinstance(drafter, EagleDrafter):
         def make(d: int, n: int):
             return EagleDrafter(drafter.head, d, drafter.topk, n)
     elif isinstance(drafter, (MedusaDrafter, HydraDrafter)):  # dynamic trees over the heads (depth <= their number)
@@ -301,7 +310,7 @@ def _tune_one(a: argparse.Namespace, merge, spec, dtype: str, depths: list[int],
             return PartialModelDrafter(target, drafter.replace, DynamicTree(n, depth=d), drafter.stop_below)
     else:
         raise TypeError(f"{a.draft} built a {type(drafter).__name__}; tune-tree expected EAGLE, Medusa or Hydra heads, "
-                        "an exit head or a layer-skip draft")
+                        "an exit head, a layer-skip draft or prompt lookup")
     curve = budget.cached_verify_costs(target, a.model, refresh=a.refresh_costs, progress=not a.no_progress)
     prompts = _calibration(a, tokenizer, target.device)
     variants: dict[int | None, registry.DraftSpec] = {}  # a merge: the same merge with each skip_after tuned
@@ -316,6 +325,9 @@ def _tune_one(a: argparse.Namespace, merge, spec, dtype: str, depths: list[int],
         tunings = budget.tune_merged(target, make_parts, tuned, prompts, curve, depths, budgets, list(variants),
                                      a.max_new_tokens, progress=not a.no_progress)
         tuning = tunings[own_skip]
+    elif isinstance(drafter, NGramDrafter):
+        tuning = budget.tune_lookup(target, drafter, prompts, curve, depths, budgets, a.max_new_tokens,
+                                    progress=not a.no_progress)
     else:
         tuning = budget.tune(target, make, prompts, curve, depths, budgets, a.max_new_tokens,
                              progress=not a.no_progress)
@@ -326,15 +338,20 @@ def _tune_one(a: argparse.Namespace, merge, spec, dtype: str, depths: list[int],
                   f"a loaded machine is not the one to decode with on a quiet one. Run tune-tree "
                   f"again with nothing else running (or with --refresh-costs if the machine itself changed)\n")
         return 1
-    path = budget.save_tuned(spec.location, target, a.model, tuning, a.draft_revision,
+    path = budget.save_tuned(location, target, a.model, tuning, a.draft_revision,
                              merged=budget.merge_stamp(merge, spec) if merge.parts else None)
     b = tuning.best
     within = f" inside {a.draft}" if merge.parts else ""
+    best = (f"--draft {budget.with_options('ngram', {**spec.config, 'depth': b.depth, 'max_nodes': b.budget})}"
+            if isinstance(drafter, NGramDrafter) else f"--tree dynamic:{b.budget},depth={b.depth}{within}")
     out.write(f"{a.model} {dtype}, {a.prompts} calibration prompts{_source(a)} x {a.max_new_tokens} tokens, one-token step "
               f"{tuning.plain_ms:.1f} ms (this run's verifications: {tuning.verify_ratio:.2f}x the cached costs):\n"
-              f"{budget.format_tuning(tuning)}\n\nbest: --tree dynamic:{b.budget},depth="
-              f"{b.depth}{within} (mean accepted {b.accepted:.2f}, predicted {b.tokens_per_s:.1f} tokens/s); cached "
-              f"in {path} for --draft {a.draft} --tree auto\n")
+              f"{budget.format_tuning(tuning)}\n\nbest: {best} (mean accepted {b.accepted:.2f}, predicted "
+              f"{b.tokens_per_s:.1f} tokens/s); cached in {path} for --draft {a.draft} --tree auto\n")
+    if isinstance(drafter, NGramDrafter) and not a.prompts_file:
+        out.write("note: prompt lookup gains where the text repeats what came before, and the built-in calibration "
+                  "prompts are generic requests that hold little to copy: tune it on prompts like your workload's "
+                  "(--prompts-file)\n")
     if variants:  # every skip_after's best, each cached for its own merge
         for k, variant in variants.items():
             if k != own_skip:

@@ -50,9 +50,10 @@ def _draft_args(p: argparse.ArgumentParser) -> None:
                    help="candidate tree for checkpoint drafts (default: the checkpoint's own): 'chain:K', "
                         "'full:3,2,1' (children per level), JSON choices '[[0],[0,0],[1]]', a .json file of them, "
                         "'dynamic:N' or 'dynamic:N,depth=D' (heads, early exit, exit heads, layer skipping: N nodes chosen each "
-                        "step by cumulative draft probability), or 'auto' (EAGLE, Medusa and Hydra heads, exit heads, "
-                        "layer-skip configs: the budget and depth infer.py tune-tree measured fastest on this "
-                        "machine); for --draft A+B, the tree of its first trained checkpoint")
+                        "step by cumulative draft probability; prompt lookup: its trie's max_nodes and depth), or 'auto' "
+                        "(EAGLE, Medusa and Hydra heads, exit heads, layer-skip configs, prompt lookup: the budget and "
+                        "depth infer.py tune-tree measured fastest on this machine); for --draft A+B, the tree of its "
+                        "first trained checkpoint")
     p.add_argument("--dtype", default="float32", help="float32/fp32 (default), bfloat16/bf16 or float16/fp16")
     p.add_argument("--allow-other-base", action="store_true",
                    help="accept a draft checkpoint whose base_model names another model (e.g. a local copy of it)")

@@ -41,9 +41,11 @@ class NGramDrafter:
                     return found
         return found
 
-    def draft(self, state: DraftState) -> Draft:
-        trie = TokenTrie(int(state.tokens[-1]))
-        for cont in self.continuations(state.tokens):
+    def trie(self, tokens: torch.Tensor) -> TokenTrie:
+        """The continuations of ``continuations(tokens)`` merged into a trie under the root tokens[-1], in order, until
+        it holds ``max_nodes`` drafts. tokens [T]."""
+        trie = TokenTrie(int(tokens[-1]))
+        for cont in self.continuations(tokens):
             node = 0
             for tok in cont:
                 nxt = trie.child(node, tok)
@@ -52,6 +54,10 @@ class NGramDrafter:
                         break
                     nxt = trie.add(node, tok)
                 node = nxt
+        return trie
+
+    def draft(self, state: DraftState) -> Draft:
+        trie = self.trie(state.tokens)
         return Draft(tree=trie.tree(), tokens=torch.tensor(trie.tokens, dtype=torch.long, device=state.tokens.device))
 
     def update(self, draft: Draft, acceptance: Acceptance) -> None:

@@ -291,9 +291,17 @@ def resolve_tree(tree: str | Tree | DynamicTree | None, spec: DraftSpec, target:
                                         f"{spec.text} ...`") from None
         return resolve_tree(tree, part, target, model_id)
     if tree == "auto":
+        if spec.kind == "ngram":  # prompt lookup's depth and max_nodes, tuned by tune_lookup
+            from selfspec.budget import TUNED_LOOKUP, load_tuned, lookup_name
+
+            if given := [k for k in TUNED_LOOKUP if k in spec.config]:
+                raise ValueError(f"--tree auto tunes prompt lookup's {' and '.join(TUNED_LOOKUP)}, and --draft "
+                                 f"{spec.text} sets {' and '.join(given)}: drop {'them' if len(given) > 1 else 'it'} "
+                                 "from --draft, or drop --tree auto")
+            return load_tuned(lookup_name(spec), target, model_id)
         if spec.kind not in TUNABLE_KINDS:
             raise ValueError(f"--tree auto is for drafts whose tree budget infer.py tune-tree can tune "
-                             f"({', '.join(TUNABLE_KINDS)}); --draft {spec.kind} takes a --tree of its own")
+                             f"({', '.join(TUNABLE_KINDS)}, ngram); --draft {spec.kind} takes a --tree of its own")
         from selfspec.budget import load_tuned
 
         return load_tuned(spec.location, target, model_id, spec.revision)
@@ -320,9 +328,16 @@ def build_drafter(spec: DraftSpec, target: Target, tree: Tree | DynamicTree | No
         takes_tree = tree_part(spec)
         return MergedDrafter([build_drafter(p, target, tree if p is takes_tree else None) for p in spec.parts],
                              skip_after=spec.config.get("skip_after"))
+    if spec.kind == "ngram" and isinstance(tree, DynamicTree):  # 'dynamic:N,depth=D' (or tuned): max_nodes N, depth D
+        sized = {"max_nodes": tree.budget, **({"depth": tree.depth} if tree.depth is not None else {})}
+        if clash := sorted(sized.keys() & spec.config.keys()):
+            raise ValueError(f"--tree {tree.spec} sizes prompt lookup's trie, and --draft {spec.text} sets "
+                             f"{' and '.join(clash)} too: give the size once")
+        return NGramDrafter(**spec.config, **sized)
     if spec.kind in ("none", "ngram"):
         if tree is not None:
-            hint = "ngram grows its own trie: size it with 'ngram:depth=8,max_nodes=24'" if spec.kind == "ngram" else ""
+            hint = ("ngram grows its own trie: size it with 'ngram:depth=8,max_nodes=24' or --tree dynamic:24,depth=8"
+                    if spec.kind == "ngram" else "")
             raise ValueError(f"--tree does not apply to --draft {spec.kind}; {hint or 'it drafts nothing'}")
         return NoDrafter() if spec.kind == "none" else NGramDrafter(**spec.config)
     if isinstance(tree, DynamicTree) and spec.kind not in DYNAMIC_TREE_KINDS:

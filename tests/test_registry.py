@@ -161,8 +161,11 @@ def test_tree_with_ngram_or_none_is_refused(model_dir):
     with pytest.raises(ValueError, match="--tree does not apply to --draft ngram.*ngram:depth=8"):
         api.load(str(model_dir), draft="ngram", tree="chain:3")
     assert isinstance(api.load(str(model_dir), draft="none").drafter, NoDrafter)
-    with pytest.raises(ValueError, match="--tree does not apply to --draft ngram"):
-        api.load(str(model_dir), draft="ngram", tree="dynamic:8")
+    sized = api.load(str(model_dir), draft="ngram:max_matches=2", tree="dynamic:8,depth=3").drafter  # trie size
+    assert (sized.max_nodes, sized.depth, sized.max_matches) == (8, 3, 2)
+    with pytest.raises(ValueError, match="--tree dynamic:8 sizes prompt lookup's trie, and --draft ngram:max_nodes=4 "
+                                         "sets max_nodes too: give the size once"):
+        api.load(str(model_dir), draft="ngram:max_nodes=4", tree="dynamic:8")
     grown = api.load(str(model_dir), draft="early-exit:layer=1", tree="dynamic:8").drafter  # depth: the drafter's 4
     assert (grown.dynamic, grown.tree) == (DynamicTree(8, depth=4), None)
 
