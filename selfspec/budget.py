@@ -567,6 +567,13 @@ TUNED_LOOKUP = ("depth", "max_nodes")
 """prompt lookup's options that ``tune_lookup`` tunes (its budget and depth)."""
 
 
+def check_untuned(spec, tuner: str) -> None:
+    """Prompt lookup given to ``tuner`` ('tune-tree', '--tree auto') may not set what the tuning chooses."""
+    if given := [k for k in TUNED_LOOKUP if k in spec.config]:
+        raise ValueError(f"{tuner} tunes prompt lookup's {' and '.join(TUNED_LOOKUP)}, and --draft {spec.text} sets "
+                         f"{' and '.join(given)}: drop {'them' if len(given) > 1 else 'it'} from --draft")
+
+
 def lookup_name(spec) -> str:
     """Prompt lookup (a DraftSpec of kind 'ngram') as tuned and cached: 'ngram' with the options it keeps as given,
     'ngram:max_matches=4'; the tuned ones (``TUNED_LOOKUP``) left out."""

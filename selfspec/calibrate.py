@@ -265,9 +265,7 @@ def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
     merge = registry.parse_draft(a.draft, a.draft_revision)
     spec = registry.tree_part(merge) if merge.parts else merge  # the part whose budget is tuned
     if spec.kind == "ngram" and not merge.parts:  # prompt lookup alone: its depth and max_nodes
-        if given := [k for k in budget.TUNED_LOOKUP if k in spec.config]:
-            raise ValueError(f"tune-tree tunes prompt lookup's {' and '.join(budget.TUNED_LOOKUP)}; --draft {a.draft} "
-                             f"sets {' and '.join(given)}: drop {'them' if len(given) > 1 else 'it'}")
+        budget.check_untuned(spec, "tune-tree")
     elif spec.kind not in registry.TUNABLE_KINDS:
         within = f" (the part of {a.draft} that --tree applies to)" if merge.parts else ""
         raise ValueError(f"tune-tree tunes drafts that grow their tree by score ({', '.join(registry.TUNABLE_KINDS)} "

@@ -292,12 +292,9 @@ def resolve_tree(tree: str | Tree | DynamicTree | None, spec: DraftSpec, target:
         return resolve_tree(tree, part, target, model_id)
     if tree == "auto":
         if spec.kind == "ngram":  # prompt lookup's depth and max_nodes, tuned by tune_lookup
-            from selfspec.budget import TUNED_LOOKUP, load_tuned, lookup_name
+            from selfspec.budget import check_untuned, load_tuned, lookup_name
 
-            if given := [k for k in TUNED_LOOKUP if k in spec.config]:
-                raise ValueError(f"--tree auto tunes prompt lookup's {' and '.join(TUNED_LOOKUP)}, and --draft "
-                                 f"{spec.text} sets {' and '.join(given)}: drop {'them' if len(given) > 1 else 'it'} "
-                                 "from --draft, or drop --tree auto")
+            check_untuned(spec, "--tree auto")
             return load_tuned(lookup_name(spec), target, model_id)
         if spec.kind not in TUNABLE_KINDS:
             raise ValueError(f"--tree auto is for drafts whose tree budget infer.py tune-tree can tune "

@@ -365,11 +365,11 @@ def test_tune_tree_tunes_prompt_lookups_depth_and_max_nodes_for_tree_auto(model_
     with pytest.raises(FileNotFoundError, match=r"no tuned tree for ngram on .*tune-tree --draft ngram "):
         api.load(str(model_dir), draft="ngram", tree="auto")  # other options: another draft, tuned on its own
     with pytest.raises(ValueError, match="--tree auto tunes prompt lookup's depth and max_nodes, and --draft "
-                                         "ngram:depth=3,max_matches=4 sets depth: drop it"):
+                                         "ngram:depth=3,max_matches=4 sets depth: drop it from --draft"):
         api.load(str(model_dir), draft="ngram:depth=3,max_matches=4", tree="auto")
     assert cli.main(["tune-tree", "--draft", "ngram:max_nodes=4", *common]) == 2
-    assert "tune-tree tunes prompt lookup's depth and max_nodes; --draft ngram:max_nodes=4 sets max_nodes: drop it" \
-        in capsys.readouterr().err
+    assert "tune-tree tunes prompt lookup's depth and max_nodes, and --draft ngram:max_nodes=4 sets max_nodes: drop " \
+           "it from --draft" in capsys.readouterr().err
 
 
 def test_tune_tree_tunes_every_dtype_of_a_list_as_bench_decodes_them(model_dir, tmp_path, monkeypatch, capsys):
