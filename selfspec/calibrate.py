@@ -97,24 +97,26 @@ def _common(p: argparse.ArgumentParser, dtype_help: str = "the dtype decoding wi
     p.add_argument("--prompts", type=int, default=None, help="how many calibration prompts (default: 4 of the 8 "
                    "built-in ones, or all of --prompts-file)")
     p.add_argument("--prompts-file", default=None, help="calibrate on prompts like your own workload's instead of the "
-                   "built-in generic requests: a text file, one prompt per line, or a .jsonl with a \"prompt\" string "
-                   "or Spec-Bench's \"turns\" (its first turn) per line. Drafts that copy (prompt lookup) gain most "
-                   "on prompts that hold text to copy, which the built-in ones do not")
+                   "built-in generic requests: a text file, one prompt per line, or a .jsonl with a \"prompt\" string, "
+                   "Spec-Bench's \"turns\" (its first turn) or chat \"messages\" (a conversation ending with the "
+                   "user turn to answer) per line. Drafts that copy (prompt lookup) gain most on prompts that hold "
+                   "text to copy, which the built-in ones do not")
     p.add_argument("--max-new-tokens", type=int, default=64, help="per prompt (default: %(default)s)")
     p.add_argument("--depth", type=int, default=4, help="draft tokens per step (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def read_prompts(path: str) -> list[str]:
-    """The prompts of a --prompts-file: one per non-blank line of a text file, or a .jsonl's "prompt" / first of
-    "turns" per line."""
+def read_prompts(path: str) -> list[str | list[dict[str, str]]]:
+    """The prompts of a --prompts-file: one per non-blank line of a text file, or per line of a .jsonl its "prompt", the
+    first of its Spec-Bench "turns", or its chat "messages" (a conversation up to the user turn to answer: later turns
+    of a chat quote and repeat earlier ones, which is what prompt lookup drafts from)."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise FileNotFoundError(f"--prompts-file {file} does not exist: expected a text file, one prompt per line, or "
-                                "a .jsonl with a \"prompt\" or \"turns\" field per line")
+                                "a .jsonl with a \"prompt\", \"turns\" or \"messages\" field per line")
     lines = [(n, line) for n, line in enumerate(file.read_text().splitlines(), 1) if line.strip()]
     if file.suffix != ".jsonl":
-        prompts = [line.strip() for _, line in lines]
+        prompts: list[str | list[dict[str, str]]] = [line.strip() for _, line in lines]
     else:
         prompts = []
         for n, line in lines:
@@ -122,15 +124,29 @@ def read_prompts(path: str) -> list[str]:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{file} line {n}: expected a JSON object, found {line[:60]!r} ({err})") from None
+            if isinstance(row, dict) and "messages" in row:
+                prompts.append(_messages(row["messages"], f"{file} line {n}"))
+                continue
             turns = row.get("turns") if isinstance(row, dict) else None
             text = row.get("prompt") if isinstance(row, dict) and "prompt" in row else (turns or [None])[0]
             if not isinstance(text, str) or not text.strip():
-                raise ValueError(f"{file} line {n}: expected a non-empty \"prompt\" string or \"turns\" list of "
-                                 f"strings, found {line[:60]!r}")
+                raise ValueError(f"{file} line {n}: expected a non-empty \"prompt\" string, \"turns\" list of "
+                                 f"strings or \"messages\" list, found {line[:60]!r}")
             prompts.append(text)
     if not prompts:
         raise ValueError(f"--prompts-file {file} holds no prompts (every line is blank)")
     return prompts
+
+
+def _messages(messages, where: str) -> list[dict[str, str]]:
+    """A chat prompt: {"role", "content"} strings, ending with the user turn to answer."""
+    ok = isinstance(messages, list) and messages and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
+    if not ok or messages[-1]["role"] != "user":
+        found = json.dumps(messages)[:80]
+        raise ValueError(f"{where}: expected \"messages\" as a list of {{\"role\", \"content\"}} strings ending "
+                         f"with a \"user\" turn (the one to answer), found {found}")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 def _parse(p: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:

@@ -40,17 +40,21 @@ CALIBRATION_PROMPTS = (
 
 
 def calibration_inputs(tokenizer: PreTrainedTokenizerBase, n: int = 4,
-                       texts: Sequence[str] = CALIBRATION_PROMPTS) -> list[torch.Tensor]:
-    """The first n of ``texts`` (default: the built-in calibration prompts) as token ids [T], through the chat
-    template when the tokenizer has one."""
+                       texts: Sequence[str | list[dict[str, str]]] = CALIBRATION_PROMPTS) -> list[torch.Tensor]:
+    """The first n of ``texts`` (default: the built-in calibration prompts; a text, or a chat's messages ending with
+    the user turn to answer) as token ids [T], through the chat template when the tokenizer has one."""
     if not 1 <= n <= len(texts):
         raise ValueError(f"the number of calibration prompts must be in 1..{len(texts)} (the prompts there are), "
                          f"found {n}")
     out = []
     for text in texts[:n]:
+        chat = text if isinstance(text, list) else [{"role": "user", "content": text}]
         if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+            ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
             ids = ids["input_ids"] if not isinstance(ids, list) else ids
+        elif isinstance(text, list):
+            raise ValueError("a calibration prompt given as chat messages needs a tokenizer with a chat template; "
+                             f"{type(tokenizer).__name__} has none: give plain-text prompts")
         else:
             ids = tokenizer(text)["input_ids"]
         out.append(torch.tensor(ids, dtype=torch.long))

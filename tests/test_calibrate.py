@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from conftest import reference
+from transformers import AutoTokenizer
 
 from heads.exit_head import ExitHead, ExitHeadConfig
 from selfspec import cli, registry
@@ -63,10 +64,16 @@ def test_calibration_prompts_come_from_a_file_of_the_users_own(model_dir, tmp_pa
     text = tmp_path / "mine.txt"
     text.write_text("Copy this list: a, b, c.\n\n  Repeat after me: hello world.  \n")
     rows = tmp_path / "mine.jsonl"
+    chat = [{"role": "user", "content": "List a, b."}, {"role": "assistant", "content": "a, b"},
+            {"role": "user", "content": "Again, reversed."}]
     rows.write_text(json.dumps({"question_id": 1, "turns": ["Summarise: the cat sat.", "Shorter."]}) + "\n"
-                    + json.dumps({"prompt": "Name three colours."}) + "\n")
+                    + json.dumps({"prompt": "Name three colours."}) + "\n" + json.dumps({"messages": chat}) + "\n")
     assert calibrate.read_prompts(str(text)) == ["Copy this list: a, b, c.", "Repeat after me: hello world."]
-    assert calibrate.read_prompts(str(rows)) == ["Summarise: the cat sat.", "Name three colours."]
+    assert calibrate.read_prompts(str(rows)) == ["Summarise: the cat sat.", "Name three colours.", chat]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    [ids] = calibrate.calibration_inputs(tokenizer, 1, [chat])  # a chat's messages: the whole conversation so far
+    whole = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert tokenizer.decode(ids) == whole and "a, b" in whole
 
     seen = []
     real = calibrate.calibration_inputs
@@ -74,8 +81,8 @@ def test_calibration_prompts_come_from_a_file_of_the_users_own(model_dir, tmp_pa
                         real(tok, n, texts))
     common = ["sweep-exit", "--model", str(model_dir), "--dtype", "float32", "--layers", "1", "--max-new-tokens", "4"]
     assert cli.main([*common, "--prompts-file", str(rows)]) == 0
-    assert seen[-1] == ["Summarise: the cat sat.", "Name three colours."]
-    assert f"2 calibration prompts from {rows} x 4 tokens" in capsys.readouterr().out
+    assert seen[-1] == ["Summarise: the cat sat.", "Name three colours.", chat]
+    assert f"3 calibration prompts from {rows} x 4 tokens" in capsys.readouterr().out
     assert cli.main([*common, "--prompts-file", str(text), "--prompts", "1"]) == 0
     assert seen[-1] == ["Copy this list: a, b, c."]
     assert cli.main([*common, "--prompts", "1"]) == 0
@@ -87,9 +94,14 @@ def test_calibration_prompts_come_from_a_file_of_the_users_own(model_dir, tmp_pa
     blank, bad = tmp_path / "blank.txt", tmp_path / "bad.jsonl"
     blank.write_text("\n  \n")
     bad.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"question": "no prompt here"}) + "\n")
+    answered = tmp_path / "answered.jsonl"  # a chat that ends with the assistant: nothing left to answer
+    answered.write_text(json.dumps({"messages": chat[:2]}) + "\n")
     for args, message in (([str(tmp_path / "none.txt")], "does not exist: expected a text file, one prompt per line"),
                           ([str(blank)], "holds no prompts (every line is blank)"),
-                          ([str(bad)], 'line 2: expected a non-empty "prompt" string or "turns" list of strings'),
+                          ([str(bad)], 'line 2: expected a non-empty "prompt" string, "turns" list of strings or '
+                                       '"messages" list'),
+                          ([str(answered)], 'line 1: expected "messages" as a list of {"role", "content"} strings '
+                                            'ending with a "user" turn (the one to answer), found [{"role": "user"'),
                           ([str(text), "--prompts", "3"], f"--prompts must be in 1..2 (the prompts {text} holds), "
                                                           "found 3")):
         assert cli.main([*common, "--prompts-file", *args]) == 2
