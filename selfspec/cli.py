@@ -304,14 +304,13 @@ def run_bench_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
 
 def run_costs_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
     out = out or sys.stdout
+    from selfspec.bench import draft_method
     from selfspec.costs import format_costs, loop_overhead, verify_costs
     from selfspec.models import load_model
     from selfspec.target import Target
 
     a = build_costs_parser().parse_args(argv)
     sizes = tuple(int(s) for s in _split(a.sizes))
-    from selfspec.bench import draft_method
-
     loop = draft_method(a.loop_draft)  # 'DRAFT' or 'DRAFT@TREE', checked before any model loads
     questions = specbench.load_questions(DEFAULT_QUESTIONS, per_category=1)[: a.loop_prompts] if a.loop_prompts else []
     for dtype in _split(a.dtype):
