@@ -362,6 +362,10 @@ def test_tune_tree_tunes_prompt_lookups_depth_and_max_nodes_for_tree_auto(model_
     drafter = api.load(str(model_dir), draft="ngram:max_matches=4", tree="auto").drafter
     assert isinstance(drafter, NGramDrafter)
     assert (drafter.depth, drafter.max_nodes, drafter.max_matches) == (best["depth"], best["budget"], 4)
+    assert cli.main(["--model", str(model_dir), "--draft", "ngram:max_matches=4", "--tree", "auto", "--prompt", "hi",
+                     "--max-new-tokens", "3"]) == 0  # the statistics name what auto stands for here
+    assert f"[selfspec ngram:max_matches=4 --tree auto: dynamic:{best['budget']},depth={best['depth']}] " \
+        in capsys.readouterr().err
     with pytest.raises(FileNotFoundError, match=r"no tuned tree for ngram on .*tune-tree --draft ngram "):
         api.load(str(model_dir), draft="ngram", tree="auto")  # other options: another draft, tuned on its own
     with pytest.raises(ValueError, match="--tree auto tunes prompt lookup's depth and max_nodes, and --draft "
