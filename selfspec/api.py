@@ -36,7 +36,7 @@ from selfspec.models import BUILTIN, DEFAULT_MODEL, _refuse_remote_code, load_mo
 from selfspec.sampling import PresencePenalty, Sampling
 from selfspec.stopping import stop_strings
 from selfspec.target import Target
-from selfspec.tree import Tree
+from selfspec.tree import DynamicTree, Tree
 
 Prompt = str | Sequence[dict[str, str]] | Sequence[int] | torch.Tensor
 """text (the chat template is applied when chat=True), a list of chat messages, or token ids."""
@@ -177,11 +177,13 @@ class SpecModel:
     """A target model, its tokenizer and a drafter; decoding is always lossless (exact acceptance)."""
 
     def __init__(self, target: Target, tokenizer: PreTrainedTokenizerBase, drafter: Drafter, name: str = "",
-                 repetition_penalty: float | None = None):
+                 repetition_penalty: float | None = None, tree: Tree | DynamicTree | None = None):
         """repetition_penalty: what ``stream`` / ``generate`` / ``generate_plain`` apply unless told otherwise; None
-        takes the model's generation config's, as ``model.generate`` does."""
+        takes the model's generation config's, as ``model.generate`` does. tree: the tree the drafter was built with
+        (``load``: the --tree, 'auto' as resolved on this machine), None for the draft's own."""
         # the drafter's own verifier where it has one (early exit: reuses the early layers' work from drafting)
         self.target, self.tokenizer, self.drafter, self.name = verifier_for(drafter, target), tokenizer, drafter, name
+        self.tree = tree
         self.model: PreTrainedModel = target.model
         model = target.model
         eos = model.generation_config.eos_token_id
@@ -449,4 +451,4 @@ def load(model: str = DEFAULT_MODEL, draft: str = "ngram", dtype: str | torch.dt
                                      trust_remote_code=trust_remote_code)
     target = Target(hf_model)
     tree_obj = registry.resolve_tree(tree, spec, target, model)
-    return SpecModel(target, tokenizer, registry.build_drafter(spec, target, tree_obj), name=model)
+    return SpecModel(target, tokenizer, registry.build_drafter(spec, target, tree_obj), name=model, tree=tree_obj)

@@ -185,7 +185,10 @@ TokenPath = tuple[int, ...]
 
 def token_paths(draft: Draft) -> list[TokenPath]:
     """Every node of ``draft`` as its token path, in node order. Shapes: N nodes -> N paths."""
-    ids, parents = draft.tokens.tolist(), draft.tree.parents
+    return _paths(draft.tree.parents, draft.tokens.tolist())
+
+
+def _paths(parents: Sequence[int], ids: Sequence[int]) -> list[TokenPath]:
     paths: list[TokenPath] = [()]
     for i in range(1, len(ids)):
         paths.append(paths[parents[i]] + (ids[i],))
@@ -319,10 +322,7 @@ def lookup_at(tokens: torch.Tensor, accepted: TokenPath, lookup: NGramDrafter) -
     (shorter continuations leave room for more of them), so it can hold the recorded bonus too: then it gains at least
     len(accepted) + 1, and what the target says after that is not recorded (counted as the bonus)."""
     trie = lookup.trie(tokens)
-    paths: list[TokenPath] = [()]
-    for i in range(1, len(trie)):
-        paths.append(paths[trie.parents[i]] + (trie.tokens[i],))
-    return _held(accepted, set(paths[1:])) + 1, len(trie)
+    return _held(accepted, set(_paths(trie.parents, trie.tokens)[1:])) + 1, len(trie)
 
 
 @dataclass(frozen=True)

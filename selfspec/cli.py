@@ -251,9 +251,7 @@ def run_decode(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
                      trust_remote_code=args.trust_remote_code)
     label = f"[selfspec {args.draft}]"
     if args.tree == "auto":  # name what it stands for on this machine (tune-tree's cached choice)
-        tree = registry.resolve_tree("auto", registry.parse_draft(args.draft, revision=args.draft_revision),
-                                     model.target, args.model)
-        label = f"[selfspec {args.draft} --tree auto: {tree.spec}]"
+        label = f"[selfspec {args.draft} --tree auto: {model.tree.spec}]"
     if args.prompt is not None:
         prompt = system + [{"role": "user", "content": args.prompt}] if system else args.prompt
         if args.compare:  # untimed warm-up of both paths, so neither timing pays for first-call set-up
