@@ -346,9 +346,10 @@ class SpecModel:
         if self.eos_token_id:  # the stop tokens selfspec uses (the tokenizer's where the generation config has none)
             kwargs["eos_token_id"] = self.eos_token_id
         # min-p, the stop strings and the minimum length as selfspec decodes with them, set on the generation config
-        # for the call: generate takes an argument of None (min_p=0, stop=[]) as "unset" and falls back to the config's
+        # for the call: generate takes an argument of None (min_p=0, stop=[]) as "unset" and falls back to the config's;
+        # min_length None, not 0 (min_new_tokens already counts it): a min_length beside min_new_tokens makes it warn
         with _set(self.model.generation_config, min_p=(min_p or None) if sample else None,
-                  stop_strings=list(r.stops) or None, min_length=0, min_new_tokens=r.min_new_tokens or None):
+                  stop_strings=list(r.stops) or None, min_length=None, min_new_tokens=r.min_new_tokens or None):
             t0 = time.perf_counter()
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), streamer=counter,
                                       pad_token_id=pad if pad is not None else (self.eos_token_id or [None])[0],

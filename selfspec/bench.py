@@ -85,6 +85,11 @@ class BenchConfig:
     """with sampling, every turn of every method is seeded with seed + 1000 * question_id + turn."""
     repetition_penalty: float | None = None
     """for every method, plain decoding included; None: the model's generation config's (as its generate)."""
+    stop: tuple[str, ...] | None = None
+    """stop strings for every method, plain decoding included (a turn ends after the token that completes one);
+    None: the model's generation config's stop_strings; (): none."""
+    min_new_tokens: int | None = None
+    """no end-of-sequence token before this many new tokens, for every method; None: the generation config's."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.repeats < 1 or self.warmup_tokens < 0:
@@ -102,6 +107,14 @@ class BenchConfig:
                              f"min_p {self.min_p}")
         if self.repetition_penalty is not None and not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0 (1.0 = off), found {self.repetition_penalty}")
+        if self.min_new_tokens is not None and not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be between 0 and max_new_tokens ({self.max_new_tokens}), found "
+                             f"{self.min_new_tokens}")
+
+    @property
+    def limits(self) -> dict[str, Any]:
+        """The stop strings and min_new_tokens every method is given (an empty dict: the generation config's)."""
+        return {k: v for k, v in (("stop", self.stop), ("min_new_tokens", self.min_new_tokens)) if v is not None}
 
     @property
     def sampling(self) -> dict[str, Any] | None:
@@ -179,10 +192,10 @@ def _runner(method: Method, target: Target, tokenizer: Any, model_name: str,
 
 
 def _run_once(runner: SpecModel, method: Method, ids: torch.Tensor, max_new_tokens: int,
-              sampling: dict[str, Any] | None) -> Result:
+              sampling: dict[str, Any] | None, limits: dict[str, Any] | None = None) -> Result:
     """One answer to one turn; sampling: {temperature, top_p, top_k[, min_p], seed} (this turn's seed), or None:
-    greedy."""
-    kwargs = sampling or {}
+    greedy; limits: {stop, min_new_tokens} where given (``BenchConfig.limits``)."""
+    kwargs = {**(sampling or {}), **(limits or {})}
     if method.hf_kwargs is not None:
         return runner.generate_plain(ids, max_new_tokens=max_new_tokens, **kwargs, **method.hf_kwargs)
     return runner.generate(ids, max_new_tokens=max_new_tokens, **kwargs)
@@ -194,10 +207,11 @@ def turn_seed(seed: int, question_id: int, turn: int) -> int:
 
 
 def answer_question(runner: SpecModel, method: Method, question: Question, max_new_tokens: int, repeats: int = 1,
-                    sampling: dict[str, Any] | None = None) -> Answer:
+                    sampling: dict[str, Any] | None = None, limits: dict[str, Any] | None = None) -> Answer:
     """Every turn with the conversation so far; the answer text (special tokens removed, stripped) goes into the
     next turn's prompt, as Spec-Bench does. sampling: {temperature, top_p, top_k[, min_p], seed} or None (greedy);
-    each turn samples with ``turn_seed``, so repeats draw the same tokens."""
+    each turn samples with ``turn_seed``, so repeats draw the same tokens. limits: {stop, min_new_tokens}, or None:
+    the generation config's."""
     answer = Answer(question_id=question.question_id, category=question.category)
     messages: list[dict[str, str]] = []
     for index, turn in enumerate(question.turns):
@@ -205,7 +219,7 @@ def answer_question(runner: SpecModel, method: Method, question: Question, max_n
         ids = runner.encode(messages)
         turn_sampling = None if sampling is None else {
             **sampling, "seed": turn_seed(sampling["seed"], question.question_id, index)}
-        results = [_run_once(runner, method, ids, max_new_tokens, turn_sampling) for _ in range(repeats)]
+        results = [_run_once(runner, method, ids, max_new_tokens, turn_sampling, limits) for _ in range(repeats)]
         first = results[0]
         if any(r.tokens != first.tokens for r in results[1:]):
             what = "greedy outputs" if sampling is None else "sampled outputs with the same seed"
@@ -242,6 +256,7 @@ def _manifest(cfg: BenchConfig, questions: list[Question], methods: list[Method]
         manifest["sampling"] = cfg.sampling
     manifest.update({k: v for k, v in (("revision", cfg.revision), ("draft_revision", cfg.draft_revision),
                                        ("repetition_penalty", cfg.repetition_penalty)) if v is not None})
+    manifest.update({k: list(v) if k == "stop" else v for k, v in cfg.limits.items()})
     return manifest
 
 
@@ -309,7 +324,8 @@ def run_bench(cfg: BenchConfig) -> specbench.Summary:
         warm = Question(questions[0].question_id, questions[0].category, questions[0].turns[:1])
         for dname in dtypes:
             for m in methods:
-                answer_question(runners[dname][m.label], m, warm, cfg.warmup_tokens, sampling=cfg.sampling)
+                answer_question(runners[dname][m.label], m, warm, cfg.warmup_tokens, sampling=cfg.sampling,
+                                limits=cfg.limits)
     # 4. answer: questions outside, every dtype and method inside, so that load on the machine hits them alike and a
     #    run resumed on another day still compares each question's answers side by side; each answer is logged at once
     todo = [q for q in questions if not all(log.has(m.label, d, q.question_id) for m in methods for d in dtypes)]
@@ -321,7 +337,7 @@ def run_bench(cfg: BenchConfig) -> specbench.Summary:
             for m in methods:
                 if not log.has(m.label, dname, q.question_id):
                     log.add(m.label, dname, answer_question(runners[dname][m.label], m, q, cfg.max_new_tokens,
-                                                            cfg.repeats, cfg.sampling))
+                                                            cfg.repeats, cfg.sampling, cfg.limits))
         summary = _report(out, log, questions, methods, dtypes, model_id)  # partial results readable at any time
         if not cfg.progress:  # a line per question instead of a bar (logs of runs under nohup)
             minutes = (time.perf_counter() - started) / 60

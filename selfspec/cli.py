@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(-2..2, 0 = off)")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop once the output contains TEXT (kept in the output), as generate(stop_strings=...); "
-                        "repeat for several. Default: the model's generation config's stop_strings; --stop '' for none")
+                        "repeat for several; \\n, \\t, \\r and \\\\ are read as escapes (--stop '\\n\\n': a blank "
+                        "line). Default: the model's generation config's stop_strings; --stop '' for none")
     p.add_argument("--min-new-tokens", type=int, default=None,
                    help="no end-of-sequence token before this many new tokens (default: the model's generation "
                         "config's min_new_tokens / min_length)")
@@ -144,6 +145,13 @@ def build_bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetition-penalty", type=float, default=None,
                    help="repetition penalty for every method, plain decoding included (default: the model's "
                         "generation config's; 1.0 = off)")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop string for every method, plain decoding included: a turn ends after the token that "
+                        "completes TEXT; repeat for several; \\n, \\t, \\r and \\\\ are read as escapes (default: "
+                        "the model's generation config's stop_strings; --stop '' for none)")
+    p.add_argument("--min-new-tokens", type=int, default=None,
+                   help="no end-of-sequence token before this many new tokens, for every method (default: the "
+                        "model's generation config's)")
     p.add_argument("--draft-revision", default=None, help="Hub revision of the draft checkpoints named by Hub id")
     p.add_argument("--allow-other-base", action="store_true", help="see infer.py --help")
     p.add_argument("--resume", action="store_true",
@@ -190,9 +198,20 @@ def _split(text: str) -> tuple[str, ...]:
     return tuple(out)
 
 
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def stop_strings(values: Sequence[str] | None) -> list[str] | None:
+    """--stop's values: None when not given (the generation config's); '' dropped (--stop '' alone: none); the
+    escapes \\n, \\t, \\r and \\\\ read as the characters they stand for, as a shell passes them on unread."""
+    if values is None:
+        return None
+    return [re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m.group(1)], s) for s in values if s]
+
+
 def _decoding(args: argparse.Namespace) -> dict:
     """The decoding arguments of infer.py's options, for ``stream`` / ``generate_plain``."""
-    stop = None if args.stop is None else [s for s in args.stop if s]  # --stop '' alone: no stop strings
+    stop = stop_strings(args.stop)
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 min_p=args.min_p, seed=args.seed, chat=not args.no_chat, repetition_penalty=args.repetition_penalty,
                 stop=stop, min_new_tokens=args.min_new_tokens, presence_penalty=args.presence_penalty,
@@ -292,7 +311,8 @@ def run_bench_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
                       max_new_tokens=a.max_new_tokens, limit=a.limit, per_category=a.per_category, repeats=a.repeats,
                       warmup_tokens=a.warmup_tokens, device=a.device, allow_other_base=a.allow_other_base,
                       progress=not a.no_progress, resume=a.resume, temperature=a.temperature, top_p=a.top_p,
-                      top_k=a.top_k, min_p=a.min_p, seed=a.seed, repetition_penalty=a.repetition_penalty)
+                      top_k=a.top_k, min_p=a.min_p, seed=a.seed, repetition_penalty=a.repetition_penalty,
+                      stop=None if a.stop is None else tuple(stop_strings(a.stop)), min_new_tokens=a.min_new_tokens)
     try:
         summary = run_bench(cfg)
     except KeyboardInterrupt:

@@ -223,6 +223,10 @@ def to_markdown(summary: Summary) -> str:
                   f"{sampling['top_k']}{min_p}; every method's turn seeded alike from seed {sampling['seed']}): lossless "
                   f"sampling draws from the target's own distribution, not the same tokens as plain sampling, so "
                   f"answers are not compared token for token.")
+    given = [f"{name} {summary.meta[key]!r}" for key, name in (("repetition_penalty", "repetition penalty"),
+             ("stop", "stop strings"), ("min_new_tokens", "min_new_tokens")) if key in summary.meta]
+    if given:
+        intro += " Every method, plain decoding included, with " + ", ".join(given) + "."
     auto = summary.meta.get("auto_trees") or {}
     if auto:
         intro += (" `@auto`: the tree `infer.py tune-tree` had chosen for this machine when the run started (kept on "

@@ -4,6 +4,7 @@ summary table, the plot, and bad input refused before any model is loaded."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -416,3 +417,66 @@ def test_a_repetition_penalty_applies_to_every_method_plain_included(model_dir, 
     capsys.readouterr()
     assert cli.main([*argv, "--out-dir", str(tmp_path / "pen"), "--resume"]) == 2
     assert "repetition_penalty" in capsys.readouterr().err
+
+
+def test_stop_strings_end_every_methods_turns_alike(model_dir, tmp_path, capsys):
+    """--stop: every method's turn ends after the token that completes the stop string, plain decoding's included,
+    and selfspec's greedy answers still equal plain decoding's; the run records the strings (a resume without them is
+    refused) and its summary says so."""
+    questions = write_questions(tmp_path / "q.jsonl", QUESTIONS[:1])
+    argv = ["bench", "--model", str(model_dir), "--questions", str(questions), "--methods", "plain,pld,ngram",
+            "--dtype", "fp32", "--max-new-tokens", "24", "--warmup-tokens", "0", "--no-progress"]
+    assert cli.main([*argv, "--out-dir", str(tmp_path / "free")]) == 0
+
+    def turns(run, method):
+        return [r["choices"][0]["turns"] for r in read_jsonl(tmp_path / run / f"model-{method}-float32.jsonl")][0]
+
+    free = turns("free", "plain")
+    # the first word of three letters or more that the answers hold before their last characters
+    t, word = next((t, m) for t, text in enumerate(free) for m in re.finditer("[A-Za-z]{3,}", text)
+                   if m.end() < len(text) - 1)
+    stop = word.group()[:2]
+    assert cli.main([*argv, "--out-dir", str(tmp_path / "stop"), "--stop", stop]) == 0
+    stopped = turns("stop", "plain")
+    assert stopped[:t] == free[:t] and stop not in "".join(free[:t])
+    assert stop in stopped[t] and free[t].startswith(stopped[t]) and len(stopped[t]) < len(free[t])
+    assert turns("stop", "ngram") == turns("stop", "pld") == stopped
+    assert json.loads((tmp_path / "stop" / "summary.json").read_text())["meta"]["stop"] == [stop]
+    assert f"with stop strings [{stop!r}]." in (tmp_path / "stop" / "summary.md").read_text()
+    capsys.readouterr()
+    assert cli.main([*argv, "--out-dir", str(tmp_path / "stop"), "--resume"]) == 2
+    assert "stop" in capsys.readouterr().err
+
+
+def test_min_new_tokens_holds_off_every_methods_end_alike(model_dir, tmp_path, caplog):
+    """--min-new-tokens: a turn that ended early (the tiny model's first answer: 2 tokens) runs on to at least that
+    many for every method, and selfspec's answers still equal plain decoding's; transformers' generate is not warned
+    of a min_length beside it."""
+    questions = write_questions(tmp_path / "q.jsonl", QUESTIONS[:1])
+    argv = ["bench", "--model", str(model_dir), "--questions", str(questions), "--methods", "plain,pld,ngram",
+            "--dtype", "fp32", "--max-new-tokens", "24", "--warmup-tokens", "0", "--no-progress"]
+    assert cli.main([*argv, "--out-dir", str(tmp_path / "free")]) == 0
+    assert cli.main([*argv, "--out-dir", str(tmp_path / "min"), "--min-new-tokens", "6"]) == 0
+
+    def answer(run, method):
+        return read_jsonl(tmp_path / run / f"model-{method}-float32.jsonl")[0]["choices"][0]
+
+    assert answer("free", "plain")["new_tokens"][0] < 6 <= answer("min", "plain")["new_tokens"][0]
+    assert answer("min", "ngram")["turns"] == answer("min", "pld")["turns"] == answer("min", "plain")["turns"]
+    assert json.loads((tmp_path / "min" / "summary.json").read_text())["meta"]["min_new_tokens"] == 6
+    assert "with min_new_tokens 6." in (tmp_path / "min" / "summary.md").read_text()
+    assert "seem to have been set" not in caplog.text
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--min-new-tokens", "-1"], "min_new_tokens must be between 0 and max_new_tokens (8), found -1"),
+    (["--min-new-tokens", "9"], "min_new_tokens must be between 0 and max_new_tokens (8), found 9"),
+])
+def test_bad_limits_fail_before_any_model_loads(tmp_path, monkeypatch, capsys, model_dir, flags, message):
+    monkeypatch.setattr(bench, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    questions = write_questions(tmp_path / "q.jsonl", QUESTIONS[:1])
+    argv = ["bench", "--model", str(model_dir), "--questions", str(questions), "--out-dir", str(tmp_path / "out"),
+            "--max-new-tokens", "8"]
+    assert cli.main([*argv, *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -76,6 +76,12 @@ def test_stop_min_new_tokens_and_min_p_reach_both_decodings(model_dir):
     assert cli._decoding(args(model_dir))["stop"] is None  # the generation config's
 
 
+def test_stop_strings_read_the_escapes_a_shell_passes_on():
+    """--stop '\\n\\n' (what `--stop "\\n\\n"` gives in bash) is a blank line; \\\\ is one backslash."""
+    assert cli.stop_strings(["\\n\\n", "a\\tb\\r", "x\\\\n", "", "café\\q"]) == ["\n\n", "a\tb\r", "x\\n", "café\\q"]
+    assert cli.stop_strings([""]) == [] and cli.stop_strings(None) is None
+
+
 def test_a_system_message_opens_the_conversation(model_dir):
     m = api.load(str(model_dir), draft="ngram")
     system = {"role": "system", "content": "answer like a pirate"}
