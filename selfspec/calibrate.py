@@ -30,6 +30,7 @@ from selfspec.layerskip import PartialModelDrafter
 from selfspec.layerskip_search import CALIBRATION_PROMPTS, Measurement, calibration_inputs, measure, search_skip_layers
 from selfspec.models import DEFAULT_MODEL, load_model, parse_dtype
 from selfspec.ngram import NGramDrafter
+from selfspec.options import integer, integers
 from selfspec.target import Target
 
 
@@ -94,15 +95,14 @@ def _common(p: argparse.ArgumentParser, dtype_help: str = "the dtype decoding wi
     p.add_argument("--revision", default=None, help="Hub revision of --model")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--dtype", default="bfloat16", help=dtype_help)
-    p.add_argument("--prompts", type=int, default=None, help="how many calibration prompts (default: 4 of the 8 "
+    p.add_argument("--prompts", type=integer(1), default=None, help="how many calibration prompts (default: 4 of the 8 "
                    "built-in ones, or all of --prompts-file)")
     p.add_argument("--prompts-file", default=None, help="calibrate on prompts like your own workload's instead of the "
                    "built-in generic requests: a text file, one prompt per line, or a .jsonl with a \"prompt\" string, "
                    "Spec-Bench's \"turns\" (its first turn) or chat \"messages\" (a conversation ending with the "
                    "user turn to answer) per line. Drafts that copy (prompt lookup) gain most on prompts that hold "
                    "text to copy, which the built-in ones do not")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="per prompt (default: %(default)s)")
-    p.add_argument("--depth", type=int, default=4, help="draft tokens per step (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=integer(1), default=64, help="per prompt (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -183,11 +183,14 @@ def _check_drafts(model: str, drafts: Sequence[str], revision: str | None, allow
 
 
 def build_sweep_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="infer.py sweep-exit", description="Early exit at each exit layer E: mean "
+    p = argparse.ArgumentParser(prog="infer.py sweep-exit", allow_abbrev=False,
+                                description="Early exit at each exit layer E: mean "
                                 "accepted tokens and tokens/s against plain decoding, on calibration prompts, in one "
                                 "run; trained exit heads (--exit-heads) are measured beside plain early exit.")
     _common(p)
-    p.add_argument("--layers", default=None, help="comma-separated exit layers (default: every 4th layer)")
+    p.add_argument("--depth", type=integer(1), default=4, help="draft tokens per step (default: %(default)s)")
+    p.add_argument("--layers", type=integers(1), default=None,
+                   help="comma-separated exit layers (default: every 4th layer)")
     p.add_argument("--exit-heads", default="", help="comma-separated exit-head checkpoints to measure too")
     p.add_argument("--draft-revision", default=None, help="Hub revision of the --exit-heads named by Hub id")
     _allow_other_base(p)
@@ -201,7 +204,7 @@ def run_sweep_cli(argv: Sequence[str], out: TextIO) -> int:
                   a.draft_revision)
     model, tokenizer = load_model(a.model, dtype=a.dtype, revision=a.revision, device=a.device)
     num_layers = len(hf.decoder_layers(model))
-    layers = [int(x) for x in a.layers.split(",")] if a.layers else list(range(4, num_layers, 4))
+    layers = list(a.layers) if a.layers else list(range(4, num_layers, 4))
     heads = [h for h in a.exit_heads.split(",") if h]
     target = Target(model)
     rows = sweep_exit_layers(target, _calibration(a, tokenizer, target.device), layers,
@@ -221,11 +224,13 @@ def run_sweep_cli(argv: Sequence[str], out: TextIO) -> int:
 
 
 def build_search_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="infer.py search-skip", description="Search the set of layers whose skipping "
+    p = argparse.ArgumentParser(prog="infer.py search-skip", allow_abbrev=False,
+                                description="Search the set of layers whose skipping "
                                 "drafts fastest (greedy, SWIFT-style random candidates per round), measured through "
                                 "the decoding loop on calibration prompts; save it as a layer-skip checkpoint for "
                                 "--draft DIR.")
     _common(p)
+    p.add_argument("--depth", type=integer(1), default=4, help="draft tokens per step (default: %(default)s)")
     p.add_argument("--out", required=True, help="checkpoint directory to write (config.json)")
     p.add_argument("--per-round", type=int, default=6, help="random candidate layers tried per round (default: "
                                                              "%(default)s; 0 = all)")
@@ -253,7 +258,8 @@ def run_search_cli(argv: Sequence[str], out: TextIO) -> int:
 
 
 def build_tune_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="infer.py tune-tree", description="Choose the tree budget (nodes) and depth of a "
+    p = argparse.ArgumentParser(prog="infer.py tune-tree", allow_abbrev=False,
+                                description="Choose the tree budget (nodes) and depth of a "
                                 "draft that maximise tokens per second on this machine, not accepted length: the verify "
                                 "cost against tree size is measured once per model, dtype and machine (cached), the "
                                 "accepted lengths at every budget come from greedy decoding of calibration prompts. "
@@ -269,8 +275,10 @@ def build_tune_parser() -> argparse.ArgumentParser:
                    "merge tuned for every skip_after besides its own (1, 2, 3, 4, 6, never; each cached)")
     p.add_argument("--draft-revision", default=None, help="Hub revision of a --draft checkpoint (each revision is "
                    "tuned on its own; --tree auto with the same --draft-revision uses it)")
-    p.add_argument("--depths", default="3,4,5,6,8", help="depths to try, comma-separated (default: %(default)s)")
-    p.add_argument("--budgets", default="4,8,12,16,24,32,48,64", help="node budgets to try (default: %(default)s)")
+    p.add_argument("--depths", type=integers(1), default=(3, 4, 5, 6, 8),
+                   help="depths to try, comma-separated (default: 3,4,5,6,8)")
+    p.add_argument("--budgets", type=integers(1), default=(4, 8, 12, 16, 24, 32, 48, 64),
+                   help="node budgets to try, comma-separated (default: 4,8,12,16,24,32,48,64)")
     p.add_argument("--refresh-costs", action="store_true", help="measure the verify costs again")
     _allow_other_base(p)
     return p
@@ -286,8 +294,7 @@ def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
         within = f" (the part of {a.draft} that --tree applies to)" if merge.parts else ""
         raise ValueError(f"tune-tree tunes drafts that grow their tree by score ({', '.join(registry.TUNABLE_KINDS)} "
                          f"heads) and prompt lookup alone (ngram); {spec.text}{within} is a {spec.kind!r} draft")
-    depths = [int(x) for x in a.depths.split(",")]
-    budgets = [int(x) for x in a.budgets.split(",")]
+    depths, budgets = list(a.depths), list(a.budgets)
     dtypes = [d.strip() for d in a.dtype.split(",")]
     for d in dtypes:
         parse_dtype(d)  # an unknown dtype fails before anything loads

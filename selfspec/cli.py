@@ -23,6 +23,7 @@ from transformers.utils import logging as hf_logging
 from selfspec import api, registry, specbench
 from selfspec.bench import DEFAULT_QUESTIONS, BenchConfig, run_bench
 from selfspec.models import DEFAULT_MODEL
+from selfspec.options import integer, integers
 from selfspec.specbench import to_markdown
 
 INTERRUPTED = 130
@@ -63,7 +64,7 @@ def _draft_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(allow_abbrev=False,
         prog="infer.py", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Speculative decoding with a model's own built-in draft: streams text as the target accepts it, "
                     "then prints statistics. Greedy output is token-identical to plain decoding.",
@@ -112,22 +113,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def build_bench_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(allow_abbrev=False,
         prog="infer.py bench",
         description="Answer Spec-Bench questions with plain decoding, transformers' prompt lookup and early exit, and "
                     "selfspec drafts, per dtype; write Spec-Bench answer files, a table per category and a plot.")
     _model_args(p)
     p.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS,
                    help=f"Spec-Bench question file, one JSON per line (default: {DEFAULT_QUESTIONS})")
-    p.add_argument("--out-dir", type=Path, default=Path("outputs/bench"), help="where answers and the summary go")
+    p.add_argument("--out-dir", type=Path, default=Path("outputs/bench"),
+                   help="where answers and the summary go (default: %(default)s)")
     p.add_argument("--methods", default="plain,pld,aee,ngram",
                    help="comma-separated: plain, pld[:N] (prompt_lookup_num_tokens, default 10), aee[:E] "
                         "(assistant_early_exit, default half the layers), none, ngram[:opts], draft checkpoints, A+B "
                         "(merged drafts); DRAFT@TREE runs a draft with another --tree (e.g. runs/heads@dynamic:32, "
                         "runs/heads@dynamic:12,depth=3, runs/heads@chain:3, runs/heads@tree.json, "
-                        "runs/eagle_head+ngram:depth=6,max_nodes=8@auto)")
-    p.add_argument("--dtype", default="fp32,bf16", help="comma-separated dtypes, one target load each")
-    p.add_argument("--max-new-tokens", type=int, default=192)
+                        "runs/eagle_head+ngram:depth=6,max_nodes=8@auto; default: %(default)s)")
+    p.add_argument("--dtype", default="fp32,bf16",
+                   help="comma-separated dtypes, one target load each (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=192, help="per turn (default: %(default)s)")
     p.add_argument("--limit", type=int, default=None, help="answer only the first N questions")
     p.add_argument("--per-category", type=int, default=None,
                    help="answer only the first N questions of each category (a balanced subset)")
@@ -162,21 +165,28 @@ def build_bench_parser() -> argparse.ArgumentParser:
 
 
 def build_costs_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="infer.py costs", description="Median time of one tree verification against "
+    p = argparse.ArgumentParser(prog="infer.py costs", allow_abbrev=False,
+                                description="Median time of one tree verification against "
                                 "tree size, over a cache of --context tokens: what a bigger tree costs here; then the "
                                 "decoding loop's own overhead per step (time outside the target's forward).")
     _model_args(p)
-    p.add_argument("--dtype", default="float32", help="comma-separated dtypes, measured one after the other")
-    p.add_argument("--sizes", default="1,2,4,8,16,32,64", help="tree sizes (nodes), comma-separated")
-    p.add_argument("--context", type=int, default=256, help="cached tokens under the tree")
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--loop-prompts", type=int, default=4,
-                   help="MT-bench first turns decoded with --loop-draft to measure the loop's overhead (0 = skip)")
+    p.add_argument("--dtype", default="float32",
+                   help="comma-separated dtypes, measured one after the other (default: %(default)s)")
+    p.add_argument("--sizes", type=integers(1), default=(1, 2, 4, 8, 16, 32, 64),
+                   help="tree sizes (nodes), comma-separated (default: 1,2,4,8,16,32,64)")
+    p.add_argument("--context", type=integer(1), default=256,
+                   help="cached tokens under the tree (default: %(default)s)")
+    p.add_argument("--repeats", type=integer(1), default=20,
+                   help="timed rounds per size; the median is reported (default: %(default)s)")
+    p.add_argument("--loop-prompts", type=integer(0), default=4,
+                   help="MT-bench first turns decoded with --loop-draft to measure the loop's overhead (0 = skip; "
+                        "default: %(default)s)")
     p.add_argument("--loop-draft", default="ngram",
                    help="the draft used for the overhead measurement: as --draft, or 'DRAFT@TREE' with a --tree value "
                         "(e.g. runs/medusa-smollm2/heads@dynamic:4,depth=2 or HEADS@auto), as bench --methods takes it "
                         "(default: %(default)s)")
-    p.add_argument("--loop-tokens", type=int, default=64, help="new tokens per overhead prompt")
+    p.add_argument("--loop-tokens", type=integer(1), default=64,
+                   help="new tokens per overhead prompt (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -332,7 +342,7 @@ def run_costs_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
     from selfspec.target import Target
 
     a = build_costs_parser().parse_args(argv)
-    sizes = tuple(int(s) for s in _split(a.sizes))
+    sizes = a.sizes
     loop = draft_method(a.loop_draft)  # 'DRAFT' or 'DRAFT@TREE', checked before any model loads
     questions = specbench.load_questions(DEFAULT_QUESTIONS, per_category=1)[: a.loop_prompts] if a.loop_prompts else []
     for dtype in _split(a.dtype):
@@ -355,7 +365,7 @@ def run_costs_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
 
 
 def build_serve_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(allow_abbrev=False,
         prog="infer.py serve",
         description="Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models), every "
                     "answer decoded with the draft, losslessly; one request at a time, the others wait in line. "
@@ -364,7 +374,7 @@ def build_serve_parser() -> argparse.ArgumentParser:
     _model_args(p)
     _draft_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 = any free port)")
+    p.add_argument("--port", type=integer(0, 65535), default=8000, help="port (default: 8000; 0 = any free port)")
     p.add_argument("--name", default=None, help="the model id clients see (default: --model)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="for requests that give none (default 0: greedy, token-identical to generate)")
@@ -383,17 +393,22 @@ def run_serve_cli(argv: Sequence[str], err: TextIO | None = None) -> int:
 
     err = err or sys.stderr
     a = build_serve_parser().parse_args(argv)
-    model = api.load(a.model, draft=a.draft, dtype=a.dtype, tree=a.tree, device=a.device, revision=a.revision,
-                     draft_revision=a.draft_revision, allow_other_base=a.allow_other_base,
-                     trust_remote_code=a.trust_remote_code)
-    session = serve.Session(model, a.name or a.model, default_temperature=a.temperature,
-                            default_max_tokens=a.max_tokens, api_key=a.api_key or None)
-    session.warm_up()
-    server = serve.make_server(session, a.host, a.port, verbose=not a.quiet)
-    host, port = server.server_address[:2]
-    err.write(f"serving {session.name} (--draft {a.draft}) at http://{host}:{port}/v1; Ctrl-C stops\n")
-    err.flush()
+    try:  # the address first: a port in use fails at once, not after the model has loaded
+        server = serve.make_server(None, a.host, a.port, verbose=not a.quiet)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}; pick another --port (0: any free "
+                         f"port) or --host") from None
     try:
+        model = api.load(a.model, draft=a.draft, dtype=a.dtype, tree=a.tree, device=a.device, revision=a.revision,
+                         draft_revision=a.draft_revision, allow_other_base=a.allow_other_base,
+                         trust_remote_code=a.trust_remote_code)
+        session = serve.Session(model, a.name or a.model, default_temperature=a.temperature,
+                                default_max_tokens=a.max_tokens, api_key=a.api_key or None)
+        session.warm_up()
+        server.RequestHandlerClass.session = session  # type: ignore[attr-defined]
+        host, port = server.server_address[:2]
+        err.write(f"serving {session.name} (--draft {a.draft}) at http://{host}:{port}/v1; Ctrl-C stops\n")
+        err.flush()
         server.serve_forever()
     except KeyboardInterrupt:
         err.write("\nstopped\n")

@@ -160,7 +160,7 @@ def run_cli(argv: Sequence[str], out: TextIO) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(allow_abbrev=False,
         prog="infer.py fit-policy",
         description="Fit a per-request draft policy: from an infer.py bench run that answered with every arm, learn "
                     "which arm decodes a request fastest from the target's hidden states over its prompt. The saved "

@@ -650,9 +650,11 @@ class Handler(BaseHTTPRequestHandler):
             events.close()
 
 
-def make_server(session: Session, host: str = "127.0.0.1", port: int = 8000,
+def make_server(session: Session | None, host: str = "127.0.0.1", port: int = 8000,
                 verbose: bool = True) -> ThreadingHTTPServer:
-    """A threading HTTP server for ``session`` (port 0: any free port; ``server.server_address`` says which)."""
+    """A threading HTTP server for ``session`` (port 0: any free port; ``server.server_address`` says which), bound
+    at once. session None: set ``server.RequestHandlerClass.session`` before serving (infer.py serve binds the address
+    before it loads the model)."""
     handler = type("SelfspecHandler", (Handler,), {"session": session})
     server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True

@@ -184,3 +184,37 @@ def test_default_model_prompt():
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
     assert any(line.startswith("[selfspec ngram]") and "new tokens in" in line for line in result.stderr.splitlines())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--draft", "runs/heads"], "unrecognized arguments: --draft runs/heads"),  # not --draft-revision
+    (["--temp", "0.5"], "unrecognized arguments: --temp 0.5"),  # not --temperature
+    (["costs", "--sizes", "0,x"], "argument --sizes: expected comma-separated integers >= 1, found '0,x'"),
+    (["costs", "--repeats", "0"], "argument --repeats: expected an integer >= 1, found '0'"),
+    (["costs", "--context", "-5"], "argument --context: expected an integer >= 1, found '-5'"),
+    (["tune-tree", "--draft", "ngram", "--budgets", "8,x"],
+     "argument --budgets: expected comma-separated integers >= 1, found '8,x'"),
+    (["tune-tree", "--draft", "ngram", "--depth", "3"], "unrecognized arguments: --depth 3"),  # --depths tunes it
+    (["sweep-exit", "--layers", "4,a"], "argument --layers: expected comma-separated integers >= 1, found '4,a'"),
+    (["serve", "--port", "99999"], "argument --port: expected an integer from 0 to 65535, found '99999'"),
+])
+def test_options_are_whole_and_numbers_are_checked_by_name(capsys, argv, message):
+    """An abbreviated option is not taken for a longer one (bench --draft is no --draft-revision); a bad number names
+    its option; all before anything loads (exit 2)."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_serve_refuses_a_port_in_use_before_loading_the_model(capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        # the model does not exist: had serve loaded it first, that would be the error
+        assert cli.main(["serve", "--port", str(port), "--model", "/nonexistent/model"]) == 2
+    assert (f"error: cannot listen on 127.0.0.1:{port}: Address already in use; pick another --port (0: any free "
+            f"port) or --host") in capsys.readouterr().err

@@ -1,0 +1,32 @@
+"""Value types for infer.py's options: argparse calls them on the text given, and what they refuse becomes
+``infer.py costs: error: argument --sizes: expected comma-separated integers >= 1, found '0,x'`` (the option named,
+exit code 2) before anything loads."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+
+def _range(low: int, high: int | None) -> str:
+    return f">= {low}" if high is None else f"from {low} to {high}"
+
+
+def integer(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An integer from low to high (no upper bound when high is None)."""
+    def parse(text: str) -> int:
+        value = int(text) if text.strip().lstrip("-").isdigit() else None
+        if value is None or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected an integer {_range(low, high)}, found {text!r}")
+        return value
+    return parse
+
+
+def integers(low: int) -> Callable[[str], tuple[int, ...]]:
+    """Comma-separated integers, each >= low, at least one."""
+    def parse(text: str) -> tuple[int, ...]:
+        pieces = [p.strip() for p in text.split(",")]
+        if not all(p.lstrip("-").isdigit() and int(p) >= low for p in pieces):
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers {_range(low, None)}, found {text!r}")
+        return tuple(int(p) for p in pieces)
+    return parse
