@@ -219,6 +219,8 @@ class SpecModel:
     def _encode_text(self, prompt: str | Sequence[dict[str, str]], chat: bool) -> list[int]:
         if isinstance(prompt, str) and not chat:
             return self.tokenizer(prompt).input_ids
+        if isinstance(prompt, str) and not prompt.strip():  # the template would wrap it into a prompt of its own
+            raise ValueError(f"the prompt is empty: expected a message with text, found {prompt!r}")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"the tokenizer of {self.name or 'this model'} has no chat template (a base model?): "
                              "feed the prompt as plain text (infer.py --no-chat; chat=False in Python) or as token ids")

@@ -49,9 +49,11 @@ class BenchLog:
         if orphans and not path.is_file():
             raise FileExistsError(f"{out_dir} holds {' and '.join(orphans)} of a bench run but no {MANIFEST} (a run of an "
                                   f"older selfspec, or a damaged one): choose another --out-dir, or delete {out_dir}")
-        if path.is_file():
-            old = json.loads(path.read_text(encoding="utf-8"))
-            finished = _read_log(out_dir / LOG)
+        old = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+        finished = _read_log(out_dir / LOG) if old is not None else {}
+        if old is not None and not resume and not finished:
+            old = None  # a run that failed before its first answer (a bad tree, a crash in the warm-up): start again
+        if old is not None:
             if not resume:
                 raise FileExistsError(
                     f"{out_dir} already holds a bench run ({len(finished)} answers logged): pass --resume to continue "

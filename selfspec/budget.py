@@ -512,7 +512,7 @@ def draft_stamp(location: str, revision: str | None = None) -> str:
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
 
-    from selfspec.registry import looks_local
+    from selfspec.models import looks_local
 
     for name in ("model.safetensors", "config.json"):
         if looks_local(location):

@@ -43,6 +43,10 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
+MODEL_FORMS = ("a local transformers model directory, a .gguf file, a Hub id ('owner/name', reachable or in the Hub "
+               "cache) or the built-in 'smollm2-135m-instruct'")
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("SELFSPEC_CACHE", Path.home() / ".cache" / "selfspec"))
 
@@ -109,6 +113,26 @@ def _materialise_builtin(name: str) -> Path:
     return final
 
 
+def looks_local(spec: str) -> bool:
+    """A Hub id is exactly 'owner/name' (or 'name'); anything else with a path shape is meant as a local path, and so
+    is 'runs/heads' where ./runs is a directory (a mistyped local path is not looked up on the Hub)."""
+    path = Path(spec).expanduser()
+    return (spec.startswith((".", "/", "~")) or spec.count("/") > 1 or "\\" in spec or path.exists()
+            or ("/" in spec and path.parent.is_dir()))
+
+
+def check_device(device: str) -> None:
+    """A torch device this torch can use: 'cuda' where torch has no CUDA device fails here, not half-way into a load."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}: expected cpu, cuda, cuda:N or another torch device type") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this torch ({torch.__version__}) sees no CUDA device; use cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
 def resolve(name_or_path: str) -> tuple[str, str | None]:
     """-> (directory or Hub id, gguf file name or None)."""
     if name_or_path in BUILTIN:
@@ -120,6 +144,8 @@ def resolve(name_or_path: str) -> tuple[str, str | None]:
         return str(path.parent), path.name
     if path.exists() and not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is a local path but has no config.json: expected a transformers model directory")
+    if not path.exists() and looks_local(name_or_path):
+        raise FileNotFoundError(f"model directory {name_or_path} does not exist: expected {MODEL_FORMS}")
     return name_or_path, None
 
 
@@ -148,6 +174,7 @@ def load_model(
     trust_remote_code: allow the model's own Python code (``auto_map``) to run; off by default, and then refused
     without asking (transformers would otherwise prompt on a terminal).
     """
+    check_device(device)
     location, gguf = resolve(name_or_path)
     kwargs: dict = {"revision": revision} if revision else {}
     if gguf:
@@ -178,6 +205,13 @@ def load_model(
         if "Unrecognized configuration class" in str(err):
             raise TypeError(f"{name_or_path} is not a causal language model: {err}") from err
         raise
+    except OSError as err:  # a Hub id that is not there, or no network to fetch it
+        if isinstance(err, FileNotFoundError) and location != name_or_path:
+            raise
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        offline = "" if os.environ.get("HF_HUB_OFFLINE") else " (HF_HUB_OFFLINE=1 skips the network where there is none)"
+        raise FileNotFoundError(f"could not load {name_or_path!r} from the Hub ({reason}); expected "
+                                f"{MODEL_FORMS}{offline}") from err
     if getattr(model.config, "is_encoder_decoder", False):
         raise TypeError(f"{name_or_path} is an encoder-decoder model ({model.config.model_type}); expected a decoder-only causal LM")
     return model.to(device).eval(), tokenizer

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from selfspec.drafter import Drafter, NoDrafter
+from selfspec.models import looks_local
 from selfspec.ngram import NGramDrafter
 from selfspec.target import Target
 from selfspec.tree import DynamicTree, Tree
@@ -81,11 +82,6 @@ class DraftSpec:
 def drafter_loaders() -> dict[str, Any]:
     """The registered checkpoint loaders: entry-point name -> EntryPoint (not imported yet)."""
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
-
-
-def looks_local(spec: str) -> bool:
-    """A Hub id is exactly 'owner/name' (or 'name'); anything else with a path shape is meant as a local path."""
-    return spec.startswith((".", "/", "~")) or spec.count("/") > 1 or "\\" in spec or Path(spec).expanduser().exists()
 
 
 def _read_hub_config(repo_id: str, revision: str | None) -> dict[str, Any]:

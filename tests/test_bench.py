@@ -266,6 +266,24 @@ def test_an_interrupted_run_resumes_where_it_stopped(model_dir, tmp_path, monkey
     assert json.loads((out / "summary.json").read_text())["meta"]["n_questions"] == 3
 
 
+def test_a_run_that_failed_before_its_first_answer_does_not_hold_its_out_dir(model_dir, tmp_path, monkeypatch, capsys):
+    """A run that logged nothing (here ngram@auto on a machine where prompt lookup was never tuned) leaves its run.json,
+    but the same --out-dir takes the next run without --resume: there is nothing in it to lose."""
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))  # no tuning cached
+    questions = write_questions(tmp_path / "q.jsonl", QUESTIONS[:1])
+    argv = ["bench", "--model", str(model_dir), "--questions", str(questions), "--dtype", "fp32", "--max-new-tokens",
+            "4", "--warmup-tokens", "0", "--no-progress", "--out-dir", str(tmp_path / "out")]
+    for _ in range(2):  # the second time too: the tuning's error, not the out-dir's
+        assert cli.main([*argv, "--methods", "plain,ngram@auto"]) == 2
+        err = capsys.readouterr().err
+        assert "tune-tree" in err and "already holds" not in err
+    assert (tmp_path / "out" / "run.json").is_file()
+    assert cli.main([*argv, "--methods", "plain,ngram"]) == 0
+    assert json.loads((tmp_path / "out" / "run.json").read_text())["methods"] == ["plain", "ngram"]
+    assert cli.main([*argv, "--methods", "plain,ngram"]) == 2  # now it holds answers
+    assert "already holds a bench run (2 answers logged)" in capsys.readouterr().err
+
+
 def test_draft_at_auto_keeps_the_tree_the_run_started_with_across_a_resume(model_dir, tmp_path, monkeypatch, capsys):
     """DRAFT@auto is resolved once per run and dtype and recorded in run.json: when tune-tree chooses another tree
     between two segments, the resumed segment still decodes with the first one (a run measures one thing); a new run

@@ -218,3 +218,15 @@ def test_serve_refuses_a_port_in_use_before_loading_the_model(capsys):
         assert cli.main(["serve", "--port", str(port), "--model", "/nonexistent/model"]) == 2
     assert (f"error: cannot listen on 127.0.0.1:{port}: Address already in use; pick another --port (0: any free "
             f"port) or --host") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("prompt", ["", "  \n"])
+def test_an_empty_prompt_is_refused_with_the_chat_template_too(model_dir, prompt, capsys):
+    """With the chat template an empty message would still make a prompt (the template's own tokens) and be
+    answered; it is refused as an empty prompt is without it."""
+    assert cli.main(["--model", str(model_dir), "--prompt", prompt]) == 2
+    assert f"error: the prompt is empty: expected a message with text, found {prompt!r}" in capsys.readouterr().err
+    m = api.load(str(model_dir), draft="ngram")
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        m.generate(prompt)
+    assert m.generate([{"role": "user", "content": "hi"}], max_new_tokens=2).tokens  # a conversation is not a str

@@ -74,6 +74,30 @@ def test_directory_without_config(tmp_path):
         models.resolve(str(tmp_path))
 
 
+@pytest.mark.parametrize("spec", ["/nonexistent/model", "./nomodel", "~/nomodel", "a/b/c", "{tmp}/nomodel"])
+def test_a_missing_local_model_is_not_looked_up_on_the_hub(tmp_path, spec):
+    """A path-shaped --model that does not exist fails at once, naming it ('{tmp}/nomodel': a directory that exists
+    with a name under it that does not, which is shaped like a Hub id 'owner/name')."""
+    spec = spec.format(tmp=tmp_path.name)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path.parent)
+        with pytest.raises(FileNotFoundError, match=f"model directory {spec} does not exist: expected a local "
+                                                    "transformers model directory, a .gguf file, a Hub id"):
+            models.resolve(spec)
+    assert models.resolve("owner/name") == ("owner/name", None)  # a Hub id stays one
+
+
+@pytest.mark.parametrize("device, message", [
+    ("bogus", "unknown device 'bogus': expected cpu, cuda, cuda:N or another torch device type"),
+    ("cuda", "device 'cuda': this torch .* sees no CUDA device; use cpu"),
+])
+def test_an_unusable_device_fails_before_anything_loads(device, message, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this CPU machine's torch, on any machine
+    monkeypatch.setattr(models, "resolve", lambda *a: pytest.fail("the model was looked for"))
+    with pytest.raises(ValueError, match=message):
+        models.load_model("owner/name", device=device)
+
+
 def test_unknown_dtype():
     with pytest.raises(ValueError, match="unknown dtype 'fp8': expected one of"):
         models.parse_dtype("fp8")
