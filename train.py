@@ -17,7 +17,7 @@ from heads.trainer import TrainingDiverged, check_publish, train
 
 def main(argv: list[str] | None = None) -> int:
     epilog = "recipe keys (set in the YAML file or as key=value / a.b=value):\n" + "\n".join(describe())
-    parser = argparse.ArgumentParser(description=__doc__, epilog=epilog,
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, epilog=epilog,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="a YAML recipe (configs/*.yaml); without it every key takes its default")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except PublishError as err:
         print(f"training finished and the checkpoint is saved, but publishing failed: {err}\n"
-              f"retry with: python -m heads.publish <output_dir>/<heads or exit_head> {cfg.publish.repo_id}",
+              f"retry with: python -m heads.publish {cfg.final_dir} {cfg.publish.repo_id}",
               file=sys.stderr)
         return 1
     return 128 + result.signal if result.status == "interrupted" else 0

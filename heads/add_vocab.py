@@ -23,7 +23,7 @@ LAYER_SKIP_CONVERSATIONS = 2000
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m heads.add_vocab", description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m heads.add_vocab", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a Medusa heads, Hydra heads, exit-head or layer-skip checkpoint directory")
     p.add_argument("--size", type=int, default=8192, help="V': tokens in the draft vocabulary (default 8192)")

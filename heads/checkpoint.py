@@ -195,7 +195,10 @@ def read_config(directory: Path) -> MedusaConfig:
             "(a FasterDecoding Medusa checkpoint has medusa_num_heads instead and must be imported first)"
         )
     data.pop("selfspec_version", None)
-    return MedusaConfig.from_dict(data)
+    try:
+        return MedusaConfig.from_dict(data)
+    except ValueError as err:  # the config's own message, naming the file it came from
+        raise ValueError(f"{file}: {err}") from err
 
 
 def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -226,7 +229,10 @@ def read_typed_checkpoint(directory: Path, draft_type: str, what: str, from_dict
         raise ValueError(f"{directory / CONFIG} says draft_type {data.get('draft_type')!r}; expected {draft_type!r} "
                          f"(an {what} checkpoint)")
     data.pop("selfspec_version", None)
-    config = from_dict(data)
+    try:
+        config = from_dict(data)
+    except ValueError as err:  # the config's own message, naming the file it came from
+        raise ValueError(f"{directory / CONFIG}: {err}") from err
     tensors = read_tensors(directory)
     if upgrade is not None:
         tensors = upgrade(tensors)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import math
 import re
 import types
 import typing
@@ -23,6 +25,8 @@ from heads.data import DataConfig
 
 T = TypeVar("T")
 _SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+FINAL_DIRS = {"medusa": "heads", "hydra": "hydra_heads", "exit_head": "exit_head", "eagle": "eagle_head"}
+"""method -> the subdirectory of output_dir the trained draft is saved to."""
 
 
 @dataclass
@@ -92,6 +96,49 @@ class OptimConfig:
     """passes over the training split."""
     max_steps: int | None = None
     """stop after this many optimizer steps (null: run all epochs)."""
+
+    def __post_init__(self) -> None:
+        # what torch's AdamW, transformers' get_scheduler and clipping would refuse (or misread) after the model loaded
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"optim.lr: expected a finite value > 0, found {self.lr}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"optim.weight_decay: expected a finite value >= 0, found {self.weight_decay}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"optim.betas: expected two numbers in [0, 1), found {self.betas}")
+        if self.scheduler not in usable_schedulers():
+            raise ValueError(f"optim.scheduler: expected one of {usable_schedulers()} (transformers' schedules that "
+                             f"need only a warm-up and a length), found {self.scheduler!r}")
+        if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
+            raise ValueError(f"optim.max_grad_norm: expected null (no clipping) or a finite value > 0, found "
+                             f"{self.max_grad_norm}")
+        for name in ("batch_size", "grad_accum", "epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"optim.{name}: expected a value >= 1, found {getattr(self, name)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps: expected a value >= 0, found {self.warmup_steps}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"optim.max_steps: expected null or a value >= 1, found {self.max_steps}")
+
+
+@functools.cache
+def usable_schedulers() -> list[str]:
+    """The names in transformers' ``SchedulerType`` whose schedule ``get_scheduler`` builds from a warm-up and a length
+    alone and that step without a metric, as the trainer drives them (not reduce_lr_on_plateau, cosine_with_min_lr,
+    ...): each is built on a one-parameter optimizer and stepped once."""
+    import torch
+    from transformers import SchedulerType, get_scheduler
+
+    usable = []
+    for kind in SchedulerType:
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        try:
+            scheduler = get_scheduler(kind.value, optimizer, num_warmup_steps=1, num_training_steps=2)
+            optimizer.step()
+            scheduler.step()
+        except (TypeError, ValueError):  # an argument the recipe cannot give, or a metric step() needs
+            continue
+        usable.append(kind.value)
+    return usable
 
 
 @dataclass
@@ -198,7 +245,8 @@ class TreeConfig:
 @dataclass
 class TrainConfig:
     output_dir: str = "runs/medusa"
-    """where checkpoints, logs, the hidden cache and the final heads (<output_dir>/heads) go."""
+    """where checkpoints, logs, the hidden cache and the trained draft go; by method, the draft is saved to
+    <output_dir>/heads (medusa), hydra_heads (hydra), exit_head (exit_head) or eagle_head (eagle)."""
     seed: int = 0
     """seed of the heads' initialisation, data order and everything random."""
     mixed_precision: Literal["no", "fp16", "bf16"] | None = None
@@ -241,27 +289,33 @@ class TrainConfig:
         """The target layers whose hidden states the trained draft reads besides the final ones (an EAGLE-3 head's)."""
         return self.eagle.feature_layers if self.method == "eagle" else None
 
+    @property
+    def final_dir(self) -> Path:
+        """Where the trained draft is saved: <output_dir>/heads, hydra_heads, exit_head or eagle_head (by method)."""
+        return Path(self.output_dir) / FINAL_DIRS[self.method]
+
     def __post_init__(self) -> None:
+        e, x = self.eagle, self.exit
         positive = {
-            "heads.num_heads": self.heads.num_heads, "optim.batch_size": self.optim.batch_size,
-            "optim.grad_accum": self.optim.grad_accum, "optim.epochs": self.optim.epochs,
+            "heads.num_heads": self.heads.num_heads, "heads.lora_rank": self.heads.lora_rank,
             "eval.batch_size": self.eval.batch_size, "eval.ranks": self.eval.ranks,
             "checkpoint.keep": self.checkpoint.keep,
             "logging.every": self.logging.every, "tree.budget": self.tree.budget,
+            "exit.draft_depth": x.draft_depth, "eagle.num_layers": e.num_layers, "eagle.unroll": e.unroll,
+            "eagle.depth": e.depth, "eagle.topk": e.topk, "eagle.budget": e.budget,
         }
         for name, value in positive.items():
             if value < 1:
                 raise ValueError(f"{name}: expected a value >= 1, found {value}")
         non_negative = {"eval.every": self.eval.every, "checkpoint.every": self.checkpoint.every,
-                        "optim.warmup_steps": self.optim.warmup_steps, "heads.num_layers": self.heads.num_layers,
-                        "heads.draft_vocab": self.heads.draft_vocab}
+                        "heads.num_layers": self.heads.num_layers, "heads.draft_vocab": self.heads.draft_vocab,
+                        "exit.num_layers": x.num_layers, "exit.draft_vocab": x.draft_vocab,
+                        "eagle.draft_vocab": e.draft_vocab, "eagle.feature_weight": e.feature_weight}
         for name, value in non_negative.items():
             if value < 0:
                 raise ValueError(f"{name}: expected a value >= 0, found {value}")
-        if self.optim.max_steps is not None and self.optim.max_steps < 1:
-            raise ValueError(f"optim.max_steps: expected null or a value >= 1, found {self.optim.max_steps}")
-        if len(self.optim.betas) != 2:
-            raise ValueError(f"optim.betas: expected two numbers, found {self.optim.betas}")
+        if not 0 <= self.seed < 2**32:  # numpy's seed range (accelerate's set_seed)
+            raise ValueError(f"seed: expected a value in [0, 2**32), found {self.seed}")
         if not 0.0 < self.loss.decay <= 1.0:
             raise ValueError(f"loss.decay: expected a value in (0, 1], found {self.loss.decay}")
         if self.method == "hydra" and self.heads.projection != "shared":
@@ -275,13 +329,8 @@ class TrainConfig:
                 raise ValueError("hidden_cache.enabled with method exit_head and loss.kind kl: the KL loss needs the "
                                  "target's final hidden states as well as layer E's, and the cache stores one; "
                                  "set hidden_cache.enabled=false or loss.kind=ce")
-        if self.exit.num_layers < 0 or self.exit.draft_depth < 1 or not 0.0 <= self.exit.stop_below < 1.0:
-            raise ValueError(f"exit: expected num_layers >= 0, draft_depth >= 1 and stop_below in [0, 1), found "
-                             f"{self.exit}")
-        e = self.eagle
-        if min(e.num_layers, e.unroll, e.depth, e.topk, e.budget) < 1 or e.draft_vocab < 0 or e.feature_weight < 0:
-            raise ValueError(f"eagle: expected num_layers, unroll, depth, topk, budget >= 1 and draft_vocab, "
-                             f"feature_weight >= 0, found {e}")
+        if not 0.0 <= x.stop_below < 1.0:
+            raise ValueError(f"exit.stop_below: expected a probability in [0, 1), found {x.stop_below}")
         check_feature_layer_list(e.feature_layers, "eagle.feature_layers")
         if self.publish.repo_id is not None:
             from heads.hub import check_repo_id
@@ -320,7 +369,7 @@ def _check(value: Any, tp: Any, where: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             found = f"{type(value).__name__} {value!r:.80}"
-            raise ValueError(f"{where}: expected a mapping of {tp.__name__} fields, found {found}")
+            raise ValueError(f"{where}: expected a section (a mapping of {where}.* keys), found {found}")
         return from_dict(tp, value, where)
     if origin in (typing.Union, types.UnionType):
         errors = []
@@ -375,7 +424,8 @@ def from_dict(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
             close = [prefix + c for c in difflib.get_close_matches(str(key), known, n=3, cutoff=0.6)]
             close += [p for p in _leaf_paths(cls, prefix) if p.rsplit(".", 1)[-1] == key]  # a key in the wrong section
             hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-            raise ValueError(f"unknown key {prefix + str(key)!r}{hint} (expected one of {known} in {cls.__name__})")
+            section = f"in section {where!r}" if where else "at the top level"
+            raise ValueError(f"unknown key {prefix + str(key)!r}{hint} (expected one of {known} {section})")
     values = {key: _check(value, hints[key], prefix + key) for key, value in data.items()}
     return cls(**values)
 
@@ -418,9 +468,14 @@ def apply_overrides(data: dict, overrides: Sequence[str], cls: type = None) -> d
             raise ValueError(f"override {item!r}: expected key=value (e.g. optim.lr=3e-4)")
         path = key.strip().split(".")
         tp = _field_type(cls, path)
-        value = yaml.safe_load(text) if text.strip() else None
         if tp in (str, str | None) and text.strip() not in ("null", "~", ""):
             value = text  # a str field keeps what was written ("001" stays "001")
+        else:
+            try:
+                value = yaml.safe_load(text) if text.strip() else None
+            except yaml.YAMLError as err:
+                raise ValueError(f"override {item!r}: expected a YAML value (3, 1e-3, true, null, [a, b], ...), found "
+                                 f"{text!r}, which YAML cannot read: {yaml_problem(err)}") from err
         node = data
         for i, part in enumerate(path[:-1]):
             child = node.setdefault(part, {})
@@ -438,10 +493,28 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"config file {path} does not exist")
-        data = yaml.safe_load(path.read_text()) or {}
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ValueError(f"{path}: expected a YAML mapping of recipe sections, found text YAML cannot read: "
+                             f"{yaml_problem(err)}") from err
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a YAML mapping of recipe sections, found {type(data).__name__}")
     return from_dict(TrainConfig, apply_overrides(data, overrides))
+
+
+def yaml_problem(err: yaml.YAMLError) -> str:
+    """PyYAML's own problem and where it is, on one line (its message spans several, quoting the text)."""
+    if not isinstance(err, yaml.MarkedYAMLError):
+        return " ".join(str(err).split())
+
+    def at(mark: Any) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}"
+
+    text = f"{err.problem or 'invalid YAML'}" + (f" at {at(err.problem_mark)}" if err.problem_mark else "")
+    if err.context:
+        text += f" ({err.context}" + (f" that starts at {at(err.context_mark)}" if err.context_mark else "") + ")"
+    return text
 
 
 def field_docs(cls: type) -> dict[str, str]:

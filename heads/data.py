@@ -75,6 +75,7 @@ class DataConfig:
     eval_fraction: float = 0.02
     """share of conversations held out for evaluation (at least one when > 0), chosen by a seeded permutation."""
     seed: int = 0
+    """seed of the permutation that picks the held-out conversations (eval_fraction)."""
     exclude_questions: str | None = DEFAULT_EXCLUDE
     """a Spec-Bench question .jsonl whose questions must not be trained on; None to skip the check."""
 
@@ -88,13 +89,14 @@ class DataConfig:
                 setattr(self, f.name, value)
             if type(value) not in allowed:  # exact: True is not an int here
                 names = " | ".join("None" if a is type(None) else a.__name__ for a in allowed)
-                raise ValueError(f"DataConfig.{f.name}: expected {names}, found {value!r} ({type(value).__name__})")
+                raise ValueError(f"data.{f.name}: expected {names}, found {value!r} ({type(value).__name__})")
+        # named by their recipe keys (the data section of heads/config.py's TrainConfig)
         if self.max_length < 2:
-            raise ValueError(f"DataConfig.max_length: expected >= 2, found {self.max_length}")
+            raise ValueError(f"data.max_length: expected a value >= 2, found {self.max_length}")
         if not 0.0 <= self.eval_fraction < 1.0:
-            raise ValueError(f"DataConfig.eval_fraction: expected 0 <= x < 1, found {self.eval_fraction}")
+            raise ValueError(f"data.eval_fraction: expected a value in [0, 1), found {self.eval_fraction}")
         if self.max_conversations is not None and self.max_conversations < 1:
-            raise ValueError(f"DataConfig.max_conversations: expected >= 1 or None, found {self.max_conversations}")
+            raise ValueError(f"data.max_conversations: expected null or a value >= 1, found {self.max_conversations}")
 
     @classmethod
     def from_dict(cls, d: dict) -> "DataConfig":

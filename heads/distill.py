@@ -216,7 +216,7 @@ def _finalise(out: Path, n_shards: int) -> Path:
 
 
 def main(argv: list[str] | None = None) -> Path | None:
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(allow_abbrev=False,
         prog="python -m heads.distill",
         description="Self-distillation: regenerate the assistant turns of a conversation dataset with the target model "
                     "itself, so that draft heads learn what the target would say. Resumable: rerun the same command "

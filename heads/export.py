@@ -195,7 +195,8 @@ def check_vllm_export(heads: MedusaHeads, directory: Path, samples: int = 16) ->
 
 # ---------------------------------------------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m heads.export", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m heads.export", allow_abbrev=False,
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("heads", help="a selfspec heads checkpoint: local directory or Hub id")
     parser.add_argument("out_dir", type=Path, help="where to write the export")
     parser.add_argument("--format", choices=["vllm"], default="vllm", help="the serving engine's format (default vllm)")

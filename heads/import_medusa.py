@@ -163,7 +163,8 @@ def import_medusa(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m heads.import_medusa", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m heads.import_medusa", allow_abbrev=False,
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("source", help="a FasterDecoding Medusa checkpoint: local directory or Hub id")
     parser.add_argument("out_dir", type=Path, help="where to write the selfspec checkpoint")
     parser.add_argument("--base-model", default=None,

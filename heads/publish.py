@@ -20,7 +20,7 @@ from heads.hub import PublishError, check_repo_id, find_token, publish
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(allow_abbrev=False,
         prog="python -m heads.publish", description=__doc__.split("\n\n")[0],
         epilog="Prefer HF_TOKEN or `hf auth login` over --token: a token on the command line shows in process lists.",
     )

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m heads.retree", description=__doc__,
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m heads.retree", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a heads checkpoint directory (with measured head_accuracy)")
     p.add_argument("--model", default=None, help="the base model (default: the checkpoint's base_model)")

@@ -289,14 +289,12 @@ def train(cfg: TrainConfig) -> TrainResult:
         accuracy = result["accuracy"]
     else:
         log.warning("no held-out rows (data.eval_fraction=0): the heads are saved without measured accuracy or tree")
-    if cfg.method == "medusa":
-        heads_dir = save_final(accelerator, heads, mcfg, model, accuracy, cfg.tree.budget, out_dir / "heads")
-    elif cfg.method == "hydra":
-        heads_dir = save_final(accelerator, heads, mcfg, model, accuracy, cfg.tree.budget, out_dir / "hydra_heads")
+    if cfg.method in ("medusa", "hydra"):
+        heads_dir = save_final(accelerator, heads, mcfg, model, accuracy, cfg.tree.budget, cfg.final_dir)
     elif cfg.method == "eagle":
-        heads_dir = save_eagle(accelerator, heads, mcfg, model, accuracy, out_dir / "eagle_head")
+        heads_dir = save_eagle(accelerator, heads, mcfg, model, accuracy, cfg.final_dir)
     else:
-        heads_dir = save_exit_head(accelerator, heads, mcfg, accuracy, out_dir / "exit_head")
+        heads_dir = save_exit_head(accelerator, heads, mcfg, accuracy, cfg.final_dir)
     accelerator.end_training()
     published = None
     if cfg.publish.repo_id is not None and accelerator.is_main_process:

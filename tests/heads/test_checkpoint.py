@@ -149,6 +149,10 @@ def test_bad_config_json_is_refused(llama, saved):
     (saved / "config.json").write_text(json.dumps({**config, "draft_type": "eagle"}))
     with pytest.raises(ValueError, match="says draft_type 'eagle'; expected 'medusa'"):
         MedusaHeads.from_pretrained(saved, llama)
+    (saved / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "vocab_size"}))
+    with pytest.raises(ValueError) as missing:  # the message names the file it read
+        MedusaHeads.from_pretrained(saved, llama)
+    assert str(missing.value) == f"{saved / 'config.json'}: MedusaConfig is missing required keys ['vocab_size']"
     (saved / "model.safetensors").unlink()
     (saved / "config.json").write_text(json.dumps(config))
     with pytest.raises(FileNotFoundError, match="has config.json but no model.safetensors"):

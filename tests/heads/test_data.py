@@ -161,9 +161,9 @@ def test_errors_say_expected_and_found(tok, tmp_path, monkeypatch):
     long_prompt = write_jsonl(tmp_path / "long.jsonl", [sharegpt_row("word " * 50, "reply")])
     with pytest.raises(ValueError, match="lose every assistant token to truncation at max_length=16"):
         build_datasets(DataConfig(source=str(long_prompt), max_length=16, eval_fraction=0.0), tok)
-    with pytest.raises(ValueError, match=r"DataConfig.max_length: expected int, found '512' \(str\)"):
+    with pytest.raises(ValueError, match=r"data.max_length: expected int, found '512' \(str\)"):
         DataConfig(max_length="512")
-    with pytest.raises(ValueError, match="DataConfig.pack: expected bool, found 1"):
+    with pytest.raises(ValueError, match="data.pack: expected bool, found 1"):
         DataConfig(pack=1)
     with pytest.raises(ValueError, match=r"unknown DataConfig keys \['max_len'\]"):
         DataConfig.from_dict({"max_len": 3})

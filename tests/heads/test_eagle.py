@@ -317,6 +317,10 @@ def test_save_load_round_trip_is_strict_and_exact(model, tmp_path):
     (tmp_path / "ck" / "config.json").write_text(json.dumps(dict(stored, surprise=1)))
     with pytest.raises(ValueError, match=r"unknown EagleConfig keys \['surprise'\]"):
         EagleHead.from_pretrained(tmp_path / "ck", model)
+    (tmp_path / "ck" / "config.json").write_text(json.dumps({k: v for k, v in stored.items() if k != "hidden_size"}))
+    with pytest.raises(ValueError) as missing:  # the message names the file it read
+        EagleHead.from_pretrained(tmp_path / "ck", model)
+    assert str(missing.value) == f"{tmp_path / 'ck' / 'config.json'}: EagleConfig is missing required keys ['hidden_size']"
     fields = {k: v for k, v in stored.items() if k != "selfspec_version"}
     with pytest.raises(ValueError, match="draft_vocab_size: expected 1..96 .the base's vocabulary., found 97"):
         EagleConfig.from_dict(dict(fields, draft_vocab_size=97))
@@ -362,7 +366,7 @@ def test_tree_options_for_an_eagle_head(model, tmp_path):
 
 
 def test_recipe_checks_the_eagle_section():
-    with pytest.raises(ValueError, match="eagle: expected num_layers, unroll"):
+    with pytest.raises(ValueError, match="eagle.unroll: expected a value >= 1, found 0"):
         load_config(REPO / "configs/medusa_tiny.yaml", ["method=eagle", "eagle.unroll=0"])
     cfg = load_config(REPO / "configs/eagle_smollm2.yaml")
     assert cfg.method == "eagle" and cfg.loss.kind == "kl" and cfg.eagle.draft_vocab == 8192
