@@ -38,7 +38,7 @@ from selfspec import registry, specbench
 from selfspec.api import Result, SpecModel, check_drafts, target_info
 from selfspec.bench_log import BenchLog, atomic_write
 from selfspec.drafter import NoDrafter
-from selfspec.models import DEFAULT_MODEL, load_model, parse_dtype
+from selfspec.models import DEFAULT_MODEL, check_device, load_model, parse_dtype
 from selfspec.plots import plot_summary
 from selfspec.specbench import Answer, Question
 from selfspec.target import Target
@@ -107,6 +107,7 @@ class BenchConfig:
                              f"min_p {self.min_p}")
         if self.repetition_penalty is not None and not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0 (1.0 = off), found {self.repetition_penalty}")
+        check_device(self.device)
         if self.min_new_tokens is not None and not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(f"min_new_tokens must be between 0 and max_new_tokens ({self.max_new_tokens}), found "
                              f"{self.min_new_tokens}")
@@ -176,9 +177,13 @@ def draft_method(spec: str, revision: str | None = None) -> Method:
     """A selfspec draft as a bench method: 'DRAFT' or 'DRAFT@TREE' (the same draft with another tree), validated and
     labelled (config.json read, no weights)."""
     draft_spec, _, tree = spec.partition("@")
-    if tree and tree != "auto":
-        registry.parse_tree(tree)  # a bad tree fails here, before any model loads
-    draft = registry.parse_draft(draft_spec, revision=revision)
+    try:  # a bad draft or tree, or a tree the draft cannot take, fails here, before any model loads
+        draft = registry.parse_draft(draft_spec, revision=revision)
+        if tree and tree != "auto":
+            registry.check_tree(draft, registry.parse_tree(tree))
+    except (ValueError, FileNotFoundError) as err:
+        raise type(err)(f"method {spec!r}: {err} (a method is plain, pld[:N], aee[:E], or a draft as infer.py --draft "
+                        f"takes it, with @TREE for another --tree)") from None
     return Method(f"{draft.label}@{tree}" if tree else draft.label, draft=draft, tree=tree or None)
 
 

@@ -313,6 +313,30 @@ DYNAMIC_TREE_KINDS = ("medusa", "eagle", "hydra", "early-exit", "exit-head", "la
 """drafters that grow a tree per step from their candidates' probabilities (--tree dynamic:N)."""
 
 
+def _ngram_size(tree: DynamicTree) -> dict[str, int]:
+    """'dynamic:N,depth=D' (or a tuned tree) for prompt lookup: max_nodes N, depth D."""
+    return {"max_nodes": tree.budget, **({"depth": tree.depth} if tree.depth is not None else {})}
+
+
+def check_tree(spec: DraftSpec, tree: Tree | DynamicTree | None) -> None:
+    """Refuse a tree the draft cannot take (the part of a merge --tree applies to), from the specs alone: nothing
+    needs to be loaded for it."""
+    if spec.parts:
+        return check_tree(tree_part(spec), tree)
+    if spec.kind == "ngram" and isinstance(tree, DynamicTree):
+        if clash := sorted(_ngram_size(tree).keys() & spec.config.keys()):
+            raise ValueError(f"--tree {tree.spec} sizes prompt lookup's trie, and --draft {spec.text} sets "
+                             f"{' and '.join(clash)} too: give the size once")
+    elif spec.kind in ("none", "ngram") and tree is not None:
+        hint = ("ngram grows its own trie: size it with 'ngram:depth=8,max_nodes=24' or --tree dynamic:24,depth=8"
+                if spec.kind == "ngram" else "")
+        raise ValueError(f"--tree does not apply to --draft {spec.kind}; {hint or 'it drafts nothing'}")
+    elif isinstance(tree, DynamicTree) and spec.kind not in DYNAMIC_TREE_KINDS:
+        raise ValueError(f"--tree dynamic:{tree.budget} needs a drafter whose candidates at each depth have their own "
+                         f"probabilities ({', '.join(DYNAMIC_TREE_KINDS)}); --draft {spec.kind} takes a fixed "
+                         "tree such as chain:4")
+
+
 def build_drafter(spec: DraftSpec, target: Target, tree: Tree | DynamicTree | None = None) -> Drafter:
     """Construct the drafter a DraftSpec names, for this target (loads the checkpoint's weights, if any)."""
     if spec.parts:
@@ -321,22 +345,11 @@ def build_drafter(spec: DraftSpec, target: Target, tree: Tree | DynamicTree | No
         takes_tree = tree_part(spec)
         return MergedDrafter([build_drafter(p, target, tree if p is takes_tree else None) for p in spec.parts],
                              skip_after=spec.config.get("skip_after"))
-    if spec.kind == "ngram" and isinstance(tree, DynamicTree):  # 'dynamic:N,depth=D' (or tuned): max_nodes N, depth D
-        sized = {"max_nodes": tree.budget, **({"depth": tree.depth} if tree.depth is not None else {})}
-        if clash := sorted(sized.keys() & spec.config.keys()):
-            raise ValueError(f"--tree {tree.spec} sizes prompt lookup's trie, and --draft {spec.text} sets "
-                             f"{' and '.join(clash)} too: give the size once")
-        return NGramDrafter(**spec.config, **sized)
-    if spec.kind in ("none", "ngram"):
-        if tree is not None:
-            hint = ("ngram grows its own trie: size it with 'ngram:depth=8,max_nodes=24' or --tree dynamic:24,depth=8"
-                    if spec.kind == "ngram" else "")
-            raise ValueError(f"--tree does not apply to --draft {spec.kind}; {hint or 'it drafts nothing'}")
-        return NoDrafter() if spec.kind == "none" else NGramDrafter(**spec.config)
-    if isinstance(tree, DynamicTree) and spec.kind not in DYNAMIC_TREE_KINDS:
-        raise ValueError(f"--tree dynamic:{tree.budget} needs a drafter whose candidates at each depth have their own "
-                         f"probabilities ({', '.join(DYNAMIC_TREE_KINDS)}); --draft {spec.kind} takes a fixed "
-                         "tree such as chain:4")
+    check_tree(spec, tree)
+    if spec.kind == "ngram":
+        return NGramDrafter(**spec.config, **(_ngram_size(tree) if isinstance(tree, DynamicTree) else {}))
+    if spec.kind == "none":
+        return NoDrafter()
     if spec.kind == "early-exit":
         from selfspec.early_exit import EarlyExitDrafter
 

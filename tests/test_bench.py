@@ -487,6 +487,28 @@ def test_min_new_tokens_holds_off_every_methods_end_alike(model_dir, tmp_path, c
 
 
 @pytest.mark.parametrize("flags, message", [
+    (["--methods", "plain,foo"], "method 'foo': unknown --draft 'foo': expected 'none', 'ngram'"),
+    (["--methods", "plain,ngram@chain:3"], "method 'ngram@chain:3': --tree does not apply to --draft ngram"),
+    (["--methods", "plain,ngram:max_nodes=8@dynamic:16"],
+     "method 'ngram:max_nodes=8@dynamic:16': --tree dynamic:16 sizes prompt lookup's trie, and --draft "
+     "ngram:max_nodes=8 sets max_nodes too"),
+    (["--methods", "plain,ngram@chain:x"], "method 'ngram@chain:x': bad --tree 'chain:x'"),
+    (["--device", "bogus"], "unknown device 'bogus'"),
+])
+def test_bad_methods_and_devices_fail_before_any_model_loads(tmp_path, monkeypatch, capsys, model_dir, flags,
+                                                              message):
+    """A method's error names the method and what a method can be; a tree its draft cannot take fails with the
+    specs alone."""
+    monkeypatch.setattr(bench, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    questions = write_questions(tmp_path / "q.jsonl", QUESTIONS[:1])
+    argv = ["bench", "--model", str(model_dir), "--questions", str(questions), "--out-dir", str(tmp_path / "out")]
+    assert cli.main([*argv, *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and ("(a method is plain, pld[:N], aee[:E], or a draft" in err) == ("method" in message)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
     (["--min-new-tokens", "-1"], "min_new_tokens must be between 0 and max_new_tokens (8), found -1"),
     (["--min-new-tokens", "9"], "min_new_tokens must be between 0 and max_new_tokens (8), found 9"),
 ])
