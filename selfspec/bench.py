@@ -180,7 +180,7 @@ def draft_method(spec: str, revision: str | None = None) -> Method:
     try:  # a bad draft or tree, or a tree the draft cannot take, fails here, before any model loads
         draft = registry.parse_draft(draft_spec, revision=revision)
         if tree and tree != "auto":
-            registry.check_tree(draft, registry.parse_tree(tree))
+            registry.check_tree_applies(draft, registry.parse_tree(tree))
     except (ValueError, FileNotFoundError) as err:
         raise type(err)(f"method {spec!r}: {err} (a method is plain, pld[:N], aee[:E], or a draft as infer.py --draft "
                         f"takes it, with @TREE for another --tree)") from None

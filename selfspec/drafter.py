@@ -132,13 +132,13 @@ def check_tree(tree: Tree, *, max_depth: int, max_topk: int, drafter: str) -> Tr
     """Refuse a static tree that asks for deeper or wider drafts than the drafter can make."""
     if tree.depth > max_depth:
         raise ValueError(
-            f"the tree is {tree.depth} levels deep but the {drafter} drafts at most {max_depth}; "
+            f"the tree is {tree.depth} levels deep, but {max_depth} is the most the {drafter} can draft; "
             f"use a tree of depth <= {max_depth}"
         )
     if tree.max_rank + 1 > max_topk:
         raise ValueError(
-            f"the tree asks for the top-{tree.max_rank + 1} candidate but the {drafter} offers at most top-{max_topk}; "
-            f"use ranks < {max_topk}"
+            f"the tree asks for the top-{tree.max_rank + 1} candidate, but top-{max_topk} is the most the {drafter} can "
+            f"offer; use ranks < {max_topk}"
         )
     return tree
 

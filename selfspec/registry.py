@@ -23,6 +23,7 @@ or a ``.json`` file holding such a list.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -233,6 +234,27 @@ def check_base(spec: DraftSpec, model_name: str, hidden_sizes: tuple[int, ...], 
         )
 
 
+MAX_TREE_NODES = 1024
+"""the most draft nodes a --tree may verify a step: every step verifies them all, as a prompt that long would cost
+(BENCHMARKS §1: 64 nodes already cost 2.5× a one-token step on a 2-core CPU); the trees that pay hold 4-64."""
+
+
+def _count(text: str, what: str) -> int:
+    """A --tree size: a whole number >= 1."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError(f"{what}: expected a whole number >= 1, found {text!r}")
+    return int(text)
+
+
+def _nodes(nodes: int) -> int:
+    """A tree's draft node count, refused above MAX_TREE_NODES."""
+    if nodes > MAX_TREE_NODES:
+        raise ValueError(f"{nodes:,} draft nodes, more than the {MAX_TREE_NODES} a step may verify (each step verifies "
+                         f"them all, as a prompt that long would cost); trees that pay hold 4-64, 'auto' picks this "
+                         f"machine's")
+    return nodes
+
+
 def parse_tree(spec: str | None) -> Tree | DynamicTree | None:
     """A ``--tree`` string -> Tree, or DynamicTree for 'dynamic:N' (None keeps the drafter's or checkpoint's own)."""
     if spec is None or spec == "":
@@ -244,12 +266,14 @@ def parse_tree(spec: str | None) -> Tree | DynamicTree | None:
              "JSON choices like '[[0],[0,0],[1]]', or a .json file of choices")
     try:
         if spec.startswith("dynamic:"):
-            budget, _, depth = spec[len("dynamic:"):].partition(",depth=")
-            return DynamicTree(int(budget), depth=int(depth) if depth else None)
+            budget, given, depth = spec[len("dynamic:"):].partition(",depth=")
+            return DynamicTree(_nodes(_count(budget, "N")), depth=_count(depth, "D") if given else None)
         if spec.startswith("chain:"):
-            return Tree.chain(int(spec[len("chain:"):]))
+            return Tree.chain(_nodes(_count(spec[len("chain:"):], "K")))
         if spec.startswith("full:"):
-            return Tree.full([int(k) for k in spec[len("full:"):].split(",")])
+            widths = [_count(k, "each width") for k in spec[len("full:"):].split(",")]
+            _nodes(sum(math.prod(widths[: i + 1]) for i in range(len(widths))))  # before a tree that size is built
+            return Tree.full(widths)
         text = spec
         if spec.endswith(".json"):
             path = Path(spec).expanduser()
@@ -260,6 +284,7 @@ def parse_tree(spec: str | None) -> Tree | DynamicTree | None:
             choices = json.loads(text)
             if not all(isinstance(c, list) and all(isinstance(r, int) for r in c) for c in choices):
                 raise ValueError(f"tree choices must be a list of lists of integers, found {text[:80]!r}")
+            _nodes(len(choices))
             return Tree.from_choices(choices)
     except (json.JSONDecodeError, ValueError) as err:
         raise ValueError(f"bad --tree {spec!r}: {err}; {forms}") from err
@@ -318,11 +343,11 @@ def _ngram_size(tree: DynamicTree) -> dict[str, int]:
     return {"max_nodes": tree.budget, **({"depth": tree.depth} if tree.depth is not None else {})}
 
 
-def check_tree(spec: DraftSpec, tree: Tree | DynamicTree | None) -> None:
+def check_tree_applies(spec: DraftSpec, tree: Tree | DynamicTree | None) -> None:
     """Refuse a tree the draft cannot take (the part of a merge --tree applies to), from the specs alone: nothing
     needs to be loaded for it."""
     if spec.parts:
-        return check_tree(tree_part(spec), tree)
+        return check_tree_applies(tree_part(spec), tree)
     if spec.kind == "ngram" and isinstance(tree, DynamicTree):
         if clash := sorted(_ngram_size(tree).keys() & spec.config.keys()):
             raise ValueError(f"--tree {tree.spec} sizes prompt lookup's trie, and --draft {spec.text} sets "
@@ -345,7 +370,7 @@ def build_drafter(spec: DraftSpec, target: Target, tree: Tree | DynamicTree | No
         takes_tree = tree_part(spec)
         return MergedDrafter([build_drafter(p, target, tree if p is takes_tree else None) for p in spec.parts],
                              skip_after=spec.config.get("skip_after"))
-    check_tree(spec, tree)
+    check_tree_applies(spec, tree)
     if spec.kind == "ngram":
         return NGramDrafter(**spec.config, **(_ngram_size(tree) if isinstance(tree, DynamicTree) else {}))
     if spec.kind == "none":

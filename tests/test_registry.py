@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 
 import pytest
 
@@ -115,8 +116,26 @@ def test_parse_tree(tmp_path):
     assert DynamicTree(8, depth=2).spec == "dynamic:8,depth=2"
     with pytest.raises(ValueError, match="max_rank=4 has no --tree form"):
         DynamicTree(8, max_rank=4).spec
-    with pytest.raises(ValueError, match="bad --tree 'dynamic:0'.*budget >= 1"):
-        registry.parse_tree("dynamic:0")
+    assert len(registry.parse_tree("full:32,31")) == 1 + registry.MAX_TREE_NODES  # 32 + 32 x 31 draft nodes: the most
+    assert registry.parse_tree(f"dynamic:{registry.MAX_TREE_NODES}").budget == registry.MAX_TREE_NODES
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("dynamic:0", "bad --tree 'dynamic:0': N: expected a whole number >= 1, found '0'"),
+    ("chain:0", "bad --tree 'chain:0': K: expected a whole number >= 1, found '0'"),  # drafts nothing
+    ("chain:x", "bad --tree 'chain:x': K: expected a whole number >= 1, found 'x'"),
+    ("full:3,-1", "bad --tree 'full:3,-1': each width: expected a whole number >= 1, found '-1'"),
+    ("dynamic:8,depth=", "bad --tree 'dynamic:8,depth=': D: expected a whole number >= 1, found ''"),
+    ("full:100,100", "bad --tree 'full:100,100': 10,100 draft nodes, more than the 1024 a step may verify"),
+    ("full:10000,10000,10000", "1,000,100,010,000 draft nodes, more than the 1024"),  # refused before it is built
+    ("dynamic:5000", "bad --tree 'dynamic:5000': 5,000 draft nodes, more than the 1024"),
+])
+def test_bad_tree_sizes_say_which_number_is_wrong(spec, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        registry.parse_tree(spec)
+
+
+def test_parse_tree_refuses_what_is_not_a_tree(tmp_path):
     with pytest.raises(ValueError, match="unknown --tree 'medusa63'.*'chain:K'"):
         registry.parse_tree("medusa63")
     with pytest.raises(ValueError, match="bad --tree .*has no parent"):

@@ -109,10 +109,10 @@ def test_negative_chain_is_refused():
 def test_check_tree():
     tree = Tree.from_choices(CHOICES)  # depth 2, ranks up to 1 (top-2)
     assert check_tree(tree, max_depth=2, max_topk=2, drafter="medusa heads") is tree
-    deep = r"the tree is 2 levels deep but the medusa heads drafts at most 1; use a tree of depth <= 1"
+    deep = r"the tree is 2 levels deep, but 1 is the most the medusa heads can draft; use a tree of depth <= 1"
     with pytest.raises(ValueError, match=deep):
         check_tree(tree, max_depth=1, max_topk=4, drafter="medusa heads")
-    wide = r"asks for the top-2 candidate but the medusa heads offers at most top-1; use ranks < 1"
+    wide = r"asks for the top-2 candidate, but top-1 is the most the medusa heads can offer; use ranks < 1"
     with pytest.raises(ValueError, match=wide):
         check_tree(tree, max_depth=4, max_topk=1, drafter="medusa heads")
 

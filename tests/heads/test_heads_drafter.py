@@ -51,9 +51,9 @@ def test_node_tokens_are_each_heads_ranked_candidates(llama):
 
 def test_trees_the_heads_cannot_draft_are_refused(llama):
     heads = untrained(llama, "shared")
-    with pytest.raises(ValueError, match="5 levels deep but the Medusa heads drafts at most 4"):
+    with pytest.raises(ValueError, match="5 levels deep, but 4 is the most the Medusa heads can draft"):
         MedusaDrafter(heads, Tree.chain(5))
-    with pytest.raises(ValueError, match="top-97 candidate but the Medusa heads offers at most top-96"):
+    with pytest.raises(ValueError, match="top-97 candidate, but top-96 is the most the Medusa heads can offer"):
         MedusaDrafter(heads, [[96]])
 
 

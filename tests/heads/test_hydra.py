@@ -190,7 +190,7 @@ def test_the_registry_loads_hydra_heads_with_their_tree(model, tmp_path):
     assert registry.build_drafter(spec, target, Tree.chain(2)).tree == Tree.chain(2)
     assert registry.build_drafter(spec, target, DynamicTree(8)).dynamic == DynamicTree(8)
     assert load_drafter(tmp_path / "ck", target, tree=DynamicTree(8, depth=5)).depth == 3  # no deeper than the heads
-    with pytest.raises(ValueError, match="4 levels deep but the Hydra heads drafts at most 3"):
+    with pytest.raises(ValueError, match="4 levels deep, but 3 is the most the Hydra heads can draft"):
         registry.build_drafter(spec, target, Tree.chain(4))
 
 
