@@ -219,8 +219,8 @@ class SpecModel:
     def _encode_text(self, prompt: str | Sequence[dict[str, str]], chat: bool) -> list[int]:
         if isinstance(prompt, str) and not chat:
             return self.tokenizer(prompt).input_ids
-        if isinstance(prompt, str) and not prompt.strip():  # the template would wrap it into a prompt of its own
-            raise ValueError(f"the prompt is empty: expected a message with text, found {prompt!r}")
+        if isinstance(prompt, str):
+            check_message(prompt)
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"the tokenizer of {self.name or 'this model'} has no chat template (a base model?): "
                              "feed the prompt as plain text (infer.py --no-chat; chat=False in Python) or as token ids")
@@ -386,6 +386,13 @@ def _set(obj: Any, **values: Any) -> Iterator[None]:
     finally:
         for k, v in old.items():
             setattr(obj, k, v)
+
+
+def check_message(text: str) -> None:
+    """Refuse an empty or blank user message given as the prompt: the chat template would still wrap it into a prompt
+    of its own, and it would be answered."""
+    if not text.strip():
+        raise ValueError(f"the prompt is empty: expected a message with text, found {text!r}")
 
 
 @dataclass(frozen=True)

@@ -233,16 +233,17 @@ def _start(model: api.SpecModel, prompt: api.Prompt, args: argparse.Namespace) -
 
 
 def _reply(model: api.SpecModel, prompt: api.Prompt, args: argparse.Namespace, out: TextIO, err: TextIO,
-           label: str) -> api.TextStream | None:
-    """Stream one reply, then its statistics; None when Ctrl-C stopped it (what was generated is reported)."""
+           label: str) -> tuple[api.TextStream, bool]:
+    """Stream one reply, then its statistics -> (the stream, whether it ran to its end); Ctrl-C stops it, and the
+    stream holds what was generated (reported)."""
     stream = _start(model, prompt, args)
     try:
         _show(stream, out)
     except KeyboardInterrupt:
         err.write(f"\n{label} interrupted: {stream.stats}\n")
-        return None
+        return stream, False
     err.write(f"{label} {stream.stats}\n")
-    return stream
+    return stream, True
 
 
 def _show(stream: api.TextStream, out: TextIO) -> None:
@@ -274,6 +275,8 @@ def run_decode(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
     if args.system is not None and args.no_chat:
         err.write("error: --system is a message of the chat template: drop --no-chat, or put it in the prompt\n")
         return 2
+    if args.prompt is not None and not args.no_chat:
+        api.check_message(args.prompt)  # before the model loads; with --system too
     system = [] if args.system is None else [{"role": "system", "content": args.system}]
     model = api.load(args.model, draft=args.draft, dtype=args.dtype, tree=args.tree, device=args.device,
                      revision=args.revision, draft_revision=args.draft_revision, allow_other_base=args.allow_other_base,
@@ -286,8 +289,8 @@ def run_decode(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
         if args.compare:  # untimed warm-up of both paths, so neither timing pays for first-call set-up
             model.generate(prompt, max_new_tokens=2, chat=not args.no_chat)
             model.generate_plain(prompt, max_new_tokens=2, chat=not args.no_chat)
-        stream = _reply(model, prompt, args, out, err, label)
-        if stream is None:
+        stream, finished = _reply(model, prompt, args, out, err, label)
+        if not finished:
             return INTERRUPTED
         if args.compare:
             _compare(model, prompt, args, stream, err)
@@ -295,7 +298,8 @@ def run_decode(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
     if args.no_chat:
         err.write("interactive mode is a chat: drop --no-chat, or pass --prompt\n")
         return 2
-    err.write(f"chat with {args.model} (--draft {args.draft}); an empty line or Ctrl-D ends, Ctrl-C stops a reply\n")
+    err.write(f"chat with {args.model} (--draft {args.draft}); an empty line, Ctrl-D or Ctrl-C here ends, Ctrl-C "
+              f"during a reply stops it\n")
     messages: list[dict[str, str]] = list(system)
     while True:
         try:
@@ -307,10 +311,8 @@ def run_decode(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
             return 0
         messages.append({"role": "user", "content": text})
         out.write("assistant> ")
-        stream = _reply(model, messages, args, out, err, label)
-        if stream is None:
-            return INTERRUPTED
-        messages.append({"role": "assistant", "content": stream.text})
+        stream, _ = _reply(model, messages, args, out, err, label)
+        messages.append({"role": "assistant", "content": stream.text})  # a stopped reply: what it had generated
 
 
 def run_bench_cli(argv: Sequence[str], out: TextIO | None = None) -> int:

@@ -160,13 +160,46 @@ class InterruptAfter(io.StringIO):
         return super().write(text)
 
 
+class InterruptOnce(io.StringIO):
+    """Ctrl-C once, at the write after ``pieces`` writes."""
+    def __init__(self, pieces: int):
+        super().__init__()
+        self.left = pieces
+
+    def write(self, text: str) -> int:
+        self.left -= 1
+        if self.left == -1:
+            raise KeyboardInterrupt
+        return super().write(text)
+
+
 def test_ctrl_c_prints_what_was_generated_and_exits_130(model_dir):
     out, err = InterruptAfter(3), io.StringIO()
     assert cli.run_decode(args(model_dir, "--prompt", "hello café"), out, err) == cli.INTERRUPTED == 130
     assert "interrupted:" in err.getvalue() and "new tokens in" in err.getvalue()
-    out, err = InterruptAfter(1), io.StringIO()  # "assistant> " and one piece, then Ctrl-C inside the chat
-    assert cli.run_decode(args(model_dir), out, err, read=lambda prompt: "hello café") == 130
-    assert "interrupted:" in err.getvalue()
+
+
+def test_ctrl_c_in_the_chat_stops_the_reply_and_the_chat_goes_on(model_dir, monkeypatch):
+    """Ctrl-C during a reply stops it (what was generated of it stays in the conversation) and asks for the next
+    turn; Ctrl-C at the prompt ends the chat (exit 0)."""
+    seen = []
+    real = api.SpecModel.stream
+    monkeypatch.setattr(api.SpecModel, "stream", lambda self, prompt, **kw: seen.append(list(prompt)) or
+                        real(self, prompt, **kw))
+    turns = iter(["hello café", "and again"])
+
+    def read(prompt: str) -> str:
+        text = next(turns, None)
+        if text is None:
+            raise KeyboardInterrupt
+        return text
+
+    out, err = InterruptOnce(2), io.StringIO()  # "assistant> ", one piece, then Ctrl-C
+    assert cli.run_decode(args(model_dir), out, err, read=read) == 0
+    assert err.getvalue().count("interrupted:") == 1 and "Ctrl-C during a reply stops it" in err.getvalue()
+    first_reply = out.getvalue().split("assistant> ")[1]  # the one piece shown before Ctrl-C
+    assert len(seen) == 2 and seen[1][1]["role"] == "assistant" and seen[1][1]["content"].startswith(first_reply)
+    assert out.getvalue().count("assistant> ") == 2
 
 
 def test_bad_draft_is_one_clear_line_before_loading(model_dir, tmp_path, monkeypatch, capsys):
@@ -224,8 +257,9 @@ def test_serve_refuses_a_port_in_use_before_loading_the_model(capsys):
 def test_an_empty_prompt_is_refused_with_the_chat_template_too(model_dir, prompt, capsys):
     """With the chat template an empty message would still make a prompt (the template's own tokens) and be
     answered; it is refused as an empty prompt is without it."""
-    assert cli.main(["--model", str(model_dir), "--prompt", prompt]) == 2
-    assert f"error: the prompt is empty: expected a message with text, found {prompt!r}" in capsys.readouterr().err
+    for system in ([], ["--system", "be brief"]):
+        assert cli.main(["--model", str(model_dir), "--prompt", prompt, *system]) == 2
+        assert f"error: the prompt is empty: expected a message with text, found {prompt!r}" in capsys.readouterr().err
     m = api.load(str(model_dir), draft="ngram")
     with pytest.raises(ValueError, match="the prompt is empty"):
         m.generate(prompt)
