@@ -30,7 +30,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from selfspec import processors, registry
 from selfspec.drafter import Drafter, verifier_for
-from selfspec.generate import stream as spec_stream
+from selfspec.generate import check_request, stream as spec_stream
 from selfspec.logprobs import TokenLogprob, token_logprobs
 from selfspec.models import BUILTIN, DEFAULT_MODEL, _refuse_remote_code, load_model, resolve
 from selfspec.sampling import PresencePenalty, Sampling
@@ -207,13 +207,27 @@ class SpecModel:
 
     # ---------------------------------------------------------------------------------------------------- prompts
     def encode(self, prompt: Prompt, chat: bool = True) -> torch.Tensor:
-        """-> long [T] on the target's device."""
+        """-> long [T] on the target's device. Token ids: a list of ints, or an integer tensor [T] or [1, T] (one
+        sequence: selfspec decodes at batch size 1)."""
         if isinstance(prompt, torch.Tensor):
-            ids = prompt.reshape(-1).tolist()
-        elif isinstance(prompt, str) or (len(prompt) and isinstance(prompt[0], dict)):
+            if prompt.is_floating_point() or prompt.dtype == torch.bool or prompt.is_complex():
+                raise TypeError(f"expected token ids (an integer tensor), found a {prompt.dtype} tensor")
+            if prompt.dim() == 2 and prompt.shape[0] != 1:
+                raise ValueError(f"selfspec decodes one sequence at a time (batch size 1); found a batch of "
+                                 f"{prompt.shape[0]} prompts {tuple(prompt.shape)}: call once per prompt")
+            if prompt.dim() not in (1, 2):
+                raise ValueError(f"expected token ids of shape [T] or [1, T], found {tuple(prompt.shape)}")
+            return prompt.reshape(-1).to(self.target.device, torch.long)
+        if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict)):
             ids = self._encode_text(prompt, chat)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+            ids = list(prompt)
         else:
-            ids = [int(i) for i in prompt]
+            found = next((f"{i!r} ({type(i).__name__}) among its items" for i in prompt
+                          if not isinstance(i, int) or isinstance(i, bool)), "") \
+                if isinstance(prompt, (list, tuple)) else f"{type(prompt).__name__} {prompt!r:.60}"
+            raise TypeError(f"expected a prompt as text (str), chat messages (a list of {{'role', 'content'}} dicts) "
+                            f"or token ids (a list of ints, or a tensor), found {found}")
         return torch.tensor(ids, dtype=torch.long, device=self.target.device)
 
     def _encode_text(self, prompt: str | Sequence[dict[str, str]], chat: bool) -> list[int]:
@@ -225,6 +239,9 @@ class SpecModel:
             raise ValueError(f"the tokenizer of {self.name or 'this model'} has no chat template (a base model?): "
                              "feed the prompt as plain text (infer.py --no-chat; chat=False in Python) or as token ids")
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        for n, m in enumerate(messages):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise ValueError(f"message {n}: expected {{'role': str, 'content': str}}, found {m!r:.80}")
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
@@ -246,6 +263,9 @@ class SpecModel:
         sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=penalty,
                             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=bias,
                             **warpers)
+        if not (stop is None or isinstance(stop, str) or (isinstance(stop, (list, tuple))
+                                                          and all(isinstance(x, str) for x in stop))):
+            raise TypeError(f"stop: expected a string or a list of strings, found {stop!r:.80}")
         stops = self.stop_strings if stop is None else ((stop,) if isinstance(stop, str) else tuple(stop))
         if stops not in self._criteria:
             if len(self._criteria) >= 16:  # a server's clients may each send their own: keep the latest few
@@ -253,8 +273,8 @@ class SpecModel:
             self._criteria[stops] = stop_strings(self.tokenizer, stops)
         if min_new_tokens is None:  # the generation config's min_new_tokens, and its min_length (prompt included)
             min_new_tokens = max(self.min_new_tokens, self.min_length - ids.shape[0])
-        if min_new_tokens < 0:
-            raise ValueError(f"min_new_tokens must be >= 0, found {min_new_tokens}")
+        if isinstance(min_new_tokens, bool) or not isinstance(min_new_tokens, int) or min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be an int >= 0, found {min_new_tokens!r}")
         generator = None if seed is None else torch.Generator(device=self.target.device).manual_seed(seed)
         return _Request(ids, sampling, generator, stops, self._criteria[stops], min_new_tokens)
 
@@ -326,6 +346,7 @@ class SpecModel:
         its ``output_logits``, prompt_logprobs from a forward over the prompt (outside the timing)."""
         r = self._request(prompt, chat, temperature, top_p, top_k, min_p, repetition_penalty, None, stop,
                           min_new_tokens, presence_penalty, frequency_penalty, logit_bias)
+        check_request(self.target, r.ids, max_new_tokens, logprobs, prompt_logprobs)  # as ``stream`` refuses it
         ids = r.ids[None]  # [1, T]
         sample = temperature > 0
         kwargs: dict[str, Any] = dict(do_sample=sample, max_new_tokens=max_new_tokens,

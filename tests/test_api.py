@@ -128,6 +128,35 @@ def test_prompt_forms(ngram):
     assert ngram.generate(messages, max_new_tokens=5).tokens == ngram.generate(ngram.encode(messages), max_new_tokens=5).tokens
 
 
+PROMPT_FORMS = "expected a prompt as text (str), chat messages (a list of {'role', 'content'} dicts) or token ids"
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (dict(prompt=torch.tensor([[5, 6, 7], [8, 9, 10]])), ValueError,
+     "selfspec decodes one sequence at a time (batch size 1); found a batch of 2 prompts (2, 3): call once per prompt"),
+    (dict(prompt=torch.tensor([1.0, 2.0])), TypeError, "expected token ids (an integer tensor), found a torch.float32"),
+    (dict(prompt=b"hello"), TypeError, f"{PROMPT_FORMS} (a list of ints, or a tensor), found bytes b'hello'"),
+    (dict(prompt=[1.7, 2.2]), TypeError, "found 1.7 (float) among its items"),
+    (dict(prompt=None), TypeError, "found NoneType None"),
+    (dict(prompt=[{"role": "user"}]), ValueError, "message 0: expected {'role': str, 'content': str}, found {'role'"),
+    (dict(prompt=[1, 99999]), ValueError, "token id 99999 is outside this model's vocabulary (0..318)"),
+    (dict(prompt=[1, -5]), ValueError, "token id -5 is outside this model's vocabulary"),
+    (dict(logprobs=True), ValueError, "logprobs: expected None or 0..20 alternatives per token (an int), found True"),
+    (dict(max_new_tokens="5"), TypeError, "max_new_tokens: expected an int >= 1, found '5' (str)"),
+    (dict(max_new_tokens=2.5), TypeError, "max_new_tokens: expected an int >= 1, found 2.5 (float)"),
+    (dict(min_new_tokens="2"), ValueError, "min_new_tokens must be an int >= 0, found '2'"),
+    (dict(stop=5), TypeError, "stop: expected a string or a list of strings, found 5"),
+])
+@pytest.mark.parametrize("method", ["generate", "generate_plain"])
+def test_a_bad_argument_is_refused_in_selfspecs_words(ngram, call, error, message, method):
+    """A batch is not merged into one prompt, bytes and floats are not read as token ids, and a wrong type or value
+    says what was expected, before anything decodes; generate_plain (transformers' generate) refuses alike."""
+    kwargs = {"prompt": "hi", "max_new_tokens": 3, **call}
+    with pytest.raises(error) as err:
+        getattr(ngram, method)(kwargs.pop("prompt"), **kwargs)
+    assert message in str(err.value)
+
+
 def test_sampling_with_seed_repeats(ngram):
     a = ngram.generate(PROMPTS[0], max_new_tokens=20, temperature=0.8, top_p=0.9, top_k=50, seed=3)
     b = ngram.generate(PROMPTS[0], max_new_tokens=20, temperature=0.8, top_p=0.9, top_k=50, seed=3)

@@ -119,7 +119,7 @@ def test_a_cut_step_reports_the_tokens_it_keeps(tiny_models):
 def test_bad_numbers_of_alternatives_are_refused_before_any_work(tiny_models):
     target = Target(tiny_models["llama"])
     prompt = torch.tensor([1, 2, 3])
-    with pytest.raises(ValueError, match="logprobs: expected None or 0..20 alternatives per token, found -1"):
+    with pytest.raises(ValueError, match=r"logprobs: expected None or 0..20 alternatives per token \(an int\), found -1"):
         next(stream(target, NoDrafter(), prompt, 4, logprobs=-1))
-    with pytest.raises(ValueError, match="prompt_logprobs: expected None or 0..20 alternatives per token, found 99"):
+    with pytest.raises(ValueError, match=r"prompt_logprobs: expected None or 0..20 alternatives per token \(an int\), found 99"):
         next(stream(target, NoDrafter(), prompt, 4, prompt_logprobs=99))

@@ -113,5 +113,5 @@ def test_min_new_tokens_blocks_eos_at_every_tree_node_as_generate_does(arch):
 
 def test_min_new_tokens_must_not_be_negative():
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match="min_new_tokens must be >= 0, found -1"):
+    with pytest.raises(ValueError, match="min_new_tokens must be an int >= 0, found -1"):
         generate(Target(model), NoDrafter(), torch.tensor([1, 2, 3]), 4, min_new_tokens=-1)
