@@ -23,7 +23,7 @@ from transformers.utils import logging as hf_logging
 from selfspec import api, registry, specbench
 from selfspec.bench import DEFAULT_QUESTIONS, BenchConfig, run_bench
 from selfspec.models import DEFAULT_MODEL
-from selfspec.options import integer, integers
+from selfspec.options import integer, integers, number
 from selfspec.specbench import to_markdown
 
 INTERRUPTED = 130
@@ -378,9 +378,10 @@ def build_serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=integer(0, 65535), default=8000, help="port (default: 8000; 0 = any free port)")
     p.add_argument("--name", default=None, help="the model id clients see (default: --model)")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="for requests that give none (default 0: greedy, token-identical to generate)")
-    p.add_argument("--max-tokens", type=int, default=256,
+    p.add_argument("--temperature", type=number(0.0, 2.0), default=0.0,
+                   help="for requests that give none, 0 to 2 as a request's (default 0: greedy, token-identical to "
+                        "generate)")
+    p.add_argument("--max-tokens", type=integer(1), default=256,
                    help="for requests that give no max_tokens, capped at what the context holds after the prompt "
                         "(default: 256)")
     p.add_argument("--api-key", default=os.environ.get("SELFSPEC_API_KEY"),

@@ -30,3 +30,16 @@ def integers(low: int) -> Callable[[str], tuple[int, ...]]:
             raise argparse.ArgumentTypeError(f"expected comma-separated integers {_range(low, None)}, found {text!r}")
         return tuple(int(p) for p in pieces)
     return parse
+
+
+def number(low: float, high: float) -> Callable[[str], float]:
+    """A number from low to high."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not low <= value <= high:  # nan fails too
+            raise argparse.ArgumentTypeError(f"expected a number from {low} to {high}, found {text!r}")
+        return value
+    return parse

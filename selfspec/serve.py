@@ -149,8 +149,8 @@ def parse_request(body: Any, chat: bool, default_temperature: float = 0.0) -> Re
     if not isinstance(echo, bool):
         raise RequestError(f"'echo': expected true or false, found {echo!r:.80}", "echo")
     stop = body.get("stop")
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    if not all(isinstance(s, str) and s for s in stops):
+    stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else ()
+    if not (stop is None or isinstance(stop, (str, list))) or not all(isinstance(s, str) and s for s in stops):
         raise RequestError(f"'stop': expected a non-empty string or a list of them, found {stop!r:.80}", "stop")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -161,7 +161,7 @@ def parse_request(body: Any, chat: bool, default_temperature: float = 0.0) -> Re
         top_p=_number(body, "top_p", float, 1.0, 0.0, 1.0),
         top_k=_number(body, "top_k", int, 0, -1),
         min_p=_number(body, "min_p", float, 0.0, 0.0, 1.0),
-        seed=_number(body, "seed", int, None),
+        seed=_number(body, "seed", int, None, -2**63, 2**63 - 1),  # what torch's generators take
         repetition_penalty=_number(body, "repetition_penalty", float, None, 0.0),
         min_new_tokens=_number(body, "min_tokens", int, None, 0),
         presence_penalty=_number(body, "presence_penalty", float, 0.0, -2.0, 2.0),
@@ -364,7 +364,11 @@ class Session:
         if j and decoding.get("seed") is not None:  # the n answers to one prompt differ, and repeat with the seed
             decoding["seed"] += j
         ids = self.model.encode(prompt, chat=r.chat)
-        limit = r.max_new_tokens
+        limit, room = r.max_new_tokens, self.model.target.max_length - int(ids.shape[0])
+        if limit is not None and limit > room >= 1:  # named as the client sent it, not as generate calls it
+            raise RequestError(f"'max_tokens': the prompt ({int(ids.shape[0])} tokens) + max_tokens ({limit}) exceeds "
+                               f"the model's context of {self.model.target.max_length}; expected max_tokens <= {room}",
+                               "max_tokens")
         if limit is None:  # as OpenAI-compatible servers do: no more than the context has room for
             limit = max(1, min(self.default_max_tokens, self.model.target.max_length - int(ids.shape[0])))
         scoring = r.logprobs is not None
@@ -442,11 +446,14 @@ def _logprobs(session: Session, r: Request, tokens: tuple[Scored, ...] | list[Sc
             "text_offset": [s.offset for s in tokens]}
 
 
-def _usage(finals: list[dict]) -> dict:
-    """One request's usage: its answers' added up (one answer: its own)."""
+def _usage(finals: list[dict], n: int = 1) -> dict:
+    """One request's usage: its answers' added up (one answer: its own), each prompt counted once, as OpenAI counts
+    it, however many (n) answers it has (answer i answers prompt i // n)."""
     if len(finals) == 1:
         return finals[0]["usage"]
-    usage = {k: sum(f["usage"][k] for f in finals) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    usage = {k: sum(f["usage"][k] for f in finals) for k in ("completion_tokens",)}
+    usage["prompt_tokens"] = sum(f["usage"]["prompt_tokens"] for f in finals[::n])
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
     steps = sum(f["usage"]["selfspec"]["steps"] for f in finals)
     seconds = sum(f["usage"]["selfspec"]["seconds"] for f in finals)
     new = usage["completion_tokens"]
@@ -470,7 +477,7 @@ def complete(session: Session, r: Request) -> dict:
         choice.update({"message": {"role": "assistant", "content": text}} if r.chat else {"text": text})
         choices.append(choice)
         finals.append(final)
-    return {**_envelope(session, r.chat), "choices": choices, "usage": _usage(finals)}
+    return {**_envelope(session, r.chat), "choices": choices, "usage": _usage(finals, r.n)}
 
 
 def chunks(session: Session, r: Request, include_usage: bool = False) -> Iterator[dict]:
@@ -504,7 +511,7 @@ def chunks(session: Session, r: Request, include_usage: bool = False) -> Iterato
         finally:
             pieces.close()  # a client that went away: decoding stops here and the next request's turn comes
     if include_usage:
-        yield {**head, "choices": [], "usage": _usage(finals)}
+        yield {**head, "choices": [], "usage": _usage(finals, r.n)}
 
 
 def tokenize(session: Session, body: Any) -> dict:

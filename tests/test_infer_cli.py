@@ -230,6 +230,8 @@ def test_default_model_prompt():
     (["tune-tree", "--draft", "ngram", "--depth", "3"], "unrecognized arguments: --depth 3"),  # --depths tunes it
     (["sweep-exit", "--layers", "4,a"], "argument --layers: expected comma-separated integers >= 1, found '4,a'"),
     (["serve", "--port", "99999"], "argument --port: expected an integer from 0 to 65535, found '99999'"),
+    (["serve", "--temperature", "-1"], "argument --temperature: expected a number from 0.0 to 2.0, found '-1'"),
+    (["serve", "--max-tokens", "0"], "argument --max-tokens: expected an integer >= 1, found '0'"),
 ])
 def test_options_are_whole_and_numbers_are_checked_by_name(capsys, argv, message):
     """An abbreviated option is not taken for a longer one (bench --draft is no --draft-revision); a bad number names

@@ -167,7 +167,10 @@ def test_sampling_fields_reach_the_decoder(server, model):
     ({"messages": USER, "max_tokens": 0}, "max_tokens", "'max_tokens': expected a value >= 1, found 0"),
     ({"messages": USER, "stop": [""]}, "stop", "'stop': expected a non-empty string or a list of them"),
     ({"messages": USER, "stream": "yes"}, "stream", "'stream': expected true or false"),
-    ({"messages": USER, "max_tokens": 10 ** 6}, None, "exceeds the model's context"),
+    ({"messages": USER, "max_tokens": 10 ** 6}, "max_tokens", "'max_tokens': the prompt ("),
+    ({"messages": USER, "max_tokens": 10 ** 6}, "max_tokens", "+ max_tokens (1000000) exceeds the model's context"),
+    ({"messages": USER, "stop": 5}, "stop", "'stop': expected a non-empty string or a list of them, found 5"),
+    ({"messages": USER, "seed": 2 ** 70}, "seed", "'seed': expected a value in [-9223372036854775808, "),
     ([1, 2], None, "expected a JSON object, found list"),
 ])
 def test_bad_requests_are_refused_naming_the_field(server, body, param, message):
@@ -438,9 +441,14 @@ def test_n_answers_penalties_and_logit_bias_reach_the_decoder(server, model):
     assert [c["index"] for c in reply["choices"]] == [0, 1, 2]
     assert [c["message"]["content"] for c in reply["choices"]] == expected and len(set(expected)) > 1
     assert reply["usage"]["completion_tokens"] == 36
+    assert reply["usage"]["prompt_tokens"] == model.encode(USER).shape[0]  # once, as OpenAI counts it, not n times
     status, data = post(server, "/v1/completions", {"prompt": ["the quick", "hello"], "max_tokens": 6, "n": 2,
-                                                    "stream": True})
+                                                    "stream": True, "stream_options": {"include_usage": True}})
     chunks = events(data)
+    usage = chunks[-1]["usage"]
+    assert usage["prompt_tokens"] == sum(model.encode(p, chat=False).shape[0] for p in ("the quick", "hello"))
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    chunks = chunks[:-1]
     texts = ["".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i) for i in range(4)]
     greedy = [model.generate(p, max_new_tokens=6, chat=False).text for p in ("the quick", "hello")]
     assert texts == [greedy[0], greedy[0], greedy[1], greedy[1]]
