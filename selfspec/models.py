@@ -9,6 +9,7 @@ safetensors; later loads read that directory. The cache lives in ``$SELFSPEC_CAC
 from __future__ import annotations
 
 import contextlib
+import difflib
 import logging
 import os
 import shutil
@@ -144,6 +145,13 @@ def resolve(name_or_path: str) -> tuple[str, str | None]:
         return str(path.parent), path.name
     if path.exists() and not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is a local path but has no config.json: expected a transformers model directory")
+    if (path / "config.json").is_file() and '"draft_type"' in (path / "config.json").read_text(errors="replace"):
+        raise ValueError(f"{name_or_path} is a selfspec draft checkpoint, not a model: pass it as the draft (--draft; "
+                         f"draft= in Python) and the model it was trained for as --model")
+    close = difflib.get_close_matches(name_or_path.lower(), BUILTIN, n=1, cutoff=0.5)
+    if not path.exists() and "/" not in name_or_path and close:
+        raise FileNotFoundError(f"unknown model {name_or_path!r}; did you mean the built-in {close[0]!r}? (expected "
+                                f"{MODEL_FORMS})")
     if not path.exists() and looks_local(name_or_path):
         raise FileNotFoundError(f"model directory {name_or_path} does not exist: expected {MODEL_FORMS}")
     return name_or_path, None

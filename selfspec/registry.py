@@ -323,6 +323,9 @@ def resolve_tree(tree: str | Tree | DynamicTree | None, spec: DraftSpec, target:
         from selfspec.budget import load_tuned
 
         return load_tuned(spec.location, target, model_id, spec.revision)
+    if not (tree is None or isinstance(tree, (str, Tree, DynamicTree))):
+        raise TypeError(f"tree: expected a --tree string ('chain:3', 'dynamic:16', 'auto', ...), a Tree or a "
+                        f"DynamicTree, found {type(tree).__name__} {tree!r:.60}")
     return parse_tree(tree) if isinstance(tree, str) else tree
 
 

@@ -157,6 +157,11 @@ def test_a_bad_argument_is_refused_in_selfspecs_words(ngram, call, error, messag
     assert message in str(err.value)
 
 
+def test_a_tree_of_the_wrong_type_is_refused(model_dir):
+    with pytest.raises(TypeError, match="tree: expected a --tree string .*, found int 3"):
+        api.load(str(model_dir), draft="early-exit:layer=1", tree=3)
+
+
 def test_sampling_with_seed_repeats(ngram):
     a = ngram.generate(PROMPTS[0], max_new_tokens=20, temperature=0.8, top_p=0.9, top_k=50, seed=3)
     b = ngram.generate(PROMPTS[0], max_new_tokens=20, temperature=0.8, top_p=0.9, top_k=50, seed=3)

@@ -87,6 +87,20 @@ def test_a_missing_local_model_is_not_looked_up_on_the_hub(tmp_path, spec):
     assert models.resolve("owner/name") == ("owner/name", None)  # a Hub id stays one
 
 
+@pytest.mark.parametrize("name", ["smollm2-135m", "SmolLM2"])
+def test_a_near_miss_of_the_built_in_name_is_not_looked_up_on_the_hub(name):
+    with pytest.raises(FileNotFoundError, match=f"unknown model '{name}'; did you mean the built-in "
+                                                f"'smollm2-135m-instruct'"):
+        models.resolve(name)
+    assert models.resolve("gpt2") == ("gpt2", None)  # a Hub id of its own
+
+
+def test_a_draft_checkpoint_given_as_the_model_says_so(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"draft_type": "medusa", "base_model": "x"}))
+    with pytest.raises(ValueError, match="is a selfspec draft checkpoint, not a model: pass it as the draft"):
+        models.resolve(str(tmp_path))
+
+
 @pytest.mark.parametrize("device, message", [
     ("bogus", "unknown device 'bogus': expected cpu, cuda, cuda:N or another torch device type"),
     ("cuda", "device 'cuda': this torch .* sees no CUDA device; use cpu"),
