@@ -99,6 +99,10 @@ def _number(body: dict, key: str, kind: type, default: Any, low: float | None = 
     return value
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+"""the message roles OpenAI's chat API takes; the model's chat template decides what each becomes."""
+
+
 def _messages(body: dict) -> list[dict[str, str]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -109,6 +113,9 @@ def _messages(body: dict) -> list[dict[str, str]]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
             raise RequestError(f"'messages[{i}]': expected an object with 'role' and 'content', found {m!r:.80}",
                                "messages")
+        if m["role"] not in ROLES:
+            raise RequestError(f"'messages[{i}].role': expected one of {', '.join(ROLES)} (OpenAI's), found "
+                               f"{m['role']!r:.40}", "messages")
         content = m["content"]
         if isinstance(content, list):  # content parts: text only
             kinds = {p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content}

@@ -162,6 +162,8 @@ def test_sampling_fields_reach_the_decoder(server, model):
     ({"messages": USER, "presence_penalty": 2.5}, "presence_penalty", "expected a value in [-2.0, 2.0], found 2.5"),
     ({"messages": []}, "messages", "'messages': expected a non-empty list"),
     ({"messages": [{"content": "hi"}]}, "messages", "'messages[0]': expected an object with 'role' and 'content'"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages",
+     "'messages[0].role': expected one of system, developer, user, assistant, tool, function (OpenAI's), found 'wizard'"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", "only text parts"),
     ({"messages": USER, "temperature": "hot"}, "temperature", "'temperature': expected a number, found 'hot'"),
     ({"messages": USER, "max_tokens": 0}, "max_tokens", "'max_tokens': expected a value >= 1, found 0"),
