@@ -12,6 +12,7 @@ from heads.base_model import UnsupportedModel
 from heads.config import describe, load_config
 from heads.data import DataError
 from heads.hub import PublishError
+from heads.train_state import CorruptCheckpoint
 from heads.trainer import TrainingDiverged, check_publish, train
 
 
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingDiverged as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    except (UnsupportedModel, DataError, FileNotFoundError) as err:  # the model, the data or a file named: as given
+    except (UnsupportedModel, DataError, FileNotFoundError, CorruptCheckpoint) as err:  # the model, data or a file named
         print(f"error: {err}", file=sys.stderr)
         return 2
     except PublishError as err:

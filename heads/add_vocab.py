@@ -15,13 +15,16 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
+from heads.cli import check_output, check_source, describe, is_draft_checkpoint, positive_int, report_errors
 from heads.draft_vocab import draft_vocabulary, end_of_turn, token_counts, with_draft_vocab
 
 LAYER_SKIP_CONVERSATIONS = 2000
 """conversations counted for a layer-skip checkpoint (it has no recipe naming its data)."""
 
 
+@report_errors
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m heads.add_vocab", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -31,10 +34,11 @@ def main(argv: list[str] | None = None) -> int:
                                                  "base_model)")
     p.add_argument("--source", default=None, help="data to count tokens on (default: the checkpoint recipe's "
                                                   "data.source, else sharegpt)")
-    p.add_argument("--max-conversations", type=int, default=None,
+    p.add_argument("--max-conversations", type=positive_int, default=None,
                    help="conversations to count (default: the recipe's data.max_conversations; for a layer-skip "
                         f"checkpoint {LAYER_SKIP_CONVERSATIONS})")
-    p.add_argument("--out", default=None, help="save here instead of over the checkpoint")
+    p.add_argument("--out", default=None, help="save here instead of over the checkpoint: a new or empty directory, "
+                                               "or a checkpoint of the same kind to replace")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from heads.base_model import load_base
@@ -45,16 +49,19 @@ def main(argv: list[str] | None = None) -> int:
     from heads.hydra import HydraHeads
     from heads.medusa import MedusaHeads
 
+    check_source(a.source)
     directory = resolve(a.checkpoint)
-    kind = read_json_object(directory / "config.json", "the heads' config").get("draft_type")
     kinds = {"medusa": MedusaHeads, "hydra": HydraHeads, "exit-head": ExitHead}
+    kind = read_json_object(directory / "config.json", "the heads' config").get("draft_type") if (
+        directory / "config.json").is_file() else None
+    if kind not in (*kinds, "layerskip"):
+        why = " (an EAGLE head stores its draft vocabulary when it is trained: eagle.draft_vocab)" if kind == "eagle" else ""
+        raise ValueError(f"{a.checkpoint} holds {describe(directory)}; heads.add_vocab takes a selfspec checkpoint of "
+                         f"Medusa heads, Hydra heads, an exit head or a layer-skip draft{why}")
+    if a.out is not None:
+        check_output(Path(a.out), lambda d: is_draft_checkpoint(d, kind), f"a selfspec {kind} checkpoint", "--out")
     if kind == "layerskip":
         return _layer_skip(a, directory)
-    if kind not in kinds:
-        print(f"error: {a.checkpoint} is a {kind!r} checkpoint; expected Medusa heads, Hydra heads, an exit head or a "
-              f"layer-skip draft (an EAGLE head stores its draft vocabulary when it is trained: eagle.draft_vocab)",
-              file=sys.stderr)
-        return 2
     cls = kinds[kind]
     config = read_config(directory) if kind == "medusa" else cls.read_checkpoint(directory)[0]
     if not 1 <= a.size <= config.vocab_size:

@@ -34,10 +34,11 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import PreTrainedModel
 
+from heads.cli import describe
 from heads.hub import Published, check_repo_id, publish
 from heads.medusa import MedusaConfig, MedusaHeads, base_sizes
 from heads.tree_search import expected_accept_length
-from selfspec.models import BUILTIN
+from selfspec.models import BUILTIN, looks_local
 from selfspec.registry import read_json_object
 
 CONFIG, WEIGHTS, CARD = "config.json", "model.safetensors", "README.md"
@@ -175,6 +176,9 @@ def resolve(path_or_repo_id: str | Path, revision: str | None = None, files: tup
         return path
     if path.exists():
         raise NotADirectoryError(f"expected a checkpoint directory or a Hub repo id, found the file {path}")
+    if looks_local(str(path_or_repo_id)):  # a path, not 'owner/name': never looked up on the Hub
+        raise FileNotFoundError(f"the directory {path} does not exist: expected a local checkpoint directory "
+                                "(or a Hub repo id 'owner/name'); check the path")
     try:
         return Path(snapshot_download(str(path_or_repo_id), revision=revision, allow_patterns=list(files)))
     except (HFValidationError, HfHubHTTPError, LocalEntryNotFoundError) as err:
@@ -184,16 +188,18 @@ def resolve(path_or_repo_id: str | Path, revision: str | None = None, files: tup
         ) from err
 
 
-def read_config(directory: Path) -> MedusaConfig:
+def read_config(directory: Path, tool: str = "expected Medusa heads") -> MedusaConfig:
+    """The MedusaConfig in ``directory``/config.json. ``tool``: what the caller takes, said when the directory holds
+    something else ("heads.export exports Medusa heads")."""
     file = directory / CONFIG
     if not file.is_file():
-        raise FileNotFoundError(f"{directory} has no {CONFIG}: expected a selfspec heads checkpoint ({', '.join(FILES)})")
+        raise FileNotFoundError(f"{directory} has no {CONFIG}: it holds {describe(directory)}; {tool} (a selfspec "
+                                f"checkpoint: {', '.join(FILES)})")
     data = read_json_object(file, "the heads' config")
     if data.get("draft_type") != "medusa":
-        raise ValueError(
-            f"{file} says draft_type {data.get('draft_type')!r}; expected 'medusa' "
-            "(a FasterDecoding Medusa checkpoint has medusa_num_heads instead and must be imported first)"
-        )
+        what = describe(directory)
+        hint = ": convert it first with python -m heads.import_medusa" if "FasterDecoding" in what else ""
+        raise ValueError(f"{directory} holds {what}, not Medusa heads (draft_type 'medusa'); {tool}{hint}")
     data.pop("selfspec_version", None)
     try:
         return MedusaConfig.from_dict(data)
@@ -327,11 +333,11 @@ def publish_files(directory: Path, repo_id: str) -> dict[str, Path | bytes]:
         from selfspec.layerskip import LayerSkipConfig, layerskip_card
 
         return {CONFIG: config_file, CARD: layerskip_card(LayerSkipConfig.load(directory), repo_id).encode()}
-    if kind not in (None, "medusa", *TYPED_DRAFTS):
+    if kind not in ("medusa", *TYPED_DRAFTS):
         why = ": a policy names its arms by local paths, publish those instead" if kind == "policy" else ""
-        raise ValueError(f"{config_file} says draft_type {kind!r}; heads.publish publishes Medusa, Hydra, EAGLE and "
-                         f"exit heads and layer-skip configs ({', '.join(['medusa', *TYPED_DRAFTS, 'layerskip'])})"
-                         f"{why}")
+        raise ValueError(f"{directory} holds {describe(directory)}; heads.publish publishes selfspec checkpoints of "
+                         f"Medusa, Hydra, EAGLE and exit heads and layer-skip configs (config.json with draft_type "
+                         f"{', '.join(['medusa', *TYPED_DRAFTS, 'layerskip'])}){why}")
     if kind in TYPED_DRAFTS:  # read strictly (config against tensors), then carded for the repo
         module = importlib.import_module(TYPED_DRAFTS[kind][0])
         read, card_for = getattr(module, TYPED_DRAFTS[kind][1]), getattr(module, TYPED_DRAFTS[kind][2])

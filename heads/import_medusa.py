@@ -32,6 +32,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from heads.checkpoint import check_tensors, resolve, save_heads
+from heads.cli import check_output, describe, is_draft_checkpoint, report_errors
 from heads.medusa import MedusaConfig, MedusaHeads
 from selfspec.registry import read_json_object
 
@@ -73,9 +74,10 @@ def read_weights(directory: Path) -> tuple[dict[str, torch.Tensor], str]:
         if tensors and all(k.startswith(prefix) for k in tensors):
             tensors = {k[len(prefix):]: t for k, t in tensors.items()}
         return tensors, name
-    raise FileNotFoundError(
-        f"{directory} has neither {' nor '.join(WEIGHT_FILES)}: expected a FasterDecoding Medusa checkpoint"
-    )
+    what = describe(directory)
+    hint = ": it is selfspec's own format already, use it as it is" if what == "a selfspec medusa checkpoint" else ""
+    raise FileNotFoundError(f"{directory} holds {what}, not a FasterDecoding Medusa checkpoint (it has neither "
+                            f"{' nor '.join(WEIGHT_FILES)}); heads.import_medusa converts FasterDecoding's format{hint}")
 
 
 def parse_heads(tensors: dict[str, torch.Tensor], where: str) -> tuple[int, int, int, int]:
@@ -154,7 +156,9 @@ def convert(
 def import_medusa(
     path_or_repo_id: str | Path, out_dir: str | Path, base_model: str | None = None, revision: str | None = None,
 ) -> Path:
-    """Convert a FasterDecoding Medusa checkpoint (local directory or Hub id) into a selfspec checkpoint directory."""
+    """Convert a FasterDecoding Medusa checkpoint (local directory or Hub id) into a selfspec checkpoint directory.
+    ``out_dir`` must be new, empty or a selfspec Medusa checkpoint (which is replaced)."""
+    check_output(Path(out_dir), lambda d: is_draft_checkpoint(d, "medusa"), "a selfspec medusa checkpoint")
     directory = resolve(path_or_repo_id, revision, files=(CONFIG, *WEIGHT_FILES))
     medusa_config = read_config(directory)
     tensors, weights = read_weights(directory)
@@ -162,21 +166,21 @@ def import_medusa(
     return save_heads(heads, out_dir)
 
 
+@report_errors
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m heads.import_medusa", allow_abbrev=False,
-                                     description=__doc__.split("\n\n")[0])
+                                     description=__doc__.split("\n\n")[0],
+                                     epilog="Exit status: 0 imported, 2 the arguments, the source or the output "
+                                            "directory are wrong (one line says which).")
     parser.add_argument("source", help="a FasterDecoding Medusa checkpoint: local directory or Hub id")
-    parser.add_argument("out_dir", type=Path, help="where to write the selfspec checkpoint")
+    parser.add_argument("out_dir", type=Path, help="where to write the selfspec checkpoint: a new or empty directory, "
+                                                   "or a selfspec Medusa checkpoint to replace")
     parser.add_argument("--base-model", default=None,
                         help="the base model (default: base_model_name_or_path in config.json)")
     parser.add_argument("--revision", default=None, help="Hub revision of the source")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
-    try:
-        out = import_medusa(args.source, args.out_dir, base_model=args.base_model, revision=args.revision)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"import failed: {err}", file=sys.stderr)
-        return 1
+    out = import_medusa(args.source, args.out_dir, base_model=args.base_model, revision=args.revision)
     print(f"imported {args.source} -> {out}")
     return 0
 

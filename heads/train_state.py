@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import shutil
 import signal
 from pathlib import Path
 
+import torch
 from accelerate import Accelerator
+from safetensors import SafetensorError, safe_open
 
 log = logging.getLogger(__name__)
 CHECKPOINT_PREFIX = "step_"
@@ -60,6 +63,52 @@ def resolve_resume(resume_from: str | None, root: Path) -> Path | None:
         raise FileNotFoundError(f"checkpoint.resume_from={resume_from!r}: expected 'latest' or a checkpoint directory, "
                                 f"found no directory there (checkpoints in {root}: {found})")
     return path
+
+
+class CorruptCheckpoint(ValueError):
+    """A checkpoint to resume from has a file that cannot be read; the message names it and an intact one."""
+
+
+def unreadable(checkpoint: Path, process_index: int = 0) -> str | None:
+    """None if every file of ``checkpoint`` reads back (tensors, pickles, progress.json, this process's RNG states),
+    else "<file> cannot be read (<error>) ..." for the first that does not. accelerate's load_state raises a bare SafetensorError or
+    RuntimeError that names no file, and skips an unreadable RNG-state file with a log line, so a resumed run would
+    silently not reproduce the uninterrupted one; this reads each file first."""
+    rng = f"random_states_{process_index}.pkl"
+    if not (checkpoint / rng).is_file():
+        return f"{rng} (this process's RNG states) is missing"
+    for file in sorted(p for p in checkpoint.iterdir() if p.is_file()):
+        try:
+            if file.suffix == ".safetensors":
+                with safe_open(str(file), framework="pt") as f:
+                    for name in f.keys():
+                        f.get_tensor(name)
+            elif file.suffix in (".bin", ".pkl", ".pt"):  # written by accelerate's save_state into this run's directory
+                torch.load(file, map_location="cpu", weights_only=False)
+            elif file.name == PROGRESS_FILE:
+                Progress().load_state_dict(json.loads(file.read_text()))
+        except (SafetensorError, OSError, RuntimeError, EOFError, pickle.UnpicklingError, ValueError, KeyError,
+                TypeError) as err:
+            detail = "; ".join(line.strip() for line in str(err).splitlines() if line.strip()) or "no message"
+            return f"{file.name} cannot be read ({type(err).__name__}: {detail}): it is truncated or corrupt"
+    return None
+
+
+def check_intact(checkpoint: Path, root: Path, resume_from: str, process_index: int = 0) -> None:
+    """Refuse to resume from a checkpoint with an unreadable file, naming the file and the newest earlier checkpoint
+    in ``root`` that is intact (if any)."""
+    problem = unreadable(checkpoint, process_index)
+    if problem is None:
+        return
+    step = int(checkpoint.name[len(CHECKPOINT_PREFIX):]) if checkpoint.name[len(CHECKPOINT_PREFIX):].isdigit() else None
+    earlier = [p for p in reversed(checkpoints(root))
+               if p.resolve() != checkpoint.resolve() and (step is None or int(p.name[len(CHECKPOINT_PREFIX):]) < step)]
+    intact = next((p for p in earlier if unreadable(p, process_index) is None), None)
+    todo = (f"resume from the newest intact one with checkpoint.resume_from={intact}" if intact is not None else
+            f"no earlier checkpoint in {root} is intact: delete {checkpoint} and set checkpoint.resume_from=null to "
+            "start afresh")
+    raise CorruptCheckpoint(f"checkpoint.resume_from={resume_from}: {checkpoint} cannot be resumed from: {problem}; "
+                            f"{todo}")
 
 
 def load_progress(checkpoint: Path) -> Progress:

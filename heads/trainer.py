@@ -51,7 +51,7 @@ from heads.medusa import MedusaConfig, MedusaHeads
 from heads.hidden_cache import TargetStates, make_caches
 from heads.hub import find_token
 from heads.train_log import Window, emit
-from heads.train_state import Progress, StopFlag, load_progress, resolve_resume, save_checkpoint
+from heads.train_state import Progress, StopFlag, check_intact, load_progress, resolve_resume, save_checkpoint
 from heads.tree_search import best_choices
 
 log = logging.getLogger(__name__)
@@ -205,6 +205,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     # 5. resume
     last_ckpt = resolve_resume(cfg.checkpoint.resume_from, ckpt_root)
     if last_ckpt is not None:
+        check_intact(last_ckpt, ckpt_root, cfg.checkpoint.resume_from, accelerator.process_index)
         accelerator.load_state(str(last_ckpt))
         progress = load_progress(last_ckpt)
         log.info("resumed from %s at step %d (epoch %d, batch %d)", last_ckpt, progress.step, progress.epoch,

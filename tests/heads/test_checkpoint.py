@@ -147,7 +147,7 @@ def test_bad_config_json_is_refused(llama, saved):
     with pytest.raises(ValueError, match=r"unknown MedusaConfig keys \['medusa_num_layers'\]"):
         MedusaHeads.from_pretrained(saved, llama)
     (saved / "config.json").write_text(json.dumps({**config, "draft_type": "eagle"}))
-    with pytest.raises(ValueError, match="says draft_type 'eagle'; expected 'medusa'"):
+    with pytest.raises(ValueError, match=f"{saved} holds a selfspec eagle checkpoint, not Medusa heads \\(draft_type 'medusa'\\); expected Medusa heads"):
         MedusaHeads.from_pretrained(saved, llama)
     (saved / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "vocab_size"}))
     with pytest.raises(ValueError) as missing:  # the message names the file it read

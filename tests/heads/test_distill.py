@@ -162,9 +162,48 @@ def test_cli_runs_and_resumes(model, tok, source, tmp_path, capsys):
             "--max-new-tokens", "3", "--shard-size", "2", "--threads", "1"]
     threads = torch.get_num_threads()
     try:
-        assert main(argv + ["--max-shards", "1"]) is None
+        assert main(argv + ["--max-shards", "1"]) == 0
         assert "rerun to resume" in capsys.readouterr().out
-        assert main(argv) == tmp_path / "out"
+        assert main(argv) == 0
+        assert capsys.readouterr().out.endswith(f"distilled dataset: {tmp_path / 'out'}\n")
     finally:
         torch.set_num_threads(threads)  # --threads sets it process-wide
     assert len(datasets.load_from_disk(str(tmp_path / "out"))) == 3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-conversations", "0"], "python -m heads.distill: error: argument --max-conversations: expected an "
+                                   "integer >= 1, found '0'"),
+    (["--batch-size", "0"], "python -m heads.distill: error: argument --batch-size: expected an integer >= 1, "
+                            "found '0'"),
+    (["--shard-size", "-1"], "python -m heads.distill: error: argument --shard-size: expected an integer >= 1, "
+                             "found '-1'"),
+    (["--dtype", "fp13"], "python -m heads.distill: error: argument --dtype: unknown dtype 'fp13': expected one of "
+                          "['bf16', 'bfloat16', 'float16', 'float32', 'fp16', 'fp32']"),
+    (["--do-sample", "--temperature", "0"], "python -m heads.distill: error: argument --temperature: expected a "
+                                            "number > 0, found 0.0"),
+])
+def test_cli_refuses_bad_numbers_naming_the_flag(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", "x", "--out", str(tmp_path / "out"), *argv])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == message
+
+
+def test_cli_mistakes_are_one_error_line_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    import selfspec.models
+
+    monkeypatch.setattr(selfspec.models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    out = ["--model", "x", "--out", str(tmp_path / "out")]
+    cases = {
+        ("--temperature", "0.5"): "--temperature 0.5: sampling only, but without --do-sample the replies are "
+                                  "greedy and it would be ignored; add --do-sample, or drop it",
+        ("--top-k", "5", "--top-p", "0.9"): "--top-p 0.9 --top-k 5: sampling only, but without --do-sample the replies "
+                                            "are greedy and they would be ignored; add --do-sample, or drop them",
+        ("--source", str(tmp_path / "nope.jsonl")): f"--source {tmp_path / 'nope.jsonl'}: no such file or directory; "
+            "expected 'sharegpt', a .json/.jsonl/.parquet file, a save_to_disk directory or a Hub dataset id",
+    }
+    for argv, message in cases.items():
+        assert main([*out, *argv]) == 2
+        assert capsys.readouterr().err == f"error: {message}\n"
+    assert not (tmp_path / "out").exists()

@@ -245,3 +245,39 @@ def test_the_vocabularys_lm_head_rows_are_gathered_once_and_again_only_when_the_
     assert not torch.equal(other.get_output_embeddings().weight, model.get_output_embeddings().weight)
     rows = heads.draft_vocab.rows(other.get_output_embeddings())[0]
     assert torch.equal(rows, other.get_output_embeddings().weight.detach()[KEEP.flip(0)])
+
+
+def test_add_vocab_mistakes_are_one_error_line(tmp_path, capsys):
+    from tiny_chat_model import build, build_heads
+
+    from heads import add_vocab
+
+    model_dir = build(tmp_path / "model")
+    heads_dir = build_heads(model_dir, tmp_path / "heads")
+    eagle = tmp_path / "eagle"
+    eagle.mkdir()
+    (eagle / "config.json").write_text(json.dumps({"draft_type": "eagle"}))
+    model_files = {p.name: p.read_bytes() for p in model_dir.iterdir()}
+    capsys.readouterr()
+    takes = "heads.add_vocab takes a selfspec checkpoint of Medusa heads, Hydra heads, an exit head or a layer-skip draft"
+    cases = {
+        (str(model_dir),): f"{model_dir} holds a transformers model directory; {takes}",
+        (str(eagle),): f"{eagle} holds a selfspec eagle checkpoint; {takes} (an EAGLE head stores its draft vocabulary "
+                       "when it is trained: eagle.draft_vocab)",
+        (str(tmp_path / "missing"),): f"the directory {tmp_path / 'missing'} does not exist: expected a local checkpoint "
+                                      "directory (or a Hub repo id 'owner/name'); check the path",
+        (str(heads_dir), "--out", str(model_dir)): f"--out {model_dir} already holds a transformers model directory, not "
+                                                   "a selfspec medusa checkpoint; writing there would overwrite its "
+                                                   "files: choose another path or delete it",
+        (str(heads_dir), "--source", str(tmp_path / "nope.jsonl")):
+            f"--source {tmp_path / 'nope.jsonl'}: no such file or directory; expected 'sharegpt', a "
+            ".json/.jsonl/.parquet file, a save_to_disk directory or a Hub dataset id",
+    }
+    for argv, message in cases.items():
+        assert add_vocab.main(list(argv)) == 2, argv
+        assert capsys.readouterr().err.splitlines()[-1] == f"error: {message}"
+    assert {p.name: p.read_bytes() for p in model_dir.iterdir()} == model_files
+    with pytest.raises(SystemExit):
+        add_vocab.main([str(heads_dir), "--max-conversations", "0"])
+    assert capsys.readouterr().err.splitlines()[-1] == ("python -m heads.add_vocab: error: argument --max-conversations: "
+                                                        "expected an integer >= 1, found '0'")

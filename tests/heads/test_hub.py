@@ -392,4 +392,16 @@ def test_a_layer_skip_config_is_published_and_drafts_by_repo_id(chat, hub, tmp_p
     (tmp_path / "policy").mkdir()
     (tmp_path / "policy" / "config.json").write_text('{"draft_type": "policy", "arms": ["ngram", "none"]}')
     assert publish_cli.main([str(tmp_path / "policy"), "tester/policy"]) == 2
-    assert "draft_type 'policy'; heads.publish publishes" in capsys.readouterr().err
+    assert "holds a selfspec policy checkpoint; heads.publish publishes selfspec checkpoints of" in capsys.readouterr().err
+
+
+def test_publish_says_what_a_directory_that_is_no_checkpoint_holds(tmp_path, capsys):
+    from tiny_chat_model import build
+
+    model_dir = build(tmp_path / "model")
+    capsys.readouterr()
+    assert publish_cli.main([str(model_dir), "tester/x", "--dry-run"]) == 2
+    assert capsys.readouterr().err == (
+        f"cannot publish {model_dir}: {model_dir} holds a transformers model directory; heads.publish publishes selfspec "
+        "checkpoints of Medusa, Hydra, EAGLE and exit heads and layer-skip configs (config.json with draft_type medusa, "
+        "exit-head, eagle, hydra, layerskip)\n")

@@ -160,8 +160,9 @@ def test_import_from_a_hub_id_and_the_cli(llama, tmp_path, monkeypatch, capsys):
     heads = MedusaHeads.from_pretrained(tmp_path / "from-hub", llama)
     hidden = torch.randn(3, llama.config.hidden_size)
     assert torch.equal(heads(hidden), medusa_logits(state, hidden))
-    assert import_cli.main([str(tmp_path / "missing"), str(tmp_path / "y")]) == 1
-    assert "import failed:" in capsys.readouterr().err
+    assert import_cli.main([str(tmp_path / "missing"), str(tmp_path / "y")]) == 2
+    assert capsys.readouterr().err == (f"error: the directory {tmp_path / 'missing'} does not exist: expected a local "
+                                       "checkpoint directory (or a Hub repo id 'owner/name'); check the path\n")
 
 
 # ------------------------------------------------------------------------------------------------ vLLM export
@@ -265,10 +266,50 @@ def test_export_cli(tmp_path, capsys):
     assert "in vLLM's Medusa format" in capsys.readouterr().out
     assert read_vllm(tmp_path / "vllm")[0]["num_heads"] == K
     assert export_cli.main([str(tmp_path / "heads"), str(tmp_path / "v2"), "--model", str(model_dir),
-                            "--original-lm-head"]) == 1
-    assert "export failed: original_lm_head shares the base LM head" in capsys.readouterr().err
+                            "--original-lm-head"]) == 2
+    assert "error: original_lm_head shares the base LM head" in capsys.readouterr().err
     for cli in (export_cli, import_cli):
         with pytest.raises(SystemExit) as exit_:
             cli.main(["--help"])
         assert exit_.value.code == 0
     assert "usage: python -m heads.export" in capsys.readouterr().out
+
+
+def test_tools_refuse_output_directories_that_are_not_theirs(llama, tmp_path, capsys):
+    model_dir = build(tmp_path / "model")
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir)
+    heads_dir = trained(model, "own").save_pretrained(tmp_path / "heads")
+    source = write_medusa(tmp_path / "medusa", medusa_state(llama), "safetensors", CONFIG)
+    before = {d: {p.name: p.read_bytes() for p in d.iterdir()} for d in (model_dir, heads_dir)}
+    capsys.readouterr()
+    refused = {
+        (export_cli, str(heads_dir), str(heads_dir)): f"{heads_dir} is the checkpoint being exported: exporting onto "
+            "it would overwrite its config.json and model.safetensors; choose another output path",
+        (export_cli, str(heads_dir), str(model_dir)): f"the output directory {model_dir} already holds a transformers "
+            "model directory, not a vLLM Medusa export; writing there would overwrite its files: choose another path "
+            "or delete it",
+        (import_cli, str(source), str(model_dir)): f"the output directory {model_dir} already holds a transformers "
+            "model directory, not a selfspec medusa checkpoint; writing there would overwrite its files: choose "
+            "another path or delete it",
+        (import_cli, str(source), str(source)): f"the output directory {source} already holds a FasterDecoding Medusa "
+            "checkpoint, not a selfspec medusa checkpoint; writing there would overwrite its files: choose another "
+            "path or delete it",
+        (import_cli, str(heads_dir), str(tmp_path / "new")): f"{heads_dir} holds a selfspec medusa checkpoint, not a "
+            "FasterDecoding Medusa checkpoint (it has neither medusa_lm_head.safetensors nor medusa_lm_head.pt); "
+            "heads.import_medusa converts FasterDecoding's format: it is selfspec's own format already, use it as it is",
+    }
+    for (cli, src, out), message in refused.items():
+        extra = ["--model", str(model_dir)] if cli is export_cli else ["--base-model", "tiny-llama"]
+        assert cli.main([src, out, *extra]) == 2, (src, out)
+        assert capsys.readouterr().err == f"error: {message}\n"
+    assert {d: {p.name: p.read_bytes() for p in d.iterdir()} for d in (model_dir, heads_dir)} == before
+    assert not (tmp_path / "new").exists()
+
+    # each tool's own earlier output (and an empty directory) may be written over
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "vllm", tmp_path / "vllm", tmp_path / "empty"):
+        assert export_cli.main([str(heads_dir), str(out), "--model", str(model_dir)]) == 0
+    assert import_cli.main([str(source), str(tmp_path / "imported"), "--base-model", "tiny-llama"]) == 0
+    assert import_cli.main([str(source), str(tmp_path / "imported"), "--base-model", "tiny-llama"]) == 0

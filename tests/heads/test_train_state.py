@@ -1,0 +1,80 @@
+"""Resuming from a training checkpoint with an unreadable file: one line naming the checkpoint, the file, the error
+and the newest earlier checkpoint that is intact, never a traceback or a silently different run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from heads.train_state import CorruptCheckpoint, check_intact, unreadable
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+FILES = ("model.safetensors", "optimizer.bin", "scheduler.bin", "progress.json", "random_states_0.pkl")
+
+
+def train(out: Path, *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "train.py", "--config", "configs/medusa_tiny.yaml", f"output_dir={out}",
+           "checkpoint.every=2", "eval.every=0", "logging.log_with=[]", *overrides]
+    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    """A 4-step tiny run: checkpoints step_0000002 and step_0000004."""
+    out = tmp_path_factory.mktemp("run")
+    result = train(out, "optim.max_steps=4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def truncate(file: Path) -> None:
+    os.truncate(file, file.stat().st_size // 2)
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_a_truncated_file_is_named_with_the_newest_intact_checkpoint(run, tmp_path, name):
+    root = tmp_path / "checkpoints"
+    shutil.copytree(run / "checkpoints", root)
+    latest, earlier = root / "step_0000004", root / "step_0000002"
+    assert unreadable(latest) is None and unreadable(earlier) is None
+    truncate(latest / name)
+    with pytest.raises(CorruptCheckpoint) as err:
+        check_intact(latest, root, "latest")
+    message = str(err.value)
+    assert message.startswith(f"checkpoint.resume_from=latest: {latest} cannot be resumed from: {name} cannot be read (")
+    assert message.endswith(f"): it is truncated or corrupt; resume from the newest intact one with "
+                            f"checkpoint.resume_from={earlier}")
+    assert "\n" not in message
+
+    truncate(earlier / name)  # no intact one left
+    with pytest.raises(CorruptCheckpoint, match=f"; no earlier checkpoint in {root} is intact: delete {latest} and set "
+                                                "checkpoint.resume_from=null to start afresh$"):
+        check_intact(latest, root, "latest")
+
+
+def test_missing_rng_states_are_refused(run, tmp_path):
+    root = tmp_path / "checkpoints"
+    shutil.copytree(run / "checkpoints", root)
+    (root / "step_0000004" / "random_states_0.pkl").unlink()
+    assert unreadable(root / "step_0000004") == "random_states_0.pkl (this process's RNG states) is missing"
+
+
+def test_train_py_refuses_a_corrupt_checkpoint_in_one_line(run, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    rng = out / "checkpoints" / "step_0000004" / "random_states_0.pkl"  # accelerate alone only logs this one
+    truncate(rng)
+    result = train(out, "optim.max_steps=6", "checkpoint.resume_from=latest")
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: checkpoint.resume_from=latest: {rng.parent} cannot be resumed from: "
+                           "random_states_0.pkl cannot be read (")
+    assert last.endswith(f"resume from the newest intact one with checkpoint.resume_from={rng.parent.parent / 'step_0000002'}")
+    assert "Traceback" not in result.stderr
+    assert not (out / "checkpoints" / "step_0000006").exists()  # nothing trained on
