@@ -19,10 +19,11 @@ alternatives (``selfspec.logprobs``).
 from __future__ import annotations
 
 import contextlib
+import numbers
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from transformers import AutoConfig, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
@@ -219,16 +220,16 @@ class SpecModel:
                 raise ValueError(f"expected token ids of shape [T] or [1, T], found {tuple(prompt.shape)}")
             return prompt.reshape(-1).to(self.target.device, torch.long)
         if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict)):
-            ids = self._encode_text(prompt, chat)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
-            ids = list(prompt)
-        else:
-            found = next((f"{i!r} ({type(i).__name__}) among its items" for i in prompt
-                          if not isinstance(i, int) or isinstance(i, bool)), "") \
-                if isinstance(prompt, (list, tuple)) else f"{type(prompt).__name__} {prompt!r:.60}"
+            return torch.tensor(self._encode_text(prompt, chat), dtype=torch.long, device=self.target.device)
+        items = list(prompt) if isinstance(prompt, Iterable) and not isinstance(prompt, (bytes, bytearray, dict)) \
+            else None
+        wrong = [i for i in items or () if not isinstance(i, numbers.Integral) or isinstance(i, bool)]
+        if items is None or wrong:  # ints, numpy's included; not bytes (its ints are not token ids), floats or bools
+            found = f"{wrong[0]!r} ({type(wrong[0]).__name__}) among its items" if wrong else \
+                f"{type(prompt).__name__} {prompt!r:.60}"
             raise TypeError(f"expected a prompt as text (str), chat messages (a list of {{'role', 'content'}} dicts) "
                             f"or token ids (a list of ints, or a tensor), found {found}")
-        return torch.tensor(ids, dtype=torch.long, device=self.target.device)
+        return torch.tensor([int(i) for i in items], dtype=torch.long, device=self.target.device)
 
     def _encode_text(self, prompt: str | Sequence[dict[str, str]], chat: bool) -> list[int]:
         if isinstance(prompt, str) and not chat:

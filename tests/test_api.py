@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -124,6 +125,7 @@ def test_prompt_forms(ngram):
     assert ngram.encode("hi there", chat=False).tolist() == ngram.tokenizer("hi there").input_ids
     assert ngram.encode([5, 6, 7]).tolist() == [5, 6, 7]
     assert ngram.encode(torch.tensor([[5, 6, 7]])).tolist() == [5, 6, 7]
+    assert ngram.encode((5, 6, 7)).tolist() == ngram.encode(np.array([5, 6, 7])).tolist() == [5, 6, 7]
     messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
     assert ngram.generate(messages, max_new_tokens=5).tokens == ngram.generate(ngram.encode(messages), max_new_tokens=5).tokens
 
