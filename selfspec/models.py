@@ -13,9 +13,11 @@ import difflib
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import urllib.parse
 from pathlib import Path
 
 import torch
@@ -122,6 +124,25 @@ def looks_local(spec: str) -> bool:
             or ("/" in spec and path.parent.is_dir()))
 
 
+def unreachable_hub(repo_id: str, filename: str = "config.json", revision: str | None = None) -> str | None:
+    """Why ``repo_id``'s ``filename`` cannot come from the Hub, where that is known at once: it is not in the Hub
+    cache and the Hub's host does not resolve (a machine without a network, where huggingface_hub would retry for
+    ~25 s a file before failing). None: it may (cached, or the host resolves)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    try:
+        if isinstance(try_to_load_from_cache(repo_id, filename, revision=revision), str):
+            return None
+    except ValueError:  # not a valid repo id: huggingface_hub's own call says so
+        return None
+    host = urllib.parse.urlparse(constants.ENDPOINT).hostname or constants.ENDPOINT
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError):
+        return f"it is not in the Hub cache, and the Hub ({host}) cannot be reached from this machine"
+    return None
+
+
 def check_device(device: str) -> None:
     """A torch device this torch can use: 'cuda' where torch has no CUDA device fails here, not half-way into a load."""
     try:
@@ -184,6 +205,8 @@ def load_model(
     """
     check_device(device)
     location, gguf = resolve(name_or_path)
+    if location == name_or_path and not gguf and (reason := unreachable_hub(location, revision=revision)):
+        raise FileNotFoundError(f"could not load {name_or_path!r} from the Hub: {reason}; expected {MODEL_FORMS}")
     kwargs: dict = {"revision": revision} if revision else {}
     if gguf:
         kwargs["gguf_file"] = gguf

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from selfspec.drafter import Drafter, NoDrafter
-from selfspec.models import looks_local
+from selfspec.models import looks_local, unreachable_hub
 from selfspec.ngram import NGramDrafter
 from selfspec.target import Target
 from selfspec.tree import DynamicTree, Tree
@@ -89,6 +89,9 @@ def _read_hub_config(repo_id: str, revision: str | None) -> dict[str, Any]:
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
+    if reason := unreachable_hub(repo_id, "config.json", revision):
+        raise FileNotFoundError(f"--draft {repo_id!r} is not a local directory, and its config.json cannot come from "
+                                f"the Hub: {reason}. Expected {ACCEPTED}.")
     try:
         path = hf_hub_download(repo_id, "config.json", revision=revision)
     except (HfHubHTTPError, HFValidationError, LocalEntryNotFoundError, OSError) as err:

@@ -101,6 +101,28 @@ def test_a_draft_checkpoint_given_as_the_model_says_so(tmp_path):
         models.resolve(str(tmp_path))
 
 
+def test_a_hub_id_neither_cached_nor_reachable_fails_at_once(monkeypatch):
+    """Without a network huggingface_hub retries for ~25 s a file before failing; where the Hub's host does not
+    resolve and the repo is not in the Hub cache, selfspec says so at once (for a model and for a draft)."""
+    import socket
+
+    from selfspec import registry
+
+    def no_dns(host, *args, **kwargs):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", lambda *a, **k: pytest.fail("the Hub was tried"))
+    with pytest.raises(FileNotFoundError, match="could not load 'nobody/no-such-model' from the Hub: it is not in the "
+                                                "Hub cache, and the Hub .* cannot be reached from this machine"):
+        models.load_model("nobody/no-such-model")
+    with pytest.raises(FileNotFoundError, match="--draft 'nobody/no-heads' is not a local directory, and its "
+                                                "config.json cannot come from the Hub: it is not in the Hub cache"):
+        registry.parse_draft("nobody/no-heads")
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: [])  # a host that resolves: the Hub is tried
+    assert models.unreachable_hub("nobody/no-such-model") is None
+
+
 @pytest.mark.parametrize("device, message", [
     ("bogus", "unknown device 'bogus': expected cpu, cuda, cuda:N or another torch device type"),
     ("cuda", "device 'cuda': this torch .* sees no CUDA device; use cpu"),
