@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from heads.checkpoint import check_tensors, load_heads, read_config, resolve
-from heads.cli import check_output, report_errors
+from heads.cli import check_output, describe, report_errors
 from heads.medusa import LoraProjection, MedusaConfig, MedusaHeads, check_lm_head
 from selfspec.models import load_model
 
@@ -197,12 +197,7 @@ def check_vllm_export(heads: MedusaHeads, directory: Path, samples: int = 16) ->
 # ---------------------------------------------------------------------------------------------------------- CLI
 def is_vllm_export(directory: Path) -> bool:
     """A directory an earlier export wrote (its config.json is vLLM's Medusa config): exporting over it is allowed."""
-    try:
-        config = json.loads((directory / CONFIG).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and config.get("model_type") == "medusa" and config.get("architectures") == [
-        "MedusaModel"]
+    return describe(directory) == "a vLLM Medusa export"
 
 
 @report_errors

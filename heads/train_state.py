@@ -20,6 +20,8 @@ from pathlib import Path
 from accelerate import Accelerator
 from safetensors import SafetensorError, safe_open
 
+from heads.cli import one_line
+
 log = logging.getLogger(__name__)
 CHECKPOINT_PREFIX = "step_"
 
@@ -90,7 +92,7 @@ def unreadable(checkpoint: Path, process_index: int = 0) -> str | None:
                 Progress().load_state_dict(json.loads(file.read_text()))
         except (SafetensorError, OSError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError, KeyError,
                 TypeError) as err:
-            detail = "; ".join(line.strip() for line in str(err).splitlines() if line.strip()) or "no message"
+            detail = one_line(err) or "no message"
             return f"{file.name} cannot be read ({type(err).__name__}: {detail}): it is truncated or corrupt"
     return None
 

@@ -274,8 +274,6 @@ class SpecModel:
             self._criteria[stops] = stop_strings(self.tokenizer, stops)
         if min_new_tokens is None:  # the generation config's min_new_tokens, and its min_length (prompt included)
             min_new_tokens = max(self.min_new_tokens, self.min_length - ids.shape[0])
-        if isinstance(min_new_tokens, bool) or not isinstance(min_new_tokens, int) or min_new_tokens < 0:
-            raise ValueError(f"min_new_tokens must be an int >= 0, found {min_new_tokens!r}")
         generator = None if seed is None else torch.Generator(device=self.target.device).manual_seed(seed)
         return _Request(ids, sampling, generator, stops, self._criteria[stops], min_new_tokens)
 
@@ -347,7 +345,7 @@ class SpecModel:
         its ``output_logits``, prompt_logprobs from a forward over the prompt (outside the timing)."""
         r = self._request(prompt, chat, temperature, top_p, top_k, min_p, repetition_penalty, None, stop,
                           min_new_tokens, presence_penalty, frequency_penalty, logit_bias)
-        check_request(self.target, r.ids, max_new_tokens, logprobs, prompt_logprobs)  # as ``stream`` refuses it
+        check_request(self.target, r.ids, max_new_tokens, logprobs, prompt_logprobs, r.min_new_tokens)  # as stream
         ids = r.ids[None]  # [1, T]
         sample = temperature > 0
         kwargs: dict[str, Any] = dict(do_sample=sample, max_new_tokens=max_new_tokens,

@@ -63,6 +63,17 @@ def _draft_args(p: argparse.ArgumentParser) -> None:
                         "Without it such a model is refused")
 
 
+def _limit_args(p: argparse.ArgumentParser, scope: str = "") -> None:
+    """--stop and --min-new-tokens, for decoding and for bench (scope: to whom they apply, said in the help)."""
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help=f"stop once the output contains TEXT (kept in the output), as generate(stop_strings=...){scope}; "
+                        "repeat for several; \\n, \\t, \\r and \\\\ are read as escapes (--stop '\\n\\n': a blank "
+                        "line). Default: the model's generation config's stop_strings; --stop '' for none")
+    p.add_argument("--min-new-tokens", type=int, default=None,
+                   help=f"no end-of-sequence token before this many new tokens{scope} (default: the model's generation "
+                        "config's min_new_tokens / min_length)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(allow_abbrev=False,
         prog="infer.py", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -98,13 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frequency-penalty", type=float, default=0.0,
                    help="OpenAI's frequency penalty: lower a token by this for each time the answer holds it "
                         "(-2..2, 0 = off)")
-    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
-                   help="stop once the output contains TEXT (kept in the output), as generate(stop_strings=...); "
-                        "repeat for several; \\n, \\t, \\r and \\\\ are read as escapes (--stop '\\n\\n': a blank "
-                        "line). Default: the model's generation config's stop_strings; --stop '' for none")
-    p.add_argument("--min-new-tokens", type=int, default=None,
-                   help="no end-of-sequence token before this many new tokens (default: the model's generation "
-                        "config's min_new_tokens / min_length)")
+    _limit_args(p)
     p.add_argument("--seed", type=int, default=None, help="random seed, for repeatable sampling")
     p.add_argument("--compare", action="store_true",
                    help="also run plain decoding (transformers' generate) on the same prompt; print the speed-up and "
@@ -148,13 +153,7 @@ def build_bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetition-penalty", type=float, default=None,
                    help="repetition penalty for every method, plain decoding included (default: the model's "
                         "generation config's; 1.0 = off)")
-    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
-                   help="stop string for every method, plain decoding included: a turn ends after the token that "
-                        "completes TEXT; repeat for several; \\n, \\t, \\r and \\\\ are read as escapes (default: "
-                        "the model's generation config's stop_strings; --stop '' for none)")
-    p.add_argument("--min-new-tokens", type=int, default=None,
-                   help="no end-of-sequence token before this many new tokens, for every method (default: the "
-                        "model's generation config's)")
+    _limit_args(p, " (for every method, plain decoding included)")
     p.add_argument("--draft-revision", default=None, help="Hub revision of the draft checkpoints named by Hub id")
     p.add_argument("--allow-other-base", action="store_true", help="see infer.py --help")
     p.add_argument("--resume", action="store_true",
@@ -324,7 +323,8 @@ def run_bench_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
                       warmup_tokens=a.warmup_tokens, device=a.device, allow_other_base=a.allow_other_base,
                       progress=not a.no_progress, resume=a.resume, temperature=a.temperature, top_p=a.top_p,
                       top_k=a.top_k, min_p=a.min_p, seed=a.seed, repetition_penalty=a.repetition_penalty,
-                      stop=None if a.stop is None else tuple(stop_strings(a.stop)), min_new_tokens=a.min_new_tokens)
+                      stop=stop if (stop := stop_strings(a.stop)) is None else tuple(stop),
+                      min_new_tokens=a.min_new_tokens)
     try:
         summary = run_bench(cfg)
     except KeyboardInterrupt:
@@ -344,14 +344,13 @@ def run_costs_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
     from selfspec.target import Target
 
     a = build_costs_parser().parse_args(argv)
-    sizes = a.sizes
     loop = draft_method(a.loop_draft)  # 'DRAFT' or 'DRAFT@TREE', checked before any model loads
     questions = specbench.load_questions(DEFAULT_QUESTIONS, per_category=1)[: a.loop_prompts] if a.loop_prompts else []
     for dtype in _split(a.dtype):
         model, tokenizer = load_model(a.model, dtype=dtype, revision=a.revision, device=a.device)
         target = Target(model)
         out.write(f"\n{a.model} {dtype}, cache of {a.context} tokens, median of {a.repeats}:\n")
-        costs = verify_costs(target, sizes=sizes, context=a.context, repeats=a.repeats, progress=not a.no_progress)
+        costs = verify_costs(target, sizes=a.sizes, context=a.context, repeats=a.repeats, progress=not a.no_progress)
         out.write(format_costs(costs) + "\n")
         if questions:
             tree = registry.resolve_tree(loop.tree, loop.draft, target, a.model) if loop.tree else None

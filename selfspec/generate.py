@@ -72,11 +72,13 @@ class Output:
 
 
 def check_request(target: Target, input_ids: torch.Tensor, max_new_tokens: int, logprobs: int | None = None,
-                  prompt_logprobs: int | None = None) -> None:
+                  prompt_logprobs: int | None = None, min_new_tokens: int = 0) -> None:
     """Refuse requests plain decoding could not serve either, saying what was expected and what was found."""
     for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP):
             raise ValueError(f"{name}: expected None or 0..{MAX_TOP} alternatives per token (an int), found {k!r}")
+    if isinstance(min_new_tokens, bool) or not isinstance(min_new_tokens, int) or min_new_tokens < 0:
+        raise ValueError(f"min_new_tokens must be an int >= 0, found {min_new_tokens!r}")
     if input_ids.dim() == 2:
         if input_ids.shape[0] != 1:
             raise ValueError(f"selfspec decodes one sequence at a time (batch size 1); found batch size {input_ids.shape[0]}")
@@ -87,8 +89,9 @@ def check_request(target: Target, input_ids: torch.Tensor, max_new_tokens: int, 
         raise ValueError("the prompt is empty: expected at least one token")
     if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
         raise ValueError(f"expected token ids (an integer tensor), found {input_ids.dtype}")
-    if int(input_ids.min()) < 0 or int(input_ids.max()) >= target.vocab_size:
-        bad = int(input_ids.min()) if int(input_ids.min()) < 0 else int(input_ids.max())
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= target.vocab_size:
+        bad = low if low < 0 else high
         raise ValueError(f"token id {bad} is outside this model's vocabulary (0..{target.vocab_size - 1})")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
         raise TypeError(f"max_new_tokens: expected an int >= 1, found {max_new_tokens!r} "
@@ -136,9 +139,7 @@ def stream(
     target's log-probability of each new token and its k likeliest alternatives (``selfspec.logprobs``; None: none);
     prompt_logprobs = k: the prefill's step carries the same for every prompt token after the first; processors: the
     generation config's logits processors (``selfspec.processors.from_config``), applied to each node's own text."""
-    check_request(target, input_ids, max_new_tokens, logprobs, prompt_logprobs)
-    if isinstance(min_new_tokens, bool) or not isinstance(min_new_tokens, int) or min_new_tokens < 0:
-        raise ValueError(f"min_new_tokens must be an int >= 0, found {min_new_tokens!r}")
+    check_request(target, input_ids, max_new_tokens, logprobs, prompt_logprobs, min_new_tokens)
     if accept_rule not in ("exact", "typical"):
         raise ValueError(f"accept_rule must be 'exact' or 'typical', found {accept_rule!r}")
     if accept_rule == "typical" and sampling.greedy:

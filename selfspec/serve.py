@@ -156,8 +156,8 @@ def parse_request(body: Any, chat: bool, default_temperature: float = 0.0) -> Re
     if not isinstance(echo, bool):
         raise RequestError(f"'echo': expected true or false, found {echo!r:.80}", "echo")
     stop = body.get("stop")
-    stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else ()
-    if not (stop is None or isinstance(stop, (str, list))) or not all(isinstance(s, str) and s for s in stops):
+    stops = tuple(stop) if isinstance(stop, list) else () if stop is None else (stop,)  # a wrong type fails below
+    if not all(isinstance(s, str) and s for s in stops):
         raise RequestError(f"'stop': expected a non-empty string or a list of them, found {stop!r:.80}", "stop")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -458,12 +458,11 @@ def _usage(finals: list[dict], n: int = 1) -> dict:
     it, however many (n) answers it has (answer i answers prompt i // n)."""
     if len(finals) == 1:
         return finals[0]["usage"]
-    usage = {k: sum(f["usage"][k] for f in finals) for k in ("completion_tokens",)}
-    usage["prompt_tokens"] = sum(f["usage"]["prompt_tokens"] for f in finals[::n])
-    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    prompt = sum(f["usage"]["prompt_tokens"] for f in finals[::n])
+    new = sum(f["usage"]["completion_tokens"] for f in finals)
+    usage = {"prompt_tokens": prompt, "completion_tokens": new, "total_tokens": prompt + new}
     steps = sum(f["usage"]["selfspec"]["steps"] for f in finals)
     seconds = sum(f["usage"]["selfspec"]["seconds"] for f in finals)
-    new = usage["completion_tokens"]
     usage["selfspec"] = {"steps": steps, "mean_accepted_tokens": round(new / max(steps, 1), 4),
                          "seconds": round(seconds, 4), "tokens_per_s": round(new / seconds, 2) if seconds else 0.0}
     return usage
