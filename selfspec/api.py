@@ -469,16 +469,17 @@ def check_drafts(model: str, drafts: Sequence[registry.DraftSpec], revision: str
 def load(model: str = DEFAULT_MODEL, draft: str = "ngram", dtype: str | torch.dtype = "float32",
          tree: str | Tree | None = None, device: str = "cpu", revision: str | None = None,
          draft_revision: str | None = None, allow_other_base: bool = False,
-         trust_remote_code: bool = False) -> SpecModel:
+         trust_remote_code: bool = False, compile: bool = False) -> SpecModel:
     """Target + tokenizer + drafter in one call. The draft and the tree are checked against the target's config
     before any weights are loaded (a draft for another base model fails here, fast). trust_remote_code: let a model
-    that ships its own Python code run it (off: such a model is refused)."""
+    that ships its own Python code run it (off: such a model is refused). compile: compile the target's forward
+    (``selfspec.compiled``; ``generate_plain`` runs the same compiled forward)."""
     spec = registry.parse_draft(draft, revision=draft_revision)
     if tree != "auto":
         tree = registry.parse_tree(tree) if isinstance(tree, str) else tree  # a bad tree fails before any loading
     check_drafts(model, [spec], revision, allow_other_base, trust_remote_code)
     hf_model, tokenizer = load_model(model, dtype=dtype, revision=revision, device=device,
-                                     trust_remote_code=trust_remote_code)
+                                     trust_remote_code=trust_remote_code, compile=compile)
     target = Target(hf_model)
     tree_obj = registry.resolve_tree(tree, spec, target, model)
     return SpecModel(target, tokenizer, registry.build_drafter(spec, target, tree_obj), name=model, tree=tree_obj)

@@ -90,6 +90,9 @@ class BenchConfig:
     None: the model's generation config's stop_strings; (): none."""
     min_new_tokens: int | None = None
     """no end-of-sequence token before this many new tokens, for every method; None: the generation config's."""
+    compile: bool = False
+    """compile each dtype's target (``selfspec.compiled``): every method, plain decoding included, runs the same
+    compiled forward."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.repeats < 1 or self.warmup_tokens < 0:
@@ -261,6 +264,8 @@ def _manifest(cfg: BenchConfig, questions: list[Question], methods: list[Method]
         manifest["sampling"] = cfg.sampling
     manifest.update({k: v for k, v in (("revision", cfg.revision), ("draft_revision", cfg.draft_revision),
                                        ("repetition_penalty", cfg.repetition_penalty)) if v is not None})
+    if cfg.compile:  # uncompiled runs keep the manifest they always had
+        manifest["compile"] = True
     manifest.update({k: list(v) if k == "stop" else v for k, v in cfg.limits.items()})
     return manifest
 
@@ -317,7 +322,8 @@ def run_bench(cfg: BenchConfig) -> specbench.Summary:
     # 2. one target per dtype, all loaded up front, shared by every method of that dtype
     runners: dict[str, dict[str, SpecModel]] = {}
     for dname in dtypes:
-        model, tokenizer = load_model(cfg.model, dtype=parse_dtype(dname), revision=cfg.revision, device=cfg.device)
+        model, tokenizer = load_model(cfg.model, dtype=parse_dtype(dname), revision=cfg.revision, device=cfg.device,
+                                      compile=cfg.compile)
         target = Target(model)
         runners[dname] = {}
         for m in methods:  # DRAFT@auto: tune-tree's choice when the run first met it, kept for the whole run

@@ -49,6 +49,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 from tqdm import tqdm
 
+from selfspec import compiled
 from selfspec.accept import Acceptance
 from selfspec.costs import verify_costs
 from selfspec.drafter import Draft, Drafter, DraftState, NoDrafter
@@ -67,7 +68,8 @@ BUSY = 2.0
 
 # ------------------------------------------------------------------------------------------------ 1. verify cost
 def machine_key(target, model_id: str) -> dict:
-    """What a verify-cost curve depends on: the model, its dtype and device, this machine's CPU and threads."""
+    """What a verify-cost curve depends on: the model, its dtype and device, this machine's CPU and threads, and whether
+    the target's forward is compiled."""
     cpu = platform.processor() or platform.machine()
     try:
         cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -76,7 +78,8 @@ def machine_key(target, model_id: str) -> dict:
         pass
     return {"model": model_id, "config": hashlib.sha256(target.model.config.to_json_string().encode()).hexdigest()[:12],
             "dtype": str(next(target.model.parameters()).dtype), "device": str(target.device), "cpu": cpu,
-            "threads": torch.get_num_threads(), "torch": torch.__version__}
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            **({"compiled": True} if compiled.is_compiled(target.model) else {})}  # uncompiled keys as they always were
 
 
 def _cache_file(kind: str, key: dict) -> Path:

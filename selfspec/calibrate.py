@@ -280,6 +280,9 @@ def build_tune_parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", type=integers(1), default=(4, 8, 12, 16, 24, 32, 48, 64),
                    help="node budgets to try, comma-separated (default: 4,8,12,16,24,32,48,64)")
     p.add_argument("--refresh-costs", action="store_true", help="measure the verify costs again")
+    p.add_argument("--compile", action="store_true",
+                   help="tune for a compiled target (infer.py --compile): its verify costs and tuned trees are cached "
+                        "apart from the uncompiled target's, and --tree auto with --compile reads them")
     _allow_other_base(p)
     return p
 
@@ -311,7 +314,7 @@ def _tune_one(a: argparse.Namespace, merge, spec, dtype: str, depths: list[int],
     from heads.hydra_drafter import HydraDrafter
     from selfspec.tree import DynamicTree
 
-    model, tokenizer = load_model(a.model, dtype=dtype, revision=a.revision, device=a.device)
+    model, tokenizer = load_model(a.model, dtype=dtype, revision=a.revision, device=a.device, compile=a.compile)
     target = Target(model)
     drafter = registry.build_drafter(spec, target)
     location = spec.location

@@ -61,6 +61,8 @@ def _draft_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let a --model that ships its own Python code (config auto_map) run it; read that code first. "
                         "Without it such a model is refused")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the target's forward with torch.compile (inductor; on CPU it needs g++ or clang++): ~1.15-1.2x faster decoding for a small model here (BENCHMARKS §26), but every start compiles for minutes on a small CPU (7 min for one draft in bf16 here): for serve and bench, not one prompt; plain decoding (--compare) runs the same compiled forward")
 
 
 def _limit_args(p: argparse.ArgumentParser, scope: str = "") -> None:
@@ -156,6 +158,8 @@ def build_bench_parser() -> argparse.ArgumentParser:
     _limit_args(p, " (for every method, plain decoding included)")
     p.add_argument("--draft-revision", default=None, help="Hub revision of the draft checkpoints named by Hub id")
     p.add_argument("--allow-other-base", action="store_true", help="see infer.py --help")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the target's forward with torch.compile (inductor; on CPU it needs g++ or clang++): ~1.15-1.2x faster decoding for a small model here (BENCHMARKS §26), but every start compiles for minutes on a small CPU (7 min for one draft in bf16 here): for serve and bench, not one prompt; every method, plain decoding included, runs the same compiled forward, and the warm-up compiles it outside the timing")
     p.add_argument("--resume", action="store_true",
                    help="continue the run logged in --out-dir where it stopped (same options; answers already logged "
                         "are kept, not redone); without it an --out-dir that holds a run is refused")
@@ -279,7 +283,7 @@ def run_decode(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
     system = [] if args.system is None else [{"role": "system", "content": args.system}]
     model = api.load(args.model, draft=args.draft, dtype=args.dtype, tree=args.tree, device=args.device,
                      revision=args.revision, draft_revision=args.draft_revision, allow_other_base=args.allow_other_base,
-                     trust_remote_code=args.trust_remote_code)
+                     trust_remote_code=args.trust_remote_code, compile=args.compile)
     label = f"[selfspec {args.draft}]"
     if args.tree == "auto":  # name what it stands for on this machine (tune-tree's cached choice)
         label = f"[selfspec {args.draft} --tree auto: {model.tree.spec}]"
@@ -324,7 +328,7 @@ def run_bench_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
                       progress=not a.no_progress, resume=a.resume, temperature=a.temperature, top_p=a.top_p,
                       top_k=a.top_k, min_p=a.min_p, seed=a.seed, repetition_penalty=a.repetition_penalty,
                       stop=stop if (stop := stop_strings(a.stop)) is None else tuple(stop),
-                      min_new_tokens=a.min_new_tokens)
+                      min_new_tokens=a.min_new_tokens, compile=a.compile)
     try:
         summary = run_bench(cfg)
     except KeyboardInterrupt:
@@ -403,7 +407,7 @@ def run_serve_cli(argv: Sequence[str], err: TextIO | None = None) -> int:
     try:
         model = api.load(a.model, draft=a.draft, dtype=a.dtype, tree=a.tree, device=a.device, revision=a.revision,
                          draft_revision=a.draft_revision, allow_other_base=a.allow_other_base,
-                         trust_remote_code=a.trust_remote_code)
+                         trust_remote_code=a.trust_remote_code, compile=a.compile)
         session = serve.Session(model, a.name or a.model, default_temperature=a.temperature,
                                 default_max_tokens=a.max_tokens, api_key=a.api_key or None)
         session.warm_up()

@@ -24,7 +24,7 @@ import torch
 from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, PreTrainedModel,
                           PreTrainedTokenizerBase)
 
-from selfspec import hf
+from selfspec import compiled, hf
 
 try:
     import fcntl
@@ -190,7 +190,7 @@ def _refuse_remote_code(name_or_path: str, err: ValueError) -> None:
 
 def load_model(
     name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", revision: str | None = None,
-    device: str = "cpu", attn_implementation: str = "sdpa", trust_remote_code: bool = False,
+    device: str = "cpu", attn_implementation: str = "sdpa", trust_remote_code: bool = False, compile: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer. Refuses models that are not decoder-only causal LMs, with what was found.
 
@@ -202,8 +202,12 @@ def load_model(
 
     trust_remote_code: allow the model's own Python code (``auto_map``) to run; off by default, and then refused
     without asking (transformers would otherwise prompt on a terminal).
+
+    compile: compile the model's forward (``selfspec.compiled``), for selfspec's verifier and ``generate`` alike.
     """
     check_device(device)
+    if compile:
+        compiled.check_compilable(device)  # before minutes of loading, not after
     location, gguf = resolve(name_or_path)
     if location == name_or_path and not gguf and (reason := unreachable_hub(location, revision=revision)):
         raise FileNotFoundError(f"could not load {name_or_path!r} from the Hub: {reason}; expected {MODEL_FORMS}")
@@ -245,4 +249,5 @@ def load_model(
                                 f"{MODEL_FORMS}{offline}") from err
     if getattr(model.config, "is_encoder_decoder", False):
         raise TypeError(f"{name_or_path} is an encoder-decoder model ({model.config.model_type}); expected a decoder-only causal LM")
-    return model.to(device).eval(), tokenizer
+    model = model.to(device).eval()
+    return (compiled.compile_forward(model) if compile else model), tokenizer

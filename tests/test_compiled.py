@@ -1,0 +1,84 @@
+"""A compiled target (``selfspec.compiled``, infer.py --compile): torch.compile (inductor, real C++ kernels on this CPU)
+really runs, greedy speculative decoding through it is token-identical to ``generate`` running the same compiled
+forward, over trees, chains and plain steps whose sizes vary without recompiling each time; a machine without a C++
+compiler is told so before anything loads; tuned trees and bench runs keep compiled and uncompiled apart."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+
+from conftest import REPEATING, VOCAB, random_prompts, reference, tiny_model
+from selfspec import NGramDrafter, Target, Tree, generate
+from selfspec.compiled import check_compilable, compile_forward, is_compiled
+from selfspec.testing import OracleDrafter
+
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def compiled_llama():
+    torch._dynamo.reset()
+    model = compile_forward(tiny_model("llama", vocab=VOCAB, initializer_range=REPEATING))
+    yield model
+    torch._dynamo.reset()
+
+
+def test_compiled_decoding_is_token_identical_to_generate_with_the_same_forward(compiled_llama):
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    target = Target(compiled_llama)
+    prompts = random_prompts(8, VOCAB, seed=7, min_len=4, max_len=12)
+    accepted, graphs = 0, []
+    for i, prompt in enumerate(prompts):
+        ref = reference(compiled_llama, prompt, NEW)  # plain greedy generate, through the compiled forward
+        ngram = generate(target, NGramDrafter(), prompt, NEW)  # trees of varying size, chains, single steps
+        assert ngram.tokens == ref, f"prompt {i}: prompt lookup through the compiled target left plain decoding"
+        oracle = generate(target, OracleDrafter(Tree.full([2, 2]), VOCAB, ref), prompt, NEW)
+        assert oracle.tokens == ref, f"prompt {i}: a 6-node tree through the compiled target left plain decoding"
+        accepted += sum(len(s.tokens) for s in oracle.steps) - len(oracle.steps)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert accepted > NEW * len(prompts) // 2  # the oracle's drafts were accepted: trees really were verified
+    # compiled, not silently eager; and once every kind of call has been seen (the first prompts), other prompt
+    # lengths, cache lengths and tree sizes reuse the graphs instead of compiling new ones
+    assert graphs[0] >= 1 and graphs[-1] == graphs[len(prompts) // 2], f"graphs after each prompt: {graphs}"
+    assert is_compiled(compiled_llama)
+    assert compile_forward(compiled_llama) is compiled_llama  # idempotent: not compiled twice
+
+
+def test_compiled_forward_computes_what_the_uncompiled_one_does(compiled_llama):
+    eager = tiny_model("llama", vocab=VOCAB, initializer_range=REPEATING)
+    ids = torch.arange(10)[None] % VOCAB
+    with torch.inference_mode():
+        got, want = compiled_llama(ids).logits, eager(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_no_cpp_compiler_is_told_before_anything_loads():
+    from torch._inductor import config
+
+    from selfspec.models import load_model
+
+    with config.patch({"cpp.cxx": ("/nonexistent/c++",)}):  # a machine whose only C++ compiler is not there
+        with pytest.raises(RuntimeError, match=r"needs a C\+\+ compiler .*install g\+\+ or clang\+\+ .*without --compile"):
+            check_compilable("cpu")
+        with pytest.raises(RuntimeError, match=r"needs a C\+\+ compiler"):  # before any weights: the path is never read
+            load_model("/nonexistent/model-dir", compile=True)
+    check_compilable("cpu")  # this machine has one
+
+
+def test_tuning_and_bench_runs_keep_compiled_targets_apart():
+    from selfspec.bench import BenchConfig, _manifest, parse_methods
+    from selfspec.budget import machine_key
+
+    model = tiny_model("llama")
+    plain_key = machine_key(Target(model), "tiny")
+    assert "compiled" not in plain_key  # uncompiled keys as before: caches tuned earlier still apply
+    assert machine_key(Target(compile_forward(tiny_model("llama"))), "tiny") == {**plain_key, "compiled": True}
+
+    methods = parse_methods(("plain",), 2, None)
+    args = ([], methods, ["float32"])
+    assert "compile" not in _manifest(BenchConfig(), *args)
+    assert _manifest(BenchConfig(compile=True), *args)["compile"] is True  # a resume must match (bench_log)
