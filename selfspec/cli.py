@@ -37,6 +37,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
 
 
+COMPILE_HELP = ("compile the target's forward with torch.compile (inductor; on CPU it needs g++ or clang++): "
+                "~1.15-1.2x faster decoding for a small model here (BENCHMARKS §26), but every start compiles for "
+                "minutes on a small CPU (7 min for one draft in bf16 here): for serve and bench, not one prompt")
+
+
 def _draft_args(p: argparse.ArgumentParser) -> None:
     """The options that choose the draft, its tree and how the target loads: infer.py and infer.py serve."""
     p.add_argument("--draft", default="ngram",
@@ -62,7 +67,7 @@ def _draft_args(p: argparse.ArgumentParser) -> None:
                    help="let a --model that ships its own Python code (config auto_map) run it; read that code first. "
                         "Without it such a model is refused")
     p.add_argument("--compile", action="store_true",
-                   help="compile the target's forward with torch.compile (inductor; on CPU it needs g++ or clang++): ~1.15-1.2x faster decoding for a small model here (BENCHMARKS §26), but every start compiles for minutes on a small CPU (7 min for one draft in bf16 here): for serve and bench, not one prompt; plain decoding (--compare) runs the same compiled forward")
+                   help=COMPILE_HELP + "; plain decoding (--compare) runs the same compiled forward")
 
 
 def _limit_args(p: argparse.ArgumentParser, scope: str = "") -> None:
@@ -159,7 +164,8 @@ def build_bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-revision", default=None, help="Hub revision of the draft checkpoints named by Hub id")
     p.add_argument("--allow-other-base", action="store_true", help="see infer.py --help")
     p.add_argument("--compile", action="store_true",
-                   help="compile the target's forward with torch.compile (inductor; on CPU it needs g++ or clang++): ~1.15-1.2x faster decoding for a small model here (BENCHMARKS §26), but every start compiles for minutes on a small CPU (7 min for one draft in bf16 here): for serve and bench, not one prompt; every method, plain decoding included, runs the same compiled forward, and the warm-up compiles it outside the timing")
+                   help=COMPILE_HELP + "; every method, plain decoding included, runs the same compiled "
+                        "forward, and the warm-up compiles it outside the timing")
     p.add_argument("--resume", action="store_true",
                    help="continue the run logged in --out-dir where it stopped (same options; answers already logged "
                         "are kept, not redone); without it an --out-dir that holds a run is refused")
