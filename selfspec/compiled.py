@@ -25,8 +25,9 @@ from transformers import PreTrainedModel
 log = logging.getLogger(__name__)
 
 RECOMPILE_LIMIT = 64
-"""graphs torch keeps per compiled function before it silently falls back to uncompiled code (torch's default, 8,
-is reached by two dtypes' targets in one process: each needs ~5 graphs of the same ``forward``)."""
+"""graphs torch keeps per compiled function before it silently falls back to uncompiled code. Torch's default, 8, is
+too few for two dtypes' targets in one process (bench --dtype fp32,bf16): each compiles a graph of the same
+``forward`` for every kind of call (a prefill, one-token steps, chains, trees with their mask, ``generate``'s own)."""
 
 
 def check_compilable(device: torch.device | str) -> None:
@@ -45,7 +46,7 @@ def check_compilable(device: torch.device | str) -> None:
 
 def compile_forward(model: PreTrainedModel) -> PreTrainedModel:
     """Compile ``model.forward`` in place (idempotent); returns the model."""
-    if getattr(model, "_selfspec_compiled", False):
+    if is_compiled(model):
         return model
     check_compilable(next(model.parameters()).device)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
