@@ -112,7 +112,7 @@ def _layer_skip(a, directory) -> int:
     from heads.base_model import load_base
     from heads.config import ModelConfig
     from heads.data import DataConfig
-    from selfspec.layerskip import LayerSkipConfig
+    from selfspec.drafts.layerskip import LayerSkipConfig
 
     config = LayerSkipConfig.load(directory)
     model, tokenizer = load_base(ModelConfig(name=a.model or config.base_model))

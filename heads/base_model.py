@@ -1,6 +1,6 @@
 """The frozen base model a recipe trains heads for, and the two things the trainer asks of it.
 
-``load_base`` returns (model, tokenizer): a named / local / Hub / GGUF model through ``selfspec.models.load_model``, or
+``load_base`` returns (model, tokenizer): a named / local / Hub / GGUF model through ``selfspec.core.models.load_model``, or
 a randomly initialised model built from a config (``model.config`` in the recipe, or the name "tiny-random-llama") with
 a byte-level ChatML tokenizer built in code (256 bytes + 3 specials; no files, no downloads). The model comes back
 frozen: eval mode, ``requires_grad_(False)``.
@@ -22,8 +22,8 @@ from transformers import (
 
 from heads.config import ModelConfig
 from heads.medusa import base_sizes
-from selfspec import hf
-from selfspec.models import load_model, parse_dtype
+from selfspec.core import hf
+from selfspec.core.models import load_model, parse_dtype
 
 TINY_NAME = "tiny-random-llama"
 TINY_LLAMA = dict(
@@ -69,7 +69,7 @@ def random_model(config: dict, tokenizer: PreTrainedTokenizerBase, seed: int, dt
 
 
 class UnsupportedModel(ValueError):
-    """The recipe's target is a model selfspec cannot verify drafts on (``selfspec.hf.unverifiable``)."""
+    """The recipe's target is a model selfspec cannot verify drafts on (``selfspec.core.hf.unverifiable``)."""
 
 
 def load_base(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

@@ -38,8 +38,8 @@ from heads.cli import describe
 from heads.hub import Published, check_repo_id, publish
 from heads.medusa import MedusaConfig, MedusaHeads, base_sizes
 from heads.tree_search import expected_accept_length
-from selfspec.models import BUILTIN, looks_local
-from selfspec.registry import read_json_object
+from selfspec.core.models import BUILTIN, looks_local
+from selfspec.core.files import read_json_object
 
 CONFIG, WEIGHTS, CARD = "config.json", "model.safetensors", "README.md"
 FILES = (CONFIG, WEIGHTS, CARD)
@@ -330,7 +330,7 @@ def publish_files(directory: Path, repo_id: str) -> dict[str, Path | bytes]:
     config_file = directory / CONFIG
     kind = read_json_object(config_file, "the checkpoint's config").get("draft_type") if config_file.is_file() else None
     if kind == "layerskip":  # a searched skip set: config.json alone (the target's own layers draft), read strictly
-        from selfspec.layerskip import LayerSkipConfig, layerskip_card
+        from selfspec.drafts.layerskip import LayerSkipConfig, layerskip_card
 
         return {CONFIG: config_file, CARD: layerskip_card(LayerSkipConfig.load(directory), repo_id).encode()}
     if kind not in ("medusa", *TYPED_DRAFTS):
@@ -436,7 +436,7 @@ def model_card(config: MedusaConfig, location: str) -> str:
     lines += [
         "", "## Usage", "", "```python",
         "from selfspec import Target, generate",
-        "from selfspec.models import load_model",
+        "from selfspec.core.models import load_model",
         "from heads.drafter import load_drafter", "",
         f'model, tokenizer = load_model("{config.base_model}")',
         "target = Target(model)",

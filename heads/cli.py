@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from selfspec.options import integer
+from selfspec.tools.options import integer
 
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, TypeError)
 """what a wrong argument, path or checkpoint raises: reported in one line, never as a traceback."""
@@ -112,8 +112,8 @@ def check_output(out: Path, ours: Callable[[Path], bool], wanted: str, option: s
 
 
 def dtype_name(text: str) -> str:
-    """argparse type: a dtype name selfspec.models knows (float32, fp32, bfloat16, bf16, ...), kept as given."""
-    from selfspec.models import parse_dtype
+    """argparse type: a dtype name selfspec.core.models knows (float32, fp32, bfloat16, bf16, ...), kept as given."""
+    from selfspec.core.models import parse_dtype
 
     try:
         parse_dtype(text)
@@ -124,7 +124,7 @@ def dtype_name(text: str) -> str:
 
 def check_source(source: str | None) -> None:
     """A --source that is a local path must exist: said before any model loads, naming the option."""
-    from selfspec.models import looks_local
+    from selfspec.core.models import looks_local
 
     if source is not None and looks_local(source) and not Path(source).expanduser().exists():
         raise FileNotFoundError(f"--source {source}: no such file or directory; expected 'sharegpt', a "

@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
-    from selfspec.models import load_model
+    from selfspec.core.models import load_model
 
     check_source(args.source)
     data = DataConfig(source=args.source, split=args.split, max_conversations=args.max_conversations)

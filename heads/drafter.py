@@ -22,13 +22,13 @@ from typing import Sequence
 import torch
 
 from heads.medusa import MedusaHeads
-from selfspec.accept import Acceptance
-from selfspec.drafter import Draft, DraftState, check_tree
-from selfspec.target import Target
-from selfspec.tree import DynamicTree, Tree
+from selfspec.core.accept import Acceptance
+from selfspec.core.drafter import Draft, Drafter, DraftState, check_tree
+from selfspec.core.target import Target
+from selfspec.core.tree import DynamicTree, Tree
 
 
-class MedusaDrafter:
+class MedusaDrafter(Drafter):
     """tree: a static tree (or its choices), filled each step with the heads' candidates; or a DynamicTree, whose
     shape is chosen each step: the ``budget`` rank paths of highest product of the heads' probabilities."""
 
@@ -43,6 +43,14 @@ class MedusaDrafter:
         self.topk = self.tree.max_rank + 1
         self._depth = self.tree.depth_tensor[1:] - 1  # [N - 1] the head that fills each draft node (0-based)
         self._rank = torch.tensor(self.tree.ranks[1:], dtype=torch.long)  # [N - 1] its candidate rank
+
+    @property
+    def max_depth(self) -> int:
+        """head k drafts depth k: no deeper tree than the heads."""
+        return self.heads.config.num_heads
+
+    def resized(self, depth: int, budget: int) -> "MedusaDrafter":
+        return MedusaDrafter(self.heads, DynamicTree(budget, depth=depth))
 
     @torch.inference_mode()
     def draft(self, state: DraftState) -> Draft:

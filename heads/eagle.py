@@ -46,9 +46,9 @@ from transformers import AutoConfig, AutoModel, PreTrainedModel
 
 from heads.checkpoint import DraftCheckpoint
 from heads.config import check_feature_layer_list
-from heads.draft_vocab import DraftVocab, check_draft_tokens
+from selfspec.core.draft_vocab import DraftVocab, check_draft_tokens
 from heads.medusa import _type_ok, base_name, base_sizes, strict_keys
-from selfspec import hf
+from selfspec.core import hf
 
 DRAFT_TYPE = "eagle"
 

@@ -24,13 +24,13 @@ import torch
 from transformers import DynamicCache
 
 from heads.eagle import EagleHead
-from selfspec import hf
-from selfspec.accept import Acceptance
-from selfspec.drafter import Draft, DraftState
-from selfspec.tree import DynamicTree, Tree
+from selfspec.core import hf
+from selfspec.core.accept import Acceptance
+from selfspec.core.drafter import Draft, Drafter, DraftState
+from selfspec.core.tree import DynamicTree, Tree
 
 
-class EagleDrafter:
+class EagleDrafter(Drafter):
     def __init__(self, head: EagleHead, depth: int, topk: int, budget: int):
         for name, value in (("depth", depth), ("topk", topk), ("budget", budget)):
             if value < 1:
@@ -53,13 +53,16 @@ class EagleDrafter:
         raise ValueError(f"an EAGLE head grows its own tree each step: use --tree dynamic:N (N nodes, depth "
                          f"{c.depth}) or chain:K (its greedy path of K tokens), found a static tree of {len(tree)} nodes")
 
+    def resized(self, depth: int, budget: int) -> "EagleDrafter":
+        return EagleDrafter(self.head, depth, self.topk, budget)
+
     @torch.inference_mode()
     def draft(self, state: DraftState) -> Draft:
         tokens, new = state.tokens, state.new_hidden
         T = tokens.shape[0]
         if new is None:
             raise ValueError("the EAGLE drafter needs DraftState.new_hidden (the target's hidden states of the newly "
-                             "committed positions); selfspec.generate provides it")
+                             "committed positions); selfspec.core.generate provides it")
         A = new.shape[0]
         if self.cache is None or state.starts_request:  # the first draft sees the whole prompt
             self.cache, self.committed = DynamicCache(config=self.head.decoder.config), 0
@@ -118,7 +121,7 @@ class EagleDrafter:
             return state.new_hidden
         if state.new_states is None:
             raise ValueError(f"this EAGLE head reads the target's hidden states at layers {layers}: expected "
-                             "DraftState.new_states (selfspec.generate provides it with the target's own verifier), "
+                             "DraftState.new_states (selfspec.core.generate provides it with the target's own verifier), "
                              "found None")
         return state.new_states.take(layers)  # [A, L·D]
 

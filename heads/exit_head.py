@@ -1,6 +1,6 @@
 """A fine-tuned exit head for early-exit self-speculation, on a frozen target.
 
-The early-exit drafter (``selfspec.early_exit``) drafts with the target's first E layers and then its own final norm
+The early-exit drafter (``selfspec.drafts.early_exit``) drafts with the target's first E layers and then its own final norm
 and LM head. Layer E's input was never trained to be read that way; an exit head is a small map trained to make it so:
 
     tokens ─ layers 0..E-1 ─▶ h_E ─ exit head ─▶ h' ─ final norm ─ LM head ─▶ draft logits   (trained, E layers)
@@ -30,10 +30,10 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from heads.checkpoint import DraftCheckpoint
-from heads.draft_vocab import DraftVocab
+from selfspec.core.draft_vocab import DraftVocab
 from heads.medusa import ResBlock, _frozen_linear, _type_ok, base_name, base_sizes, strict_keys
-from selfspec import hf
-from selfspec.tree import DynamicTree, Tree
+from selfspec.core import hf
+from selfspec.core.tree import DynamicTree, Tree
 
 DRAFT_TYPE = "exit-head"
 
@@ -202,7 +202,7 @@ def load_drafter(path_or_repo_id: str | Path, target, revision: str | None = Non
                  tree: Tree | DynamicTree | Sequence[Sequence[int]] | None = None):
     """The ``early-exit`` entry point of ``selfspec.drafters``: the exit head on ``target``, as an EarlyExitDrafter
     (a chain of the stored depth unless ``tree`` is given)."""
-    from selfspec.early_exit import EarlyExitDrafter
+    from selfspec.drafts.early_exit import EarlyExitDrafter
 
     head = ExitHead.from_pretrained(path_or_repo_id, target.model, revision=revision)
     if tree is not None and not isinstance(tree, (Tree, DynamicTree)):

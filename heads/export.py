@@ -38,7 +38,7 @@ from torch import nn
 from heads.checkpoint import check_tensors, load_heads, read_config, resolve
 from heads.cli import check_output, describe, report_errors
 from heads.medusa import LoraProjection, MedusaConfig, MedusaHeads, check_lm_head
-from selfspec.models import load_model
+from selfspec.core.models import load_model
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}

@@ -32,9 +32,9 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from heads.checkpoint import DraftCheckpoint, read_typed_checkpoint
-from heads.draft_vocab import DraftVocab
+from selfspec.core.draft_vocab import DraftVocab
 from heads.medusa import HeadsConfigIO, ResBlock, _frozen_linear, _type_ok, check_lm_head
-from selfspec.tree import Tree
+from selfspec.core.tree import Tree
 
 DRAFT_TYPE = "hydra"
 

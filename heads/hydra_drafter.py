@@ -25,12 +25,12 @@ from typing import Sequence
 import torch
 
 from heads.hydra import HydraHeads
-from selfspec.accept import Acceptance
-from selfspec.drafter import Draft, DraftState, check_tree
-from selfspec.tree import DynamicTree, Tree
+from selfspec.core.accept import Acceptance
+from selfspec.core.drafter import Draft, Drafter, DraftState, check_tree
+from selfspec.core.tree import DynamicTree, Tree
 
 
-class HydraDrafter:
+class HydraDrafter(Drafter):
     def __init__(self, heads: HydraHeads, tree: Tree | DynamicTree | Sequence[Sequence[int]]):
         self.heads = heads.eval()
         self.dynamic = tree if isinstance(tree, DynamicTree) else None
@@ -60,6 +60,15 @@ class HydraDrafter:
             ))
 
     @torch.inference_mode()
+
+    @property
+    def max_depth(self) -> int:
+        """head k drafts depth k: no deeper tree than the heads."""
+        return self.heads.config.num_heads
+
+    def resized(self, depth: int, budget: int) -> "HydraDrafter":
+        return HydraDrafter(self.heads, DynamicTree(budget, depth=depth))
+
     def draft(self, state: DraftState) -> Draft:
         if self.dynamic is not None:
             return self._draft_dynamic(state)

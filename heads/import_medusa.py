@@ -34,7 +34,7 @@ from torch import nn
 from heads.checkpoint import check_tensors, resolve, save_heads
 from heads.cli import check_output, describe, is_draft_checkpoint, report_errors
 from heads.medusa import MedusaConfig, MedusaHeads
-from selfspec.registry import read_json_object
+from selfspec.core.files import read_json_object
 
 log = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from heads.draft_vocab import DraftVocab
-from selfspec.tree import Tree
+from selfspec.core.draft_vocab import DraftVocab
+from selfspec.core.tree import Tree
 
 PROJECTIONS = ("shared", "own", "lora")
 

@@ -2,7 +2,7 @@
 
     python -m heads.retree runs/medusa-smollm2/heads --dtype bf16 [--out DIR] [--max-nodes 64]
 
-Measures the base model's verify-forward time against tree size here (``selfspec.costs.verify_costs``), then picks,
+Measures the base model's verify-forward time against tree size here (``selfspec.tools.costs.verify_costs``), then picks,
 from the accuracy measured at training time, the tree with the best expected accepted tokens per unit of verify time
 (``heads.tree_search.fastest_choices``) and saves the checkpoint with that tree (atomically; in place or to --out).
 A wide tree pays off where verification is nearly free (bf16 on a CPU with AMX, GPUs); fp32 on a CPU wants a small one.
@@ -18,9 +18,9 @@ from pathlib import Path
 from heads.cli import check_output, dtype_name, is_draft_checkpoint, positive_int, report_errors
 from heads.medusa import MedusaHeads
 from heads.tree_search import expected_accept_length, fastest_choices
-from selfspec.costs import verify_costs
-from selfspec.models import load_model
-from selfspec.target import Target
+from selfspec.tools.costs import verify_costs
+from selfspec.core.models import load_model
+from selfspec.core.target import Target
 
 log = logging.getLogger(__name__)
 TAKES = "heads.retree re-fits the tree of Medusa heads"

@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from selfspec.models import build_lock, cache_dir
+from selfspec.core.models import build_lock, cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,8 @@ from heads.config import TrainConfig, to_dict
 from heads.checkpoint import push_folder, write_checkpoint
 from heads.data import build_datasets
 from heads.eagle import EagleConfig, EagleHead, eagle_card
-from heads.draft_vocab import DraftVocab, draft_vocabulary, end_of_turn
+from heads.draft_vocab import draft_vocabulary, end_of_turn
+from selfspec.core.draft_vocab import DraftVocab
 from heads.eagle_loss import eagle_loss
 from heads.exit_head import ExitHead, ExitHeadConfig, ExitLogits, final_norm
 from heads.hydra import HydraConfig, HydraHeads, following

@@ -21,7 +21,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from selfspec.tree import Tree
+from selfspec.core.tree import Tree
 
 IGNORE_INDEX = -100
 
@@ -154,7 +154,7 @@ def fastest_choices(acc: Sequence[Sequence[float]] | torch.Tensor, costs: dict[i
                     max_nodes: int) -> tuple[list[list[int]], float]:
     """The tree that maximises expected tokens per second, not accepted length, on the machine ``costs`` describe.
 
-    costs: verify time (any unit) of a tree of n nodes, root included (``selfspec.costs.verify_costs``). The best
+    costs: verify time (any unit) of a tree of n nodes, root included (``selfspec.tools.costs.verify_costs``). The best
     n-draft tree is the greedy one of ``best_choices`` (nested in n), so the search is over n alone:
     argmax_n expected_accept_length(best_choices(acc, n)) / cost(n + 1). Returns (choices, expected tokens per unit).
     """

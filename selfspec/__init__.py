@@ -4,15 +4,15 @@ The runtime: a Tree of candidates, a Target that verifies it in one forward, acc
 It knows nothing about training (``heads`` does that) and never imports ``heads``.
 """
 
-from selfspec.accept import Acceptance, greedy_accept, sample_accept, typical_accept
-from selfspec.drafter import Draft, Drafter, DraftState, NoDrafter, check_tree
-from selfspec.generate import Output, Step, generate, stream
-from selfspec.merge import MergedDrafter
-from selfspec.ngram import NGramDrafter
-from selfspec.sampling import Sampling, next_token, process_logits
-from selfspec.stopping import stop_strings
-from selfspec.target import Target, Verified
-from selfspec.tree import Tree
+from selfspec.core.accept import Acceptance, greedy_accept, sample_accept, typical_accept
+from selfspec.core.drafter import Draft, Drafter, DraftState, NoDrafter, check_tree
+from selfspec.core.generate import Output, Step, generate, stream
+from selfspec.drafts.merge import MergedDrafter
+from selfspec.drafts.ngram import NGramDrafter
+from selfspec.core.sampling import Sampling, next_token, process_logits
+from selfspec.core.stopping import stop_strings
+from selfspec.core.target import Target, Verified
+from selfspec.core.tree import Tree
 
 __all__ = [
     "Acceptance", "Draft", "DraftState", "Drafter", "MergedDrafter", "NoDrafter", "NGramDrafter", "Output", "Sampling", "Step", "Target", "Tree",

@@ -11,7 +11,7 @@ Arguments mirror transformers' ``generate``: ``temperature`` (0 = greedy), ``top
 ``repetition_penalty``, ``stop`` (its ``stop_strings``), ``min_new_tokens``, and OpenAI's ``presence_penalty``,
 ``frequency_penalty`` and ``logit_bias``; ``seed`` makes a sampled run repeatable;
 ``logprobs=k`` / ``prompt_logprobs=k`` add the target's log-probability of every new (prompt) token and its k likeliest
-alternatives (``selfspec.logprobs``).
+alternatives (``selfspec.core.logprobs``).
 ``generate_plain`` runs the same request through ``model.generate`` (plain decoding, or a transformers peer such as
 ``prompt_lookup_num_tokens=10``) and reports the same statistics.
 """
@@ -29,15 +29,17 @@ import torch
 from transformers import AutoConfig, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.streamers import BaseStreamer
 
-from selfspec import processors, registry
-from selfspec.drafter import Drafter, verifier_for
-from selfspec.generate import check_request, stream as spec_stream
-from selfspec.logprobs import TokenLogprob, token_logprobs
-from selfspec.models import BUILTIN, DEFAULT_MODEL, _refuse_remote_code, load_model, resolve
-from selfspec.sampling import PresencePenalty, Sampling
-from selfspec.stopping import stop_strings
-from selfspec.target import Target
-from selfspec.tree import DynamicTree, Tree
+from selfspec import registry
+
+from selfspec.core import processors
+from selfspec.core.drafter import Drafter, verifier_for
+from selfspec.core.generate import check_request, stream as spec_stream
+from selfspec.core.logprobs import TokenLogprob, token_logprobs
+from selfspec.core.models import BUILTIN, DEFAULT_MODEL, _refuse_remote_code, load_model, resolve
+from selfspec.core.sampling import PresencePenalty, Sampling
+from selfspec.core.stopping import stop_strings
+from selfspec.core.target import Target
+from selfspec.core.tree import DynamicTree, Tree
 
 Prompt = str | Sequence[dict[str, str]] | Sequence[int] | torch.Tensor
 """text (the chat template is applied when chat=True), a list of chat messages, or token ids."""
@@ -165,7 +167,7 @@ class StepCounter(BaseStreamer):
 
 UNAPPLIED = {"top_h": None, "watermarking_config": None, "remove_invalid_values": False, "renormalize_logits": False}
 """logits processors a generation config may ask for that selfspec does not apply, with their neutral values (the
-others: ``selfspec.sampling``, ``selfspec.stopping`` and ``selfspec.processors``)."""
+others: ``selfspec.core.sampling``, ``selfspec.core.stopping`` and ``selfspec.core.processors``)."""
 
 
 def unapplied_processors(generation_config: Any) -> dict[str, Any]:
@@ -473,7 +475,7 @@ def load(model: str = DEFAULT_MODEL, draft: str = "ngram", dtype: str | torch.dt
     """Target + tokenizer + drafter in one call. The draft and the tree are checked against the target's config
     before any weights are loaded (a draft for another base model fails here, fast). trust_remote_code: let a model
     that ships its own Python code run it (off: such a model is refused). compile: compile the target's forward
-    (``selfspec.compiled``; ``generate_plain`` runs the same compiled forward)."""
+    (``selfspec.core.compiled``; ``generate_plain`` runs the same compiled forward)."""
     spec = registry.parse_draft(draft, revision=draft_revision)
     if tree != "auto":
         tree = registry.parse_tree(tree) if isinstance(tree, str) else tree  # a bad tree fails before any loading

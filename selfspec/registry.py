@@ -30,11 +30,12 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Callable
 
-from selfspec.drafter import Drafter, NoDrafter
-from selfspec.models import looks_local, unreachable_hub
-from selfspec.ngram import NGramDrafter
-from selfspec.target import Target
-from selfspec.tree import DynamicTree, Tree
+from selfspec.core.drafter import Drafter, NoDrafter
+from selfspec.core.files import read_json_object
+from selfspec.core.models import looks_local, unreachable_hub
+from selfspec.drafts.ngram import NGramDrafter
+from selfspec.core.target import Target
+from selfspec.core.tree import DynamicTree, Tree
 
 ENTRY_POINT_GROUP = "selfspec.drafters"
 MERGE_OPTION = re.compile(r"skip_after=\d+")  # a trailing option of 'A+B': '+skip_after=3'  (merge.MergedDrafter)
@@ -100,17 +101,6 @@ def _read_hub_config(repo_id: str, revision: str | None) -> dict[str, Any]:
             f"({type(err).__name__}: {err}). Expected {ACCEPTED}."
         ) from err
     return read_json_object(Path(path), f"the config.json of Hub repo {repo_id}")
-
-
-def read_json_object(path: Path, what: str) -> dict[str, Any]:
-    """A checkpoint's JSON config as a dict; corrupt JSON or another JSON type fails naming ``what`` and the file."""
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{what} ({path}) is not valid JSON: {err}; the file is corrupt, save or download it again") from err
-    if not isinstance(data, dict):
-        raise ValueError(f"{what} ({path}) should hold a JSON object, found {type(data).__name__}")
-    return data
 
 
 def parse_ngram(options: str) -> dict[str, int]:
@@ -297,12 +287,12 @@ def parse_tree(spec: str | None) -> Tree | DynamicTree | None:
 def resolve_tree(tree: str | Tree | DynamicTree | None, spec: DraftSpec, target: Target,
                  model_id: str) -> Tree | DynamicTree | None:
     """A --tree value for ``spec`` on ``target``: 'auto' is the (budget, depth) that ``infer.py tune-tree`` measured
-    fastest for this draft, target, dtype and machine (selfspec/budget.py); anything else as ``parse_tree``. For a
+    fastest for this draft, target, dtype and machine (selfspec/tools/budget.py); anything else as ``parse_tree``. For a
     merged draft, the tree of its first part."""
     if spec.parts:
         part = tree_part(spec)
         if tree == "auto" and part.kind in TUNABLE_KINDS:  # the budget tuned for this merge, else for the part alone
-            from selfspec.budget import load_tuned, merge_stamp
+            from selfspec.tools.budget import load_tuned, merge_stamp
 
             try:
                 return load_tuned(part.location, target, model_id, part.revision, merged=merge_stamp(spec, part))
@@ -316,14 +306,14 @@ def resolve_tree(tree: str | Tree | DynamicTree | None, spec: DraftSpec, target:
         return resolve_tree(tree, part, target, model_id)
     if tree == "auto":
         if spec.kind == "ngram":  # prompt lookup's depth and max_nodes, tuned by tune_lookup
-            from selfspec.budget import check_untuned, load_tuned, lookup_name
+            from selfspec.tools.budget import check_untuned, load_tuned, lookup_name
 
             check_untuned(spec, "--tree auto")
             return load_tuned(lookup_name(spec), target, model_id)
         if spec.kind not in TUNABLE_KINDS:
             raise ValueError(f"--tree auto is for drafts whose tree budget infer.py tune-tree can tune "
                              f"({', '.join(TUNABLE_KINDS)}, ngram); --draft {spec.kind} takes a --tree of its own")
-        from selfspec.budget import load_tuned
+        from selfspec.tools.budget import load_tuned
 
         return load_tuned(spec.location, target, model_id, spec.revision)
     if not (tree is None or isinstance(tree, (str, Tree, DynamicTree))):
@@ -371,7 +361,7 @@ def check_tree_applies(spec: DraftSpec, tree: Tree | DynamicTree | None) -> None
 def build_drafter(spec: DraftSpec, target: Target, tree: Tree | DynamicTree | None = None) -> Drafter:
     """Construct the drafter a DraftSpec names, for this target (loads the checkpoint's weights, if any)."""
     if spec.parts:
-        from selfspec.merge import MergedDrafter
+        from selfspec.drafts.merge import MergedDrafter
 
         takes_tree = tree_part(spec)
         return MergedDrafter([build_drafter(p, target, tree if p is takes_tree else None) for p in spec.parts],
@@ -382,7 +372,7 @@ def build_drafter(spec: DraftSpec, target: Target, tree: Tree | DynamicTree | No
     if spec.kind == "none":
         return NoDrafter()
     if spec.kind == "early-exit":
-        from selfspec.early_exit import EarlyExitDrafter
+        from selfspec.drafts.early_exit import EarlyExitDrafter
 
         opts = dict(spec.config)
         return EarlyExitDrafter(target, opts.pop("layer"), tree=tree, **opts)

@@ -11,12 +11,12 @@ from typing import Sequence
 
 import torch
 
-from selfspec.accept import Acceptance
-from selfspec.drafter import Draft, DraftState
-from selfspec.tree import Tree
+from selfspec.core.accept import Acceptance
+from selfspec.core.drafter import Draft, Drafter, DraftState
+from selfspec.core.tree import Tree
 
 
-class RandomDrafter:
+class RandomDrafter(Drafter):
     def __init__(self, tree: Tree, vocab_size: int, seed: int = 0):
         self.tree, self.vocab_size = tree, vocab_size
         self.generator = torch.Generator().manual_seed(seed)

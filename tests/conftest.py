@@ -33,8 +33,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from selfspec.accept import Acceptance
-from selfspec.drafter import Draft, Drafter, DraftState
+from selfspec.core.accept import Acceptance
+from selfspec.core.drafter import Draft, Drafter, DraftState
 
 torch.set_num_threads(1)
 
@@ -158,9 +158,9 @@ def train_losses(out: Path, args: list[str]) -> dict[int, float]:
 
 def state_after_prefill(model: PreTrainedModel, prompt: torch.Tensor) -> DraftState:
     """The DraftState a drafter sees at the first step of ``prompt`` (its last token the root, the rest prefilled)."""
-    from selfspec.drafter import LayerStates
-    from selfspec.sampling import Sampling
-    from selfspec.target import Target
+    from selfspec.core.drafter import LayerStates
+    from selfspec.core.sampling import Sampling
+    from selfspec.core.target import Target
 
     target = Target(model)
     cache = target.new_cache()
@@ -176,7 +176,7 @@ def decode_with_tiny_draft(checkpoint: Path, max_new_tokens: int = 16):
     from heads.config import ModelConfig
     from selfspec import registry
     from selfspec.api import SpecModel
-    from selfspec.target import Target
+    from selfspec.core.target import Target
 
     base, tokenizer = load_base(ModelConfig(name="tiny-random-llama"))
     target = Target(base)

@@ -76,8 +76,8 @@ def test_generation_config_processors_selfspec_does_not_apply_are_named(ngram, r
     try:
         with pytest.warns(UserWarning, match=r"asks for top_h=0.5, which selfspec does not apply") as caught:
             api.SpecModel(ngram.target, ngram.tokenizer, ngram.drafter, "m")
-        assert "no_repeat_ngram_size" not in str(caught[0].message)  # applied (selfspec.processors)
-        assert "typical_p" not in str(caught[0].message)  # applied (selfspec.sampling)
+        assert "no_repeat_ngram_size" not in str(caught[0].message)  # applied (selfspec.core.processors)
+        assert "typical_p" not in str(caught[0].message)  # applied (selfspec.core.sampling)
     finally:
         config.top_h, config.typical_p, config.no_repeat_ngram_size = None, None, None
     api.SpecModel(ngram.target, ngram.tokenizer, ngram.drafter, "m")
@@ -288,7 +288,7 @@ def test_logprobs_of_the_answer_and_the_prompt_equal_plain_decodings(ngram):
 
 def test_presence_frequency_and_logit_bias_equal_generate_plains(ngram):
     """OpenAI's penalties and logit bias, through selfspec (greedy with drafts, and sampled) and through transformers'
-    generate (its sequence_bias and selfspec.sampling.PresencePenalty as a logits processor): the same tokens."""
+    generate (its sequence_bias and selfspec.core.sampling.PresencePenalty as a logits processor): the same tokens."""
     base = ngram.generate(PROMPTS[1], max_new_tokens=30)
     bias = {base.tokens[3]: -50.0, 33: 3.0}
     kw = dict(max_new_tokens=30, presence_penalty=0.8, frequency_penalty=0.6, logit_bias=bias)

@@ -18,11 +18,13 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from heads.eagle import EagleConfig, EagleHead
 from heads.eagle_drafter import EagleDrafter
-from selfspec import Target, Tree, generate, hf
-from selfspec.early_exit import EarlyExitDrafter
-from selfspec.layerskip import LayerSkipDrafter
+from selfspec import Target, Tree
+from selfspec.core.generate import generate
+from selfspec.core import hf
+from selfspec.drafts.early_exit import EarlyExitDrafter
+from selfspec.drafts.layerskip import LayerSkipDrafter
 from selfspec.testing import OracleDrafter
-from selfspec.tree import DynamicTree
+from selfspec.core.tree import DynamicTree
 
 VOCAB = 96
 NEW = 12
@@ -219,7 +221,7 @@ def test_a_model_without_sdpa_loads_with_eager_attention(tmp_path):
     """load_model's default, sdpa, falls back to eager where transformers has none (``infer.py --model DIR``)."""
     from transformers import AutoTokenizer
 
-    from selfspec.models import DEFAULT_MODEL, load_model, resolve
+    from selfspec.core.models import DEFAULT_MODEL, load_model, resolve
 
     build("gemma2", {**SUPPORTED["gemma2"], "vocab_size": 49152}).save_pretrained(tmp_path / "gemma2")
     AutoTokenizer.from_pretrained(resolve(DEFAULT_MODEL)[0]).save_pretrained(tmp_path / "gemma2")

@@ -7,7 +7,8 @@ import torch
 from transformers import BertConfig, BertForMaskedLM, BertModel, T5Config, T5ForConditionalGeneration
 
 from conftest import VOCAB, tiny_model
-from selfspec import NoDrafter, Sampling, Target, Tree, generate, stream
+from selfspec import NoDrafter, Sampling, Target, Tree, stream
+from selfspec.core.generate import generate
 from selfspec.testing import RandomDrafter
 
 CONTEXT = 32

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 import tiny_chat_model
-from selfspec import Tree, api, bench, cli, specbench
+from selfspec import Tree, api
+from selfspec.tools import bench, cli, specbench
 
 QUESTIONS = [
     {"question_id": 81, "category": "writing", "turns": ["Write about the sea.", "Now say it again, shorter."]},
@@ -200,7 +201,7 @@ def test_methods_parse():
 
 
 def test_method_lists_keep_options_with_their_method():
-    from selfspec.cli import _split
+    from selfspec.tools.cli import _split
 
     assert _split("plain, ngram:depth=6,max_nodes=8,runs/h@dynamic:12,depth=3,runs/e+ngram:depth=6,max_nodes=8@auto,aee") \
         == ("plain", "ngram:depth=6,max_nodes=8", "runs/h@dynamic:12,depth=3", "runs/e+ngram:depth=6,max_nodes=8@auto",
@@ -208,9 +209,9 @@ def test_method_lists_keep_options_with_their_method():
 
 
 def test_a_draft_can_run_with_another_tree_beside_its_own(model_dir, tmp_path):
-    from selfspec.models import load_model
-    from selfspec.target import Target
-    from selfspec.tree import DynamicTree
+    from selfspec.core.models import load_model
+    from selfspec.core.target import Target
+    from selfspec.core.tree import DynamicTree
 
     heads = tiny_chat_model.build_heads(model_dir, tmp_path / "heads")
     methods = bench.parse_methods((str(heads), f"{heads}@dynamic:8", f"{heads}@chain:2"), num_layers=2)
@@ -288,8 +289,8 @@ def test_draft_at_auto_keeps_the_tree_the_run_started_with_across_a_resume(model
     """DRAFT@auto is resolved once per run and dtype and recorded in run.json: when tune-tree chooses another tree
     between two segments, the resumed segment still decodes with the first one (a run measures one thing); a new run
     takes the new choice. The summary says which tree @auto stood for."""
-    from selfspec import budget
-    from selfspec.tree import DynamicTree
+    from selfspec.tools import budget
+    from selfspec.core.tree import DynamicTree
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(budget, "BUSY", float("inf"))  # cache the tuning even beside other work on the cores

@@ -15,11 +15,12 @@ from conftest import random_prompts, tiny_model
 
 from heads.eagle import EagleConfig, EagleHead
 from heads.eagle_drafter import EagleDrafter
-from selfspec import budget, registry
-from selfspec.generate import generate
-from selfspec.layerskip import LayerSkipDrafter
-from selfspec.target import Target
-from selfspec.tree import DynamicTree
+from selfspec import registry
+from selfspec.tools import budget
+from selfspec.core.generate import generate
+from selfspec.drafts.layerskip import LayerSkipDrafter
+from selfspec.core.target import Target
+from selfspec.core.tree import DynamicTree
 
 VOCAB = 96
 
@@ -80,9 +81,9 @@ def test_recorded_big_budget_predicts_what_a_small_budget_accepts(setup, kind):
 def test_recorded_lookup_predicts_what_prompt_lookup_of_another_size_accepts(setup):
     """One recording at the largest size predicts every other (depth, max_nodes) at the states it visited (here the
     first drafted step): exactly, up to the target's next tokens the recording knows (its accepted drafts and bonus)."""
-    from selfspec.ngram import NGramDrafter
+    from selfspec.drafts.ngram import NGramDrafter
 
-    from selfspec.drafter import NoDrafter
+    from selfspec.core.drafter import NoDrafter
 
     target = Target(setup[0])
     prompts = [torch.cat([p, torch.tensor(generate(target, NoDrafter(), p, 24).tokens)])  # the target's own loops
@@ -113,7 +114,7 @@ def test_recorded_lookup_predicts_what_prompt_lookup_of_another_size_accepts(set
 def test_verify_costs_time_the_sizes_in_rounds(setup, tmp_path, monkeypatch):
     """Every size once per round (warm-up rounds first), so that a machine whose speed drifts slows every size alike;
     a cached curve timed the old way (size by size, no "timing" in its file) is measured again."""
-    from selfspec import costs
+    from selfspec.tools import costs
 
     model, _ = setup
     target = Target(model)
@@ -139,7 +140,7 @@ def test_a_cost_curve_out_of_order_is_timed_again_when_measured_or_read(setup, t
     """From 8 nodes up a bigger tree cannot verify much cheaper than a smaller one: such a curve was disturbed while it
     was timed, so it is timed again (up to budget.TRIES times) whether it was just measured or read from the cache;
     below 8 nodes a real kernel effect may order sizes otherwise (fp32: 2 nodes above 4) and is kept."""
-    from selfspec.costs import VerifyCost
+    from selfspec.tools.costs import VerifyCost
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     good = {n: 10.0 + n for n in budget.SIZES}
@@ -165,7 +166,7 @@ def test_a_cost_curve_out_of_order_is_timed_again_when_measured_or_read(setup, t
 def test_verify_costs_on_a_model_with_fewer_positions_than_the_context():
     """GPT-2 with 32 learned positions: the cost curve's default context (256) is cut to what the model holds (a
     tree's nodes sit one position past the context) instead of indexing past its position embeddings."""
-    from selfspec import costs
+    from selfspec.tools import costs
 
     target = Target(tiny_model("gpt2", max_positions=32))
     rows = costs.verify_costs(target, sizes=(1, 4), repeats=1, warmup=0)
@@ -279,8 +280,8 @@ def test_tune_tree_caches_nothing_when_the_machine_is_busier_than_its_cost_curve
     """A cost curve 20x cheaper than what the calibration's own verifications take stands for a machine busy during
     tune-tree (or a stale curve): the choice would fit that load, so nothing is cached for --tree auto and the message
     says what to do."""
-    from selfspec import cli
-    from selfspec.layerskip import LayerSkipConfig
+    from selfspec.tools import cli
+    from selfspec.drafts.layerskip import LayerSkipConfig
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     real = budget.cached_verify_costs
@@ -300,8 +301,8 @@ def test_tune_tree_and_sweep_exit_refuse_a_draft_for_another_model_before_loadin
                                                                                     capsys):
     """As infer.py does: a checkpoint whose base_model names another model is refused from its config.json alone,
     unless --allow-other-base says the target is a copy of it."""
-    from selfspec import calibrate, cli
-    from selfspec.layerskip import LayerSkipConfig
+    from selfspec.tools import calibrate, cli
+    from selfspec.drafts.layerskip import LayerSkipConfig
 
     ckpt = tmp_path / "skip"
     LayerSkipConfig(base_model="someone/other-model", num_hidden_layers=2, skip_layers=(1,), draft_depth=3).save(ckpt)
@@ -320,8 +321,9 @@ def test_tune_tree_and_sweep_exit_refuse_a_draft_for_another_model_before_loadin
 def test_tune_tree_tunes_a_layer_skip_draft_for_tree_auto(model_dir, tmp_path, monkeypatch, capsys):
     """infer.py tune-tree on a layer-skip checkpoint of the tiny chat model: the target's own layers grow the tree, the
     best (budget, depth) is cached, and --tree auto then builds that dynamic tree."""
-    from selfspec import api, cli
-    from selfspec.layerskip import LayerSkipConfig
+    from selfspec import api
+    from selfspec.tools import cli
+    from selfspec.drafts.layerskip import LayerSkipConfig
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(budget, "BUSY", float("inf"))  # the tiny model's ~1 ms verifications time noisily
@@ -345,8 +347,9 @@ def test_tune_tree_tunes_a_layer_skip_draft_for_tree_auto(model_dir, tmp_path, m
 def test_tune_tree_tunes_prompt_lookups_depth_and_max_nodes_for_tree_auto(model_dir, tmp_path, monkeypatch, capsys):
     """infer.py tune-tree --draft ngram: the best (depth, max_nodes) is cached for this target, dtype and machine, and
     --draft ngram --tree auto (bench: ngram@auto) decodes with it; options it tunes cannot also be given."""
-    from selfspec import api, cli
-    from selfspec.ngram import NGramDrafter
+    from selfspec import api
+    from selfspec.tools import cli
+    from selfspec.drafts.ngram import NGramDrafter
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(budget, "BUSY", float("inf"))  # the tiny model's ~1 ms verifications time noisily
@@ -379,8 +382,9 @@ def test_tune_tree_tunes_prompt_lookups_depth_and_max_nodes_for_tree_auto(model_
 def test_tune_tree_tunes_every_dtype_of_a_list_as_bench_decodes_them(model_dir, tmp_path, monkeypatch, capsys):
     """--dtype fp32,bf16 tunes and caches each dtype in turn (what `infer.py bench --dtype fp32,bf16` with DRAFT@auto
     needs); a list naming an unknown dtype is refused before any model loads."""
-    from selfspec import api, cli
-    from selfspec.layerskip import LayerSkipConfig
+    from selfspec import api
+    from selfspec.tools import cli
+    from selfspec.drafts.layerskip import LayerSkipConfig
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(budget, "BUSY", float("inf"))  # cache the tuning even beside other work on the cores
@@ -463,9 +467,9 @@ def test_recorded_merge_predicts_what_the_merge_with_a_smaller_head_budget_and_a
     smaller head budget and skip_after (``merged_run``), it predicts exactly, step for step, the tokens a real merge
     with them gains, the size of the tree it verifies (the trie of both drafts: shared paths once) and the steps where
     the head sits out, for as long as the real run stands where the recording stood (until a step accepts less)."""
-    from selfspec.generate import stream
-    from selfspec.merge import MergedDrafter
-    from selfspec.ngram import NGramDrafter
+    from selfspec.core.generate import stream
+    from selfspec.drafts.merge import MergedDrafter
+    from selfspec.drafts.ngram import NGramDrafter
 
     model, head = setup
     target = Target(model)
@@ -503,8 +507,9 @@ def test_tune_tree_tunes_a_draft_inside_a_merge_and_tree_auto_prefers_that_tunin
     """infer.py tune-tree on 'ngram+CKPT+skip_after=2' tunes CKPT's budget with prompt lookup drafting beside it and
     caches it for that merge alone: --tree auto on the same merge uses it, CKPT alone keeps its own tuning, a merge
     with other options falls back to CKPT's own, and with neither tuned the error names both commands."""
-    from selfspec import api, cli
-    from selfspec.layerskip import LayerSkipConfig
+    from selfspec import api
+    from selfspec.tools import cli
+    from selfspec.drafts.layerskip import LayerSkipConfig
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(budget, "BUSY", float("inf"))  # the tiny model's ~1 ms verifications time noisily

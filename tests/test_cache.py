@@ -11,7 +11,8 @@ import torch
 from transformers import DynamicCache
 
 from conftest import ARCHS, VOCAB, Recording, random_prompts, reference
-from selfspec import Acceptance, Draft, DraftState, NGramDrafter, Sampling, Target, Tree, generate
+from selfspec import Acceptance, Draft, Drafter, DraftState, NGramDrafter, Sampling, Target, Tree
+from selfspec.core.generate import generate
 from selfspec.testing import OracleDrafter, RandomDrafter
 
 TREE = Tree.from_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
@@ -58,7 +59,7 @@ def test_cache_after_many_greedy_steps(tiny_models, arch):
             assert_same_cache(rec.states[-1].cache, plain_cache(model, accepted), f"{arch}/{name}/prompt {k}")
 
 
-class PeekingDrafter:
+class PeekingDrafter(Drafter):
     """Drafts the target's own top-3 next tokens, each followed by the target's greedy token after it (it runs the
     model itself, without the cache): with sampling, branches of every rank get accepted."""
 

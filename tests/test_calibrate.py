@@ -10,11 +10,12 @@ from conftest import reference
 from transformers import AutoTokenizer
 
 from heads.exit_head import ExitHead, ExitHeadConfig
-from selfspec import cli, registry
+from selfspec import registry
+from selfspec.tools import cli
 from selfspec.api import SpecModel
-from selfspec.layerskip import LayerSkipDrafter
-from selfspec.models import load_model
-from selfspec.target import Target
+from selfspec.drafts.layerskip import LayerSkipDrafter
+from selfspec.core.models import load_model
+from selfspec.core.target import Target
 
 
 def test_sweep_measures_plain_early_exit_per_layer_and_exit_heads(model_dir, tmp_path, capsys):
@@ -59,7 +60,7 @@ def test_calibration_prompts_come_from_a_file_of_the_users_own(model_dir, tmp_pa
     """--prompts-file: a text file (one prompt per line) or a .jsonl of "prompt" / Spec-Bench "turns" rows; the sweep
     decodes exactly those prompts, all of them unless --prompts says how many; a missing, blank or malformed file, or
     more prompts than it holds, is refused before any model loads."""
-    from selfspec import calibrate
+    from selfspec.tools import calibrate
 
     text = tmp_path / "mine.txt"
     text.write_text("Copy this list: a, b, c.\n\n  Repeat after me: hello world.  \n")

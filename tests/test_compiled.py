@@ -1,4 +1,4 @@
-"""A compiled target (``selfspec.compiled``, infer.py --compile): torch.compile (inductor, real C++ kernels on this CPU)
+"""A compiled target (``selfspec.core.compiled``, infer.py --compile): torch.compile (inductor, real C++ kernels on this CPU)
 really runs, greedy speculative decoding through it is token-identical to ``generate`` running the same compiled
 forward, over trees, chains and plain steps whose sizes vary without recompiling each time; a machine without a C++
 compiler is told so before anything loads; tuned trees and bench runs keep compiled and uncompiled apart."""
@@ -10,8 +10,9 @@ import torch
 import torch._dynamo
 
 from conftest import REPEATING, VOCAB, random_prompts, reference, tiny_model
-from selfspec import NGramDrafter, Target, Tree, generate
-from selfspec.compiled import check_compilable, compile_forward, is_compiled
+from selfspec import NGramDrafter, Target, Tree
+from selfspec.core.generate import generate
+from selfspec.core.compiled import check_compilable, compile_forward, is_compiled
 from selfspec.testing import OracleDrafter
 
 NEW = 24
@@ -59,7 +60,7 @@ def test_compiled_forward_computes_what_the_uncompiled_one_does(compiled_llama):
 def test_no_cpp_compiler_is_told_before_anything_loads():
     from torch._inductor import config
 
-    from selfspec.models import load_model
+    from selfspec.core.models import load_model
 
     with config.patch({"cpp.cxx": ("/nonexistent/c++",)}):  # a machine whose only C++ compiler is not there
         with pytest.raises(RuntimeError, match=r"needs a C\+\+ compiler .*install g\+\+ or clang\+\+ .*without --compile"):
@@ -70,8 +71,8 @@ def test_no_cpp_compiler_is_told_before_anything_loads():
 
 
 def test_tuning_and_bench_runs_keep_compiled_targets_apart():
-    from selfspec.bench import BenchConfig, _manifest, parse_methods
-    from selfspec.budget import machine_key
+    from selfspec.tools.bench import BenchConfig, _manifest, parse_methods
+    from selfspec.tools.budget import machine_key
 
     model = tiny_model("llama")
     plain_key = machine_key(Target(model), "tiny")

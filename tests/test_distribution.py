@@ -25,14 +25,15 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from selfspec import Acceptance, Draft, DraftState, Sampling, Target, Tree, generate, process_logits, sample_accept
+from selfspec import Acceptance, Draft, Drafter, DraftState, Sampling, Target, Tree, process_logits, sample_accept
+from selfspec.core.generate import generate
 from selfspec.testing import RandomDrafter
-from selfspec.merge import MergedDrafter
-from selfspec.layerskip import LayerSkipDrafter
-from selfspec.tree import DynamicTree
+from selfspec.drafts.merge import MergedDrafter
+from selfspec.drafts.layerskip import LayerSkipDrafter
+from selfspec.core.tree import DynamicTree
 
 ALPHA = 1e-3
-LOOP_MODULE = importlib.import_module("selfspec.generate")  # the module (``selfspec.generate`` is the function)
+LOOP_MODULE = importlib.import_module("selfspec.core.generate")  # the module (``selfspec.core.generate`` is the function)
 SAMPLING = Sampling(temperature=0.8, top_p=0.9)
 TREE = Tree.from_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)])  # 3 candidates, then 2 and 1 below them
 
@@ -170,7 +171,7 @@ V_LOOP = 8
 PROMPT = torch.tensor([1, 2, 3, 4])
 
 
-class SampledTreeDrafter:
+class SampledTreeDrafter(Drafter):
     """Draws every node's token i.i.d. from a fixed distribution per depth (a real q, blind to the context)."""
 
     def __init__(self, tree: Tree, q_by_depth: torch.Tensor, seed: int):
@@ -220,7 +221,7 @@ def world(model, penalty: float = 1.0, presence: float = 0.0, frequency: float =
     for token, value in bias:  # OpenAI's logit_bias: added to every position's logits
         logits[:, :, token] += value
     if presence or frequency:  # each position penalised for the answer before it, by selfspec's logits processor
-        from selfspec.sampling import PresencePenalty
+        from selfspec.core.sampling import PresencePenalty
 
         rule = PresencePenalty(PROMPT.shape[0], presence, frequency)
         for k in range(3):
@@ -272,8 +273,8 @@ def hydra_drafter(target: Target):
 
 
 def policy_drafter(target: Target, arms: list):
-    """A per-request policy (selfspec/policy.py) whose rule picks the last of ``arms`` for this prompt."""
-    from selfspec.policy import Policy, PolicyDrafter, Ridge
+    """A per-request policy (selfspec/drafts/policy.py) whose rule picks the last of ``arms`` for this prompt."""
+    from selfspec.drafts.policy import Policy, PolicyDrafter, Ridge
 
     f, a = 2 * target.hidden_size + 1, len(arms)
     bias = torch.zeros(a, dtype=torch.float64)
@@ -288,7 +289,7 @@ def policy_drafter(target: Target, arms: list):
 @pytest.mark.parametrize("drafter", ["sampled-q", "random-deterministic", "eagle", "hydra", "merged", "policy",
                                      "layerskip-dynamic"])
 def test_loop_sampling_keeps_the_target_distribution(loop_world, drafter):
-    """selfspec.generate with a depth-2 tree drafter (4 new tokens: the draft after the first is 2 levels deep):
+    """selfspec.core.generate with a depth-2 tree drafter (4 new tokens: the draft after the first is 2 levels deep):
     the joint of the first three tokens equals plain sampling from the target (process_logits of its logits)."""
     target, exact = loop_world
     q_by_depth = torch.softmax(torch.randn(2, V_LOOP, generator=torch.Generator().manual_seed(5)), -1)

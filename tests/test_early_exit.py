@@ -9,11 +9,11 @@ import torch
 from conftest import random_prompts, reference, tiny_model
 from test_layerskip import LAYERS, VOCAB, four_layer, prefilled, skipped_greedy
 
-from selfspec import hf
-from selfspec.early_exit import EarlyExitDrafter, EarlyExitTarget
-from selfspec.generate import generate
-from selfspec.target import Target
-from selfspec.tree import DynamicTree, Tree
+from selfspec.core import hf
+from selfspec.drafts.early_exit import EarlyExitDrafter, EarlyExitTarget
+from selfspec.core.generate import generate
+from selfspec.core.target import Target
+from selfspec.core.tree import DynamicTree, Tree
 
 EXIT = 2  # layers 2 and 3 of the test models are weak: drafts from layer 2 are mostly right
 
@@ -159,8 +159,8 @@ def test_bad_exit_layers_are_refused(models, exit_layer):
 
 @pytest.mark.smollm2
 def test_smollm2_fp32_greedy_is_token_identical_to_generate():
-    from selfspec.layerskip_search import calibration_inputs
-    from selfspec.models import load_model
+    from selfspec.tools.layerskip_search import calibration_inputs
+    from selfspec.core.models import load_model
 
     model, tokenizer = load_model()
     drafter = EarlyExitDrafter(Target(model), 20, depth=4, stop_below=0.2)

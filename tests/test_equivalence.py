@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from conftest import ARCHS, REPEATING, VOCAB, Recording, random_prompts, reference, tiny_model
-from selfspec import NGramDrafter, NoDrafter, Target, Tree, generate
-from selfspec.merge import MergedDrafter
+from selfspec import NGramDrafter, NoDrafter, Target, Tree
+from selfspec.core.generate import generate
+from selfspec.drafts.merge import MergedDrafter
 from selfspec.testing import OracleDrafter, RandomDrafter
 
 N_PROMPTS = 50

@@ -1,4 +1,4 @@
-"""Pins selfspec/hf.py (every contact with transformers internals) against transformers itself.
+"""Pins selfspec/core/hf.py (every contact with transformers internals) against transformers itself.
 
 - a tree verification (4D additive mask, explicit positions, cache) gives, at every node, the logits and final hidden
   state of a plain causal forward over the prefix and that node's root-to-node path;
@@ -14,7 +14,8 @@ import torch
 from transformers import BertConfig, BertModel, DynamicCache
 
 from conftest import ARCHS, VOCAB, tiny_model
-from selfspec import Target, Tree, hf
+from selfspec import Target, Tree
+from selfspec.core import hf
 
 TREE = Tree.from_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)])
 S = 11  # cached prefix length

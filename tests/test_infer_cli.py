@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 import tiny_chat_model
-from selfspec import api, cli
+from selfspec import api
+from selfspec.tools import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONIOENCODING": "utf-8"}

@@ -11,14 +11,14 @@ import pytest
 import torch
 from conftest import random_prompts, reference, state_after_prefill, tiny_model
 
-from selfspec import hf
-from selfspec.drafter import DraftState
-from selfspec.generate import generate
-from selfspec.layerskip import LayerSkipConfig, LayerSkipDrafter, load_drafter
-from selfspec.layerskip_search import Measurement, search_skip_layers
-from selfspec.sampling import Sampling
-from selfspec.target import Target
-from selfspec.tree import DynamicTree, Tree
+from selfspec.core import hf
+from selfspec.core.drafter import DraftState
+from selfspec.core.generate import generate
+from selfspec.drafts.layerskip import LayerSkipConfig, LayerSkipDrafter, load_drafter
+from selfspec.tools.layerskip_search import Measurement, search_skip_layers
+from selfspec.core.sampling import Sampling
+from selfspec.core.target import Target
+from selfspec.core.tree import DynamicTree, Tree
 
 LAYERS, VOCAB = 4, 96
 WEAK = (1, 2)  # layers whose output is scaled down: skipping them keeps most drafts right (runs of accepted tokens)
@@ -330,8 +330,8 @@ def test_config_is_strict_and_refuses_another_layer_count(models, tmp_path):
 
 @pytest.mark.smollm2
 def test_smollm2_fp32_greedy_is_token_identical_to_generate():
-    from selfspec.layerskip_search import calibration_inputs
-    from selfspec.models import load_model
+    from selfspec.tools.layerskip_search import calibration_inputs
+    from selfspec.core.models import load_model
 
     model, tokenizer = load_model()
     target = Target(model)

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from conftest import ARCHS, VOCAB, random_prompts, reference
-from selfspec import NGramDrafter, NoDrafter, Sampling, Target, Tree, generate, stream
-from selfspec import logprobs as lp_mod
-from selfspec.logprobs import token_logprobs
+from selfspec import NGramDrafter, NoDrafter, Sampling, Target, Tree, stream
+from selfspec.core.generate import generate
+from selfspec.core import logprobs as lp_mod
+from selfspec.core.logprobs import token_logprobs
 from selfspec.testing import OracleDrafter
 
 NEW = 16

@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from conftest import VOCAB, Recording, random_prompts, reference, tiny_model
-from selfspec import NGramDrafter, Target, Tree, generate, registry
-from selfspec.accept import Acceptance
-from selfspec.bench import parse_methods
-from selfspec.drafter import Draft
-from selfspec.early_exit import EarlyExitDrafter
-from selfspec.merge import MergedDrafter, merge_drafts, restrict
+from selfspec import NGramDrafter, Target, Tree, registry
+from selfspec.core.generate import generate
+from selfspec.core.accept import Acceptance
+from selfspec.tools.bench import parse_methods
+from selfspec.core.drafter import Draft
+from selfspec.drafts.early_exit import EarlyExitDrafter
+from selfspec.drafts.merge import MergedDrafter, merge_drafts, restrict
 from selfspec.testing import OracleDrafter, RandomDrafter
 
 

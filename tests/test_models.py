@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import DistilBertConfig, DistilBertModel, LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration
 
-from selfspec import models
+from selfspec.core import models
 
 
 @pytest.mark.smollm2
@@ -19,7 +19,7 @@ def test_builtin_default_is_built_offline_once(tmp_path, monkeypatch):
     Two processes asking for it at once (accelerate launch's ranks on a fresh machine) get it built once: the other
     one waits for it (they collided on the move into place: 'Directory not empty')."""
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
-    other = subprocess.Popen([sys.executable, "-c", "from selfspec import models; "
+    other = subprocess.Popen([sys.executable, "-c", "from selfspec.core import models; "
                               "print(models.resolve(models.DEFAULT_MODEL)[0])"], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     location, gguf = models.resolve(models.DEFAULT_MODEL)

@@ -11,12 +11,12 @@ import pytest
 import torch
 from conftest import Recording, random_prompts, reference, tiny_model
 
-from selfspec import cli, policy_fit
-from selfspec.generate import generate
-from selfspec.ngram import NGramDrafter
-from selfspec.policy import (Policy, PolicyDrafter, Ridge, fit_ridge, loo_predictions, prompt_features,
+from selfspec.tools import cli, policy_fit
+from selfspec.core.generate import generate
+from selfspec.drafts.ngram import NGramDrafter
+from selfspec.drafts.policy import (Policy, PolicyDrafter, Ridge, fit_ridge, loo_predictions, prompt_features,
                              realised_gain, select_lambda)
-from selfspec.target import Target
+from selfspec.core.target import Target
 
 
 def test_prompt_features_are_mean_last_and_log_length():

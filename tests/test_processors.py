@@ -1,4 +1,4 @@
-"""The generation config's own logits processors (``selfspec.processors``): each tree node gets transformers' processor
+"""The generation config's own logits processors (``selfspec.core.processors``): each tree node gets transformers' processor
 over its own text, so greedy decoding with drafts and sampled decoding stay token-identical to ``generate``, which
 builds the same processors from the same config."""
 
@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from conftest import VOCAB, random_prompts, tiny_model
-from selfspec import NoDrafter, Sampling, Target, Tree, generate
-from selfspec.processors import by_depth, from_config
+from selfspec import NoDrafter, Sampling, Target, Tree
+from selfspec.core.generate import generate
+from selfspec.core.processors import by_depth, from_config
 from selfspec.testing import OracleDrafter
 
 def _configs(plain: list[list[int]]) -> dict[str, dict]:

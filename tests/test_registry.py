@@ -9,9 +9,9 @@ import re
 import pytest
 
 from selfspec import api, registry
-from selfspec.drafter import NoDrafter
-from selfspec.ngram import NGramDrafter
-from selfspec.tree import DynamicTree, Tree
+from selfspec.core.drafter import NoDrafter
+from selfspec.drafts.ngram import NGramDrafter
+from selfspec.core.tree import DynamicTree, Tree
 
 
 class FakeEntryPoint:

@@ -31,8 +31,10 @@ from heads.drafter import MedusaDrafter
 from heads.hub import PublishError, publish
 from heads.medusa import MedusaConfig, MedusaHeads
 from hub_server import TOKEN, HubServer, use_hub
-from selfspec import NGramDrafter, Sampling, Target, Tree, cli, hf, stream
-from selfspec.models import load_model
+from selfspec import NGramDrafter, Sampling, Target, Tree, stream
+from selfspec.tools import cli
+from selfspec.core import hf
+from selfspec.core.models import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

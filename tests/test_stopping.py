@@ -9,8 +9,9 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from conftest import ARCHS, VOCAB, random_prompts, tiny_model
-from selfspec import NGramDrafter, NoDrafter, Sampling, Target, generate
-from selfspec.stopping import first_stop
+from selfspec import NGramDrafter, NoDrafter, Sampling, Target
+from selfspec.core.generate import generate
+from selfspec.core.stopping import first_stop
 
 
 class EndsWith(StoppingCriteria):

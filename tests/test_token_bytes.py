@@ -5,7 +5,7 @@ from __future__ import annotations
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from selfspec.token_bytes import byte_level_table, token_bytes, token_text
+from selfspec.tools.token_bytes import byte_level_table, token_bytes, token_text
 from tests.tiny_chat_model import build_tokenizer
 
 TEXTS = ["café naïve → 😊", "😊😊 ok", "→→ résumé", "plain ascii"]

@@ -19,7 +19,7 @@ from heads.data import (
     DEFAULT_EXCLUDE, IGNORE, DataConfig, build_datasets, load_excluded_questions, load_source, normalise_messages,
     pack_rows, split_indices, tokenize_conversation,
 )
-from selfspec.models import DEFAULT_MODEL, resolve
+from selfspec.core.models import DEFAULT_MODEL, resolve
 
 MT_BENCH_81 = ("Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences "
                "and must-see attractions.")

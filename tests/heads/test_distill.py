@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from heads.data import DataConfig, build_datasets
 from heads.distill import DistillConfig, distill, main
-from selfspec.models import DEFAULT_MODEL, resolve
+from selfspec.core.models import DEFAULT_MODEL, resolve
 from conftest import tiny_model
 
 CONVERSATIONS = [
@@ -191,9 +191,9 @@ def test_cli_refuses_bad_numbers_naming_the_flag(argv, message, tmp_path, capsys
 
 
 def test_cli_mistakes_are_one_error_line_before_the_model_loads(tmp_path, capsys, monkeypatch):
-    import selfspec.models
+    import selfspec.core.models
 
-    monkeypatch.setattr(selfspec.models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(selfspec.core.models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     out = ["--model", "x", "--out", str(tmp_path / "out")]
     cases = {
         ("--temperature", "0.5"): "--temperature 0.5: sampling only, but without --do-sample the replies are "

@@ -13,15 +13,17 @@ from conftest import random_prompts, reference, state_after_prefill, tiny_model
 
 from heads.base_model import lm_logits
 from heads.config import load_config
-from heads.draft_vocab import DraftVocab, with_draft_vocab
+from heads.draft_vocab import with_draft_vocab
+from selfspec.core.draft_vocab import DraftVocab
 from heads.drafter import MedusaDrafter
 from heads.hydra import HydraConfig, HydraHeads, following
 from heads.hydra_drafter import HydraDrafter
 from heads.losses import IGNORE_INDEX, gather_scored, scored_loss
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.trainer import heads_loss
-from selfspec import Target, generate
-from selfspec.tree import DynamicTree, Tree
+from selfspec import Target
+from selfspec.core.generate import generate
+from selfspec.core.tree import DynamicTree, Tree
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 96

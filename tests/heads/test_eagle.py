@@ -24,14 +24,15 @@ from heads.eagle_drafter import EagleDrafter
 from heads.draft_vocab import draft_vocabulary
 from heads.eagle_loss import eagle_loss
 from heads.losses import IGNORE_INDEX
-from selfspec import hf, registry
-from selfspec.drafter import DraftState
-from selfspec.generate import generate
-from selfspec.merge import MergedDrafter
-from selfspec.ngram import NGramDrafter
-from selfspec.sampling import Sampling
-from selfspec.target import Target
-from selfspec.tree import DynamicTree, Tree
+from selfspec import registry
+from selfspec.core import hf
+from selfspec.core.drafter import DraftState
+from selfspec.core.generate import generate
+from selfspec.drafts.merge import MergedDrafter
+from selfspec.drafts.ngram import NGramDrafter
+from selfspec.core.sampling import Sampling
+from selfspec.core.target import Target
+from selfspec.core.tree import DynamicTree, Tree
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 96
@@ -191,7 +192,7 @@ def test_eagle_drafts_through_the_runtime_stay_token_identical_to_generate(arch)
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_eagle3_drafts_through_the_runtime_stay_token_identical_to_generate(arch):
-    """A head reading the target's embeddings, middle and final states (EAGLE-3) through selfspec.generate."""
+    """A head reading the target's embeddings, middle and final states (EAGLE-3) through selfspec.core.generate."""
     model = tiny_model(arch, initializer_range=0.1)
     head = make_head(model, draft_vocab=VOCAB, feature_layers=FEATURES)
     torch.nn.init.normal_(head.fuse.weight, std=0.3)  # a fusion that matters (a trained one is not the identity)
@@ -224,7 +225,7 @@ def test_the_final_state_among_the_feature_layers_is_stored_once():
 
 def test_the_drafter_reads_the_states_training_reads():
     """What the trainer feeds an EAGLE-3 head (heads.base_model.final_and_layer_states over a padded batch) equals what
-    selfspec.generate hands its drafter (every layer's states from the target's prefill), at the head's layers."""
+    selfspec.core.generate hands its drafter (every layer's states from the target's prefill), at the head's layers."""
     from heads.base_model import final_and_layer_states
 
     model = tiny_model("qwen2", initializer_range=0.1)

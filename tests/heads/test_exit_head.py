@@ -21,11 +21,11 @@ from heads.base_model import final_hidden, layer_and_final_hidden
 from heads.config import load_config
 from heads.exit_head import ExitHead, ExitHeadConfig, ExitLogits, final_norm, load_drafter
 from heads.losses import gather_scored, head_targets
-from selfspec import hf
-from selfspec.early_exit import EarlyExitDrafter, EarlyExitTarget
-from selfspec.generate import generate
-from selfspec.target import Target
-from selfspec.tree import DynamicTree
+from selfspec.core import hf
+from selfspec.drafts.early_exit import EarlyExitDrafter, EarlyExitTarget
+from selfspec.core.generate import generate
+from selfspec.core.target import Target
+from selfspec.core.tree import DynamicTree
 
 REPO = Path(__file__).resolve().parents[2]
 EXIT = 2

@@ -9,9 +9,10 @@ from conftest import random_prompts, reference, tiny_model
 from heads.drafter import MedusaDrafter, load_drafter
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.tree_search import best_tree
-from selfspec import DraftState, Sampling, Target, Tree, generate
-from selfspec.accept import sample_accept
-from selfspec.sampling import process_logits
+from selfspec import DraftState, Sampling, Target, Tree
+from selfspec.core.generate import generate
+from selfspec.core.accept import sample_accept
+from selfspec.core.sampling import process_logits
 
 ACC = [[0.6, 0.2, 0.1], [0.4, 0.15], [0.3, 0.1], [0.2]]  # as if measured: 4 heads
 TREE = best_tree(ACC, 10)
@@ -144,7 +145,7 @@ def test_best_first_picks_the_paths_of_highest_cumulative_probability():
 
 @pytest.mark.parametrize("budget", [1, 6, 24])
 def test_dynamic_trees_are_lossless_and_follow_the_heads_probabilities(llama, references, budget):
-    from selfspec.tree import DynamicTree
+    from selfspec.core.tree import DynamicTree
 
     target = Target(llama)
     heads = untrained(llama, "shared")

@@ -17,7 +17,7 @@ import torch
 
 from heads.base_model import final_hidden, load_base
 from heads.config import ModelConfig
-from heads.draft_vocab import DraftVocab
+from selfspec.core.draft_vocab import DraftVocab
 from heads.hidden_cache import HiddenCache, TargetStates, round_trip, rows_fingerprint
 
 REPO = Path(__file__).resolve().parents[2]

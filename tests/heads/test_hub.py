@@ -22,7 +22,8 @@ from heads.checkpoint import push_folder
 from heads.drafter import MedusaDrafter
 from heads.hub import PublishError
 from heads.medusa import MedusaConfig, MedusaHeads
-from selfspec import Target, generate
+from selfspec import Target
+from selfspec.core.generate import generate
 from selfspec.registry import build_drafter, parse_draft
 
 REPO = "tester/tiny-heads"
@@ -267,7 +268,7 @@ def test_exit_head_push_to_hub_round_trip(chat, hub):
 def test_eagle_head_push_to_hub_round_trip(chat, hub):
     """An EAGLE head published over the Hub API and loaded back by id: the same weights, draft vocabulary and drafts."""
     from heads.eagle import EagleConfig, EagleHead, load_drafter
-    from selfspec.target import Target
+    from selfspec.core.target import Target
 
     model, tokenizer = chat
     torch.manual_seed(0)
@@ -290,7 +291,7 @@ def test_hydra_heads_push_to_hub_round_trip(chat, hub, tmp_path):
     all; a saved directory is checked and carded as Hydra heads by push_folder (python -m heads.publish)."""
     from heads.checkpoint import push_folder
     from heads.hydra import HydraConfig, HydraHeads, load_drafter
-    from selfspec.target import Target
+    from selfspec.core.target import Target
 
     model, tokenizer = chat
     torch.manual_seed(0)
@@ -311,9 +312,9 @@ def test_tuned_trees_belong_to_one_revision_of_a_hub_draft(chat, hub, monkeypatc
     """`infer.py tune-tree --draft REPO --draft-revision R` caches the tree for R's weights: `--tree auto` finds it
     for R (also offline, from the Hub cache) and not for main, whose heads differ (a tuning once keyed by the repo id
     alone served any revision)."""
-    from selfspec import budget
+    from selfspec.tools import budget
     from selfspec.registry import resolve_tree
-    from selfspec.tree import DynamicTree
+    from selfspec.core.tree import DynamicTree
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "selfspec-cache"))
     model, _ = chat
@@ -340,7 +341,7 @@ def test_bench_reads_the_model_and_drafts_at_their_hub_revisions(chat, hub, tmp_
 
     from huggingface_hub import HfApi
 
-    from selfspec import cli
+    from selfspec.tools import cli
 
     model, tokenizer = chat
     model_dir = tmp_path / "model"
@@ -367,7 +368,7 @@ def test_bench_reads_the_model_and_drafts_at_their_hub_revisions(chat, hub, tmp_
 def test_a_layer_skip_config_is_published_and_drafts_by_repo_id(chat, hub, tmp_path, capsys):
     """A searched skip set has no weights: config.json and its card go up, and `--draft owner/name` decodes with it,
     token-identical to plain greedy decoding. A policy (arms named by local paths) is refused, saying why."""
-    from selfspec.layerskip import LayerSkipConfig
+    from selfspec.drafts.layerskip import LayerSkipConfig
 
     model, tokenizer = chat
     config = LayerSkipConfig(base_model="tiny-chat", num_hidden_layers=2, skip_layers=(1,), draft_depth=3,

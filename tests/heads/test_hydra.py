@@ -20,9 +20,9 @@ from heads.config import load_config
 from heads.hydra import HydraConfig, HydraHeads, following, load_drafter
 from heads.hydra_drafter import HydraDrafter
 from selfspec import registry
-from selfspec.generate import generate
-from selfspec.target import Target
-from selfspec.tree import DynamicTree, Tree
+from selfspec.core.generate import generate
+from selfspec.core.target import Target
+from selfspec.core.tree import DynamicTree, Tree
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 96
@@ -142,7 +142,7 @@ def test_hydra_heads_merged_with_prompt_lookup_stay_token_identical_to_generate(
     heads rest whenever prompt lookup had a token accepted (stateless, they need nothing handed over), and the output
     is still plain decoding's."""
     from selfspec import NGramDrafter
-    from selfspec.merge import MergedDrafter
+    from selfspec.drafts.merge import MergedDrafter
 
     model = tiny_model("llama", initializer_range=0.5)  # repetitive greedy continuations: prompt lookup gets accepted
     heads = make_heads(model, seed=7)

@@ -26,7 +26,8 @@ from heads.drafter import MedusaDrafter, load_drafter
 from heads.export import export_vllm, heads_from_vllm, read_vllm
 from heads.import_medusa import import_medusa
 from heads.medusa import MedusaConfig, MedusaHeads
-from selfspec import Target, Tree, generate
+from selfspec import Target, Tree
+from selfspec.core.generate import generate
 
 K, L = 3, 2  # heads, residual blocks per head
 

@@ -9,7 +9,7 @@ import pytest
 import tiny_chat_model
 from heads import retree
 from heads.tree_search import expected_accept_length
-from selfspec.costs import VerifyCost
+from selfspec.tools.costs import VerifyCost
 
 
 def test_retree_writes_a_tree_from_the_measured_accuracy(tmp_path, capsys):

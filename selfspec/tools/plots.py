@@ -11,7 +11,7 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from selfspec.specbench import Summary
+from selfspec.tools.specbench import Summary
 
 
 def plot_summary(summary: Summary, path: str | Path) -> Path:

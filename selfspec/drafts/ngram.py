@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from selfspec.accept import Acceptance
-from selfspec.drafter import Draft, DraftState
-from selfspec.tree import TokenTrie
+from selfspec.core.accept import Acceptance
+from selfspec.core.drafter import Draft, Drafter, DraftState
+from selfspec.core.tree import TokenTrie
 
 
-class NGramDrafter:
+class NGramDrafter(Drafter):
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, depth: int = 8, max_nodes: int = 24, max_matches: int = 8):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"expected 1 <= min_ngram <= max_ngram, found min_ngram={min_ngram}, max_ngram={max_ngram}")

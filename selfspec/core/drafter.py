@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 from transformers import Cache
 
-from selfspec.accept import Acceptance
-from selfspec.sampling import Sampling
-from selfspec.tree import Tree
+from selfspec.core.accept import Acceptance
+from selfspec.core.sampling import Sampling
+from selfspec.core.tree import Tree
 
 if TYPE_CHECKING:
-    from selfspec.target import Target
+    from selfspec.core.target import Target
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class Draft:
     """[N, V] the distribution each node's token was drawn from (sampling only); None for deterministic drafts."""
     scores: torch.Tensor | None = None
     """[N] each node's cumulative draft log-probability (0 for the root), from drafters that grow their tree by score
-    under a budget (EAGLE heads); what budget tuning (selfspec/budget.py) reads. None otherwise."""
+    under a budget (EAGLE heads); what budget tuning (selfspec/tools/budget.py) reads. None otherwise."""
 
     def __post_init__(self) -> None:
         if self.tokens.shape != (len(self.tree),):
@@ -112,6 +112,13 @@ class Draft:
 
 @runtime_checkable
 class Drafter(Protocol):
+    """What the loop asks of any draft. ``draft`` and ``update`` are required; ``verifier``, ``resized`` and
+    ``max_depth`` have defaults that a drafter subclassing this protocol inherits (every drafter in selfspec and heads
+    does), and override where it can do more."""
+
+    max_depth: int | None = None
+    """the deepest tree the drafter can grow (Medusa heads: their number); None: no limit of its own."""
+
     def draft(self, state: DraftState) -> Draft:
         """Propose a tree of candidates rooted at state.tokens[-1]."""
         ...
@@ -120,12 +127,22 @@ class Drafter(Protocol):
         """Hear which path of the last draft the target accepted (adapt tree size, advance own state)."""
         ...
 
+    def verifier(self) -> "Target | None":
+        """The Target that verifies this drafter's drafts, when it is not the target decoding with it: early exit's
+        reuses the early layers' work done while drafting. None (the default): the target itself."""
+        return None
+
+    def resized(self, depth: int, budget: int) -> "Drafter | None":
+        """The same draft growing a tree of at most ``budget`` nodes, ``depth`` deep, by score each step (what
+        ``infer.py tune-tree`` tries at every depth and budget), or None (the default) when its tree is not grown that
+        way. ``depth`` is at most ``max_depth``."""
+        return None
+
 
 def verifier_for(drafter: Drafter, target: "Target") -> "Target":
-    """The Target that verifies ``drafter``'s drafts: the drafter's own when it offers one (``verifier()``, e.g. the
-    early-exit drafter's, which reuses the early layers' work done while drafting), else ``target``."""
-    own = getattr(drafter, "verifier", None)
-    return own() if callable(own) else target
+    """The Target that verifies ``drafter``'s drafts: the drafter's own when it has one (``Drafter.verifier``), else
+    ``target``."""
+    return drafter.verifier() or target
 
 
 def check_tree(tree: Tree, *, max_depth: int, max_topk: int, drafter: str) -> Tree:
@@ -143,7 +160,7 @@ def check_tree(tree: Tree, *, max_depth: int, max_topk: int, drafter: str) -> Tr
     return tree
 
 
-class NoDrafter:
+class NoDrafter(Drafter):
     """Drafts nothing: every step verifies the root alone, i.e. plain decoding through the same loop."""
 
     def draft(self, state: DraftState) -> Draft:

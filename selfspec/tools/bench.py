@@ -34,16 +34,19 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from selfspec import registry, specbench
-from selfspec.api import Result, SpecModel, check_drafts, target_info
-from selfspec.bench_log import BenchLog, atomic_write
-from selfspec.drafter import NoDrafter
-from selfspec.models import DEFAULT_MODEL, check_device, load_model, parse_dtype
-from selfspec.plots import plot_summary
-from selfspec.specbench import Answer, Question
-from selfspec.target import Target
+from selfspec import registry
 
-DEFAULT_QUESTIONS = Path(__file__).resolve().parent / "data" / "spec_bench_mt_bench.jsonl"
+from selfspec.tools import specbench
+from selfspec.api import Result, SpecModel, check_drafts, target_info
+from selfspec.core.files import atomic_write
+from selfspec.tools.bench_log import BenchLog
+from selfspec.core.drafter import NoDrafter
+from selfspec.core.models import DEFAULT_MODEL, check_device, load_model, parse_dtype
+from selfspec.tools.plots import plot_summary
+from selfspec.tools.specbench import Answer, Question
+from selfspec.core.target import Target
+
+DEFAULT_QUESTIONS = Path(__file__).resolve().parents[1] / "data" / "spec_bench_mt_bench.jsonl"
 """Spec-Bench's 80 MT-bench questions, shipped with selfspec (selfspec/data/NOTICE.md)."""
 HF_METHODS = ("plain", "pld", "aee")
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -91,7 +94,7 @@ class BenchConfig:
     min_new_tokens: int | None = None
     """no end-of-sequence token before this many new tokens, for every method; None: the generation config's."""
     compile: bool = False
-    """compile each dtype's target (``selfspec.compiled``): every method, plain decoding included, runs the same
+    """compile each dtype's target (``selfspec.core.compiled``): every method, plain decoding included, runs the same
     compiled forward."""
 
     def __post_init__(self) -> None:
@@ -296,7 +299,7 @@ def _code() -> dict[str, Any]:
         code: dict[str, Any] = {"selfspec": version("selfspec")}
     except PackageNotFoundError:
         code = {"selfspec": None}
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],

@@ -20,11 +20,11 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from selfspec import hf
-from selfspec.drafter import Drafter, NoDrafter
-from selfspec.generate import generate
-from selfspec.layerskip import LayerSkipConfig, LayerSkipDrafter, check_stop_below
-from selfspec.target import Target
+from selfspec.core import hf
+from selfspec.core.drafter import Drafter, NoDrafter
+from selfspec.core.generate import generate
+from selfspec.drafts.layerskip import LayerSkipConfig, LayerSkipDrafter, check_stop_below
+from selfspec.core.target import Target
 
 CALIBRATION_PROMPTS = (
     "Explain how a refrigerator keeps food cold, in a few short paragraphs.",

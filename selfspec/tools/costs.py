@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from selfspec import hf
-from selfspec.drafter import Drafter
-from selfspec.generate import generate
-from selfspec.target import Target
-from selfspec.tree import Tree
+from selfspec.core import hf
+from selfspec.core.drafter import Drafter
+from selfspec.core.generate import generate
+from selfspec.core.target import Target
+from selfspec.core.tree import Tree
 
 
 @dataclass(frozen=True)

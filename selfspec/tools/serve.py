@@ -17,8 +17,8 @@ without ``temperature`` decodes with the server's (``--temperature``, default 0:
 
 Log-probabilities as OpenAI reports them (chat: ``logprobs: true`` and ``top_logprobs``; completions: ``logprobs: k``
 and ``echo`` for the prompt's own, what evaluation harnesses score multiple-choice questions with): the target's own,
-before sampling and penalties (``selfspec.logprobs``), with each token's own ``bytes`` (a piece of a character split
-across tokens included, ``selfspec.token_bytes``). A completion's ``prompt`` may be text, token ids, or a list of
+before sampling and penalties (``selfspec.core.logprobs``), with each token's own ``bytes`` (a piece of a character split
+across tokens included, ``selfspec.tools.token_bytes``). A completion's ``prompt`` may be text, token ids, or a list of
 either (one choice per prompt, decoded in turn); ``n`` answers each (decoded in turn). ``presence_penalty``,
 ``frequency_penalty`` and ``logit_bias`` apply as OpenAI applies them. Fields the server cannot honour (tools,
 structured output, suffixes) and unknown fields are refused with a 400 that names them, as OpenAI refuses unknown
@@ -40,8 +40,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterator, NamedTuple
 
 from selfspec.api import SpecModel
-from selfspec.logprobs import MAX_TOP, TokenLogprob
-from selfspec.token_bytes import token_bytes, token_text
+from selfspec.core.logprobs import MAX_TOP, TokenLogprob
+from selfspec.tools.token_bytes import token_bytes, token_text
 
 CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
                "seed", "stop", "stream", "stream_options", "repetition_penalty", "min_tokens", "n", "logprobs",

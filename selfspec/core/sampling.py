@@ -1,7 +1,7 @@
 """How a next-token distribution is drawn from logits: one function for speculative and plain decoding alike.
 
 The order and the tie rules match transformers' logits processors (a logit bias, the repetition penalty, the
-end-of-sequence block of ``min_new_tokens``, the generation config's other processors (``selfspec.processors``),
+end-of-sequence block of ``min_new_tokens``, the generation config's other processors (``selfspec.core.processors``),
 presence / frequency penalties as a custom processor after them, then temperature, top-k, top-p, min-p and the
 typical-p / epsilon / eta warpers), so greedy and sampled decoding through selfspec and ``model.generate(...)`` pick
 from the same scores; tests pin this. The penalties and the end-of-sequence block depend on the text before each
@@ -19,8 +19,8 @@ from typing import Sequence
 import torch
 from transformers.generation.logits_process import EpsilonLogitsWarper, EtaLogitsWarper, TypicalLogitsWarper
 
-from selfspec.processors import Processors, by_depth
-from selfspec.tree import Tree
+from selfspec.core.processors import Processors, by_depth
+from selfspec.core.tree import Tree
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ applies them.
 ``bad_words_ids``, ``sequence_bias``, ``suppress_tokens``, ``begin_suppress_tokens``, ``forced_bos_token_id``,
 ``forced_eos_token_id``, ``exponential_decay_length_penalty``); they read the text before the next token. In a tree,
 node i's text is the committed tokens and the drafts on its path, so each node gets transformers' own processor over
-its own text: the nodes of one depth share a length and go through it as one batch. ``selfspec.sampling.path_scores``
+its own text: the nodes of one depth share a length and go through it as one batch. ``selfspec.core.sampling.path_scores``
 runs them in ``generate``'s order (``before``: the sequence bias, ahead of the repetition penalty; ``after``: the
 rest, after the end-of-sequence block of min_new_tokens).
 
@@ -29,7 +29,7 @@ from transformers.generation.logits_process import (
     SuppressTokensLogitsProcessor,
 )
 
-from selfspec.tree import Tree
+from selfspec.core.tree import Tree
 
 Processor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """transformers' logits processor: (input_ids [B, L], scores [B, V]) -> scores [B, V]."""

@@ -15,7 +15,7 @@ Optionally (``skip_after``) a costly drafter sits out the steps where a cheap on
 
 The merged draft is deterministic (q = None): a draft node is treated as a point mass on its token, which keeps
 sampling lossless whatever drew the candidates (``accept.sample_accept``). Drafters that verify with their own
-target (``verifier()``: early exit reuses the early layers it ran while drafting) cannot be merged.
+target (``Drafter.verifier``: early exit reuses the early layers it ran while drafting) cannot be merged.
 
 Shapes: N nodes of the merged tree, N_k nodes of drafter k's tree.
 """
@@ -28,9 +28,9 @@ from typing import Sequence
 
 import torch
 
-from selfspec.accept import Acceptance
-from selfspec.drafter import Draft, Drafter, DraftState, LayerStates
-from selfspec.tree import TokenTrie
+from selfspec.core.accept import Acceptance
+from selfspec.core.drafter import Draft, Drafter, DraftState, LayerStates
+from selfspec.core.tree import TokenTrie
 
 
 def merge_drafts(drafts: Sequence[Draft]) -> Draft:
@@ -65,7 +65,7 @@ def restrict(accepted: Sequence[int], own: Draft) -> Acceptance:
     return Acceptance(path=tuple(path), bonus=accepted[len(path) - 1])
 
 
-class MergedDrafter:
+class MergedDrafter(Drafter):
     """``--draft A+B``: the drafts of A and B (and more) verified as one tree.
 
     skip_after: a drafter sits out a step while an earlier one (in the order given) had at least this many of its own
@@ -79,7 +79,7 @@ class MergedDrafter:
         if skip_after is not None and skip_after < 1:
             raise ValueError(f"skip_after must be >= 1 (or None), found {skip_after}")
         for d in drafters:
-            if callable(getattr(d, "verifier", None)):
+            if d.verifier() is not None:
                 raise ValueError(f"{type(d).__name__} verifies its drafts with its own target (it reuses the work it "
                                  "did while drafting), so it cannot share a tree with other drafters; use it alone")
         self.drafters, self.skip_after = list(drafters), skip_after

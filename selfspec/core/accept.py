@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from selfspec.tree import Tree
+from selfspec.core.tree import Tree
 
 
 @dataclass(frozen=True)

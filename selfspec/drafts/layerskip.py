@@ -12,7 +12,7 @@ all are kept. Drafting stops early (the deeper levels are dropped) when no node 
 probability of at least ``stop_below`` (confidence-based early stop, as in Kangaroo and SWIFT). Drafts are
 deterministic (q = None), hence lossless under both greedy and sampled acceptance.
 
-With a draft vocabulary (``vocab``: an exit head's, or a layer-skip checkpoint's ``draft_vocab``, heads/draft_vocab.py;
+With a draft vocabulary (``vocab``: an exit head's, or a layer-skip checkpoint's ``draft_vocab``, selfspec/core/draft_vocab.py;
 ``python -m heads.add_vocab`` adds one to either) the draft forward stops at the final norm and
 reads only the LM head's V' rows of the most frequent tokens (the target verifies every drafted token, so output is
 unchanged; a token outside V' is never proposed). Draft probabilities are then over V' (no logit soft-capping).
@@ -26,15 +26,17 @@ from __future__ import annotations
 import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
-from selfspec import hf
-from selfspec.accept import Acceptance
-from selfspec.drafter import Draft, DraftState
-from selfspec.target import Target
-from selfspec.tree import DynamicTree, Tree
+from selfspec.core import hf
+from selfspec.core.accept import Acceptance
+from selfspec.core.draft_vocab import DraftVocab
+from selfspec.core.files import read_json_object
+from selfspec.core.drafter import Draft, Drafter, DraftState
+from selfspec.core.target import Target
+from selfspec.core.tree import DynamicTree, Tree
 
 
 def check_skip_layers(skip_layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
@@ -67,20 +69,7 @@ def draft_tree(tree: Tree | DynamicTree | None, depth: int) -> Tree | DynamicTre
     return Tree.chain(depth) if tree is None else DynamicTree(tree.budget, tree.max_rank, depth)
 
 
-class RowVocab(Protocol):
-    """A draft vocabulary over the target's LM head (``heads.draft_vocab.DraftVocab``)."""
-
-    size: int | None
-    """V' (None: every token)."""
-
-    def linear(self, lm_head: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """x [..., D] -> logits [..., V'] on the vocabulary's rows of ``lm_head``."""
-
-    def base_ids(self, index: torch.Tensor) -> torch.Tensor:
-        """positions in the vocabulary -> the target's token ids."""
-
-
-class PartialModelDrafter:
+class PartialModelDrafter(Drafter):
     """Drafts a static or dynamic tree with the target's forward, some decoder layers replaced (skipped, or an exit
     head).
 
@@ -90,7 +79,7 @@ class PartialModelDrafter:
     """
 
     def __init__(self, target: Target, replace: Mapping[int, torch.nn.Module], tree: Tree | DynamicTree,
-                 stop_below: float = 0.0, vocab: RowVocab | None = None):
+                 stop_below: float = 0.0, vocab: DraftVocab | None = None):
         self.target, self.model = target, target.model
         self.vocab = vocab
         self.num_layers = len(hf.decoder_layers(self.model))
@@ -111,6 +100,11 @@ class PartialModelDrafter:
         if vocab is not None and vocab.size is not None and ranks > vocab.size:
             raise ValueError(f"the draft vocabulary holds {vocab.size} tokens, but the tree asks for the {ranks} best "
                              f"at a node: use a tree of at most {vocab.size} ranks, or a larger draft vocabulary")
+
+    def resized(self, depth: int, budget: int) -> "PartialModelDrafter":
+        """The same layers (and draft vocabulary) growing a dynamic tree of ``budget`` nodes, ``depth`` deep."""
+        return PartialModelDrafter(self.target, self.replace, DynamicTree(budget, depth=depth), self.stop_below,
+                                   self.vocab)
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
         """tokens [E], positions [E], mask [1, 1, E, S + F + E] -> draft logits [E, V'] (the cache grows by E);
@@ -232,7 +226,7 @@ class LayerSkipDrafter(PartialModelDrafter):
     tree (``depth`` deep unless it says otherwise)."""
 
     def __init__(self, target: Target, skip_layers: Sequence[int], depth: int = 4,
-                 tree: Tree | DynamicTree | None = None, stop_below: float = 0.0, vocab: RowVocab | None = None):
+                 tree: Tree | DynamicTree | None = None, stop_below: float = 0.0, vocab: DraftVocab | None = None):
         num_layers = len(hf.decoder_layers(target.model))
         self.skip_layers = check_skip_layers(skip_layers, num_layers)
         super().__init__(target, {i: hf.Passthrough() for i in self.skip_layers}, draft_tree(tree, depth), stop_below,
@@ -332,7 +326,6 @@ class LayerSkipConfig:
             from huggingface_hub import hf_hub_download
 
             path = Path(hf_hub_download(str(path_or_repo_id), CONFIG_NAME, revision=revision))
-        from selfspec.registry import read_json_object
 
         return cls.from_dict(read_json_object(path, "the layer-skip config"), source=str(path))
 
@@ -381,8 +374,6 @@ def load_drafter(
         tree = Tree.from_choices(tree)
     vocab = None
     if config.draft_vocab:
-        from heads.draft_vocab import DraftVocab
-
         vocab = DraftVocab(len(config.draft_vocab), target.vocab_size)
         try:
             vocab.set(config.draft_vocab)

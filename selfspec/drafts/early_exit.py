@@ -27,11 +27,11 @@ from dataclasses import dataclass
 import torch
 from transformers import Cache
 
-from selfspec import hf
-from selfspec.drafter import Draft, DraftState
-from selfspec.layerskip import PartialModelDrafter, draft_tree
-from selfspec.target import Target, Verified
-from selfspec.tree import DynamicTree, Tree
+from selfspec.core import hf
+from selfspec.core.drafter import Draft, DraftState
+from selfspec.drafts.layerskip import PartialModelDrafter, draft_tree
+from selfspec.core.target import Target, Verified
+from selfspec.core.tree import DynamicTree, Tree
 
 
 def check_exit_layer(exit_layer: int, num_layers: int) -> int:

@@ -23,13 +23,13 @@ from typing import Iterator, Literal, Sequence
 
 import torch
 
-from selfspec.accept import Acceptance, greedy_accept, sample_accept, typical_accept
-from selfspec.drafter import Drafter, DraftState, LayerStates
-from selfspec.logprobs import MAX_TOP, TokenLogprob, token_logprobs
-from selfspec.processors import Processors
-from selfspec.sampling import Sampling, next_token, path_scores, process_logits
-from selfspec.stopping import Criterion, first_stop
-from selfspec.target import Target
+from selfspec.core.accept import Acceptance, greedy_accept, sample_accept, typical_accept
+from selfspec.core.drafter import Drafter, DraftState, LayerStates
+from selfspec.core.logprobs import MAX_TOP, TokenLogprob, token_logprobs
+from selfspec.core.processors import Processors
+from selfspec.core.sampling import Sampling, next_token, path_scores, process_logits
+from selfspec.core.stopping import Criterion, first_stop
+from selfspec.core.target import Target
 
 AcceptRule = Literal["exact", "typical"]
 
@@ -133,12 +133,12 @@ def stream(
 ) -> Iterator[Step]:
     """Yield each step's new tokens as soon as the target has accepted them. input_ids [T] or [1, T].
 
-    stopping_criteria: transformers' stopping criteria (``selfspec.stopping.stop_strings`` for stop strings), checked
+    stopping_criteria: transformers' stopping criteria (``selfspec.core.stopping.stop_strings`` for stop strings), checked
     after every new token as ``generate`` checks them; min_new_tokens: the end-of-sequence tokens are blocked until
     that many tokens are out, as ``generate(min_new_tokens=...)`` blocks them; logprobs = k: each step also carries the
-    target's log-probability of each new token and its k likeliest alternatives (``selfspec.logprobs``; None: none);
+    target's log-probability of each new token and its k likeliest alternatives (``selfspec.core.logprobs``; None: none);
     prompt_logprobs = k: the prefill's step carries the same for every prompt token after the first; processors: the
-    generation config's logits processors (``selfspec.processors.from_config``), applied to each node's own text."""
+    generation config's logits processors (``selfspec.core.processors.from_config``), applied to each node's own text."""
     check_request(target, input_ids, max_new_tokens, logprobs, prompt_logprobs, min_new_tokens)
     if accept_rule not in ("exact", "typical"):
         raise ValueError(f"accept_rule must be 'exact' or 'typical', found {accept_rule!r}")

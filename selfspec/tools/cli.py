@@ -20,11 +20,13 @@ from typing import Callable, Sequence, TextIO
 
 from transformers.utils import logging as hf_logging
 
-from selfspec import api, registry, specbench
-from selfspec.bench import DEFAULT_QUESTIONS, BenchConfig, run_bench
-from selfspec.models import DEFAULT_MODEL
-from selfspec.options import integer, integers, number
-from selfspec.specbench import to_markdown
+from selfspec import api, registry
+
+from selfspec.tools import specbench
+from selfspec.tools.bench import DEFAULT_QUESTIONS, BenchConfig, run_bench
+from selfspec.core.models import DEFAULT_MODEL
+from selfspec.tools.options import integer, integers, number
+from selfspec.tools.specbench import to_markdown
 
 INTERRUPTED = 130
 
@@ -348,10 +350,10 @@ def run_bench_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
 
 def run_costs_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
     out = out or sys.stdout
-    from selfspec.bench import draft_method
-    from selfspec.costs import format_costs, loop_overhead, verify_costs
-    from selfspec.models import load_model
-    from selfspec.target import Target
+    from selfspec.tools.bench import draft_method
+    from selfspec.tools.costs import format_costs, loop_overhead, verify_costs
+    from selfspec.core.models import load_model
+    from selfspec.core.target import Target
 
     a = build_costs_parser().parse_args(argv)
     loop = draft_method(a.loop_draft)  # 'DRAFT' or 'DRAFT@TREE', checked before any model loads
@@ -401,7 +403,7 @@ def build_serve_parser() -> argparse.ArgumentParser:
 
 
 def run_serve_cli(argv: Sequence[str], err: TextIO | None = None) -> int:
-    from selfspec import serve
+    from selfspec.tools import serve
 
     err = err or sys.stderr
     a = build_serve_parser().parse_args(argv)
@@ -440,11 +442,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if argv[:1] == ["serve"]:
             return run_serve_cli(argv[1:])
         if argv[:1] == ["fit-policy"]:
-            from selfspec import policy_fit
+            from selfspec.tools import policy_fit
 
             return policy_fit.run_cli(argv[1:], sys.stdout)
         if argv[:1] in (["sweep-exit"], ["search-skip"], ["tune-tree"]):
-            from selfspec import calibrate
+            from selfspec.tools import calibrate
 
             run = {"sweep-exit": calibrate.run_sweep_cli, "search-skip": calibrate.run_search_cli,
                    "tune-tree": calibrate.run_tune_cli}[argv[0]]

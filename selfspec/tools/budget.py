@@ -49,14 +49,14 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 from tqdm import tqdm
 
-from selfspec import compiled
-from selfspec.accept import Acceptance
-from selfspec.costs import verify_costs
-from selfspec.drafter import Draft, Drafter, DraftState, NoDrafter
-from selfspec.generate import generate
-from selfspec.merge import MergedDrafter
-from selfspec.ngram import NGramDrafter
-from selfspec.tree import DynamicTree
+from selfspec.core import compiled
+from selfspec.core.accept import Acceptance
+from selfspec.tools.costs import verify_costs
+from selfspec.core.drafter import Draft, Drafter, DraftState, NoDrafter
+from selfspec.core.generate import generate
+from selfspec.drafts.merge import MergedDrafter
+from selfspec.drafts.ngram import NGramDrafter
+from selfspec.core.tree import DynamicTree
 
 log = logging.getLogger(__name__)
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -83,7 +83,7 @@ def machine_key(target, model_id: str) -> dict:
 
 
 def _cache_file(kind: str, key: dict) -> Path:
-    from selfspec.models import cache_dir
+    from selfspec.core.models import cache_dir
 
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / "tuning" / f"{kind}-{digest}.json"
@@ -515,7 +515,7 @@ def draft_stamp(location: str, revision: str | None = None) -> str:
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
 
-    from selfspec.models import looks_local
+    from selfspec.core.models import looks_local
 
     for name in ("model.safetensors", "config.json"):
         if looks_local(location):

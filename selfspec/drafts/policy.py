@@ -4,7 +4,7 @@ No fixed tree suits every input: prompt lookup wins where the answer copies the 
 not, a merged tree in between. The policy learns that choice from logged runs (BlockPilot / SpecDec++'s idea, at the
 granularity of a request) and adds no forward of its own: the prefill already computed what it reads.
 
-    fit     logs of every arm answering training questions (``infer.py bench``, one dtype; selfspec/policy_fit.py)
+    fit     logs of every arm answering training questions (``infer.py bench``, one dtype; selfspec/tools/policy_fit.py)
             → y[r, a]  log tokens/s of arm a on request r (a question's turn), centred over the arms
             → x[r]     prompt_features(the target's final hidden states over the request's prompt)
             → ridge regression x → y in dual form (R requests << F features); λ chosen by leave-one-out *realised*
@@ -32,10 +32,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from selfspec.accept import Acceptance
-from selfspec.bench_log import atomic_write
-from selfspec.drafter import Draft, Drafter, DraftState
-from selfspec.registry import read_json_object
+from selfspec.core.accept import Acceptance
+from selfspec.core.files import atomic_write, read_json_object
+from selfspec.core.drafter import Draft, Drafter, DraftState
 
 DRAFT_TYPE = "policy"
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
@@ -217,14 +216,14 @@ class Policy:
 
 
 # ------------------------------------------------------------------------------------------------ the drafter
-class PolicyDrafter:
+class PolicyDrafter(Drafter):
     """Decodes each request with the arm the policy picks from its prefill; ``chosen[a]`` counts requests per arm."""
 
     def __init__(self, policy: Policy, drafters: Sequence[Drafter]):
         if len(drafters) != len(policy.arms):
             raise ValueError(f"the policy has {len(policy.arms)} arms, found {len(drafters)} drafters")
         for arm, d in zip(policy.arms, drafters):
-            if callable(getattr(d, "verifier", None)):
+            if d.verifier() is not None:
                 raise ValueError(f"arm {arm!r} verifies with its own target (early exit reuses its early layers), so "
                                  "a policy cannot switch to it per request; leave it out of the arms")
         self.policy, self.drafters = policy, list(drafters)

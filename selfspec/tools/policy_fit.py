@@ -1,4 +1,4 @@
-"""``infer.py fit-policy``: a draft policy (selfspec/policy.py) fitted on an ``infer.py bench`` run's logged answers.
+"""``infer.py fit-policy``: a draft policy (selfspec/drafts/policy.py) fitted on an ``infer.py bench`` run's logged answers.
 
     1. read the run: its questions, and every arm's answers in one dtype (an arm is a --draft string, found in the
        log under the label the bench gives it)
@@ -28,15 +28,15 @@ from typing import Sequence, TextIO
 import torch
 from tqdm import tqdm
 
-from selfspec import specbench
+from selfspec.tools import specbench
 from selfspec.api import SpecModel, check_drafts
-from selfspec.bench import DTYPE_NAMES, draft_method
-from selfspec.drafter import NoDrafter
-from selfspec.bench_log import LOG, MANIFEST, read_answers
-from selfspec.models import DEFAULT_MODEL, load_model, parse_dtype
-from selfspec.policy import Policy, fit_ridge, prompt_features, select_lambda
-from selfspec.specbench import Answer, Question
-from selfspec.target import Target
+from selfspec.tools.bench import DTYPE_NAMES, draft_method
+from selfspec.core.drafter import NoDrafter
+from selfspec.tools.bench_log import LOG, MANIFEST, read_answers
+from selfspec.core.models import DEFAULT_MODEL, load_model, parse_dtype
+from selfspec.drafts.policy import Policy, fit_ridge, prompt_features, select_lambda
+from selfspec.tools.specbench import Answer, Question
+from selfspec.core.target import Target
 
 HELD_OUT = "heldout_questions.jsonl"
 LAMBDAS = (0.01, 0.1, 1.0, 10.0, 100.0, 1000.0, 10000.0)
@@ -80,7 +80,7 @@ def requests(questions: Sequence[Question], answers: dict[tuple[str, str, object
 
 
 def run_cli(argv: Sequence[str], out: TextIO) -> int:
-    from selfspec.cli import _split
+    from selfspec.tools.cli import _split
 
     a = build_parser().parse_args(argv)
     # 1. the run and the arms, checked before any model loads

@@ -17,18 +17,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
-from selfspec.specbench import Answer
+from selfspec.core.files import atomic_write
+from selfspec.tools.specbench import Answer
 
 MANIFEST = "run.json"
 LOG = "answers.jsonl"
 SEGMENTS = "segments"  # when and where each segment of the run ran: differs between segments
 AUTO_TREES = "auto_trees"  # {method label: {dtype name: --tree}}: what DRAFT@auto resolved to when the run first met it
-
-
-def atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 class BenchLog:

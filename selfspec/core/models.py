@@ -24,7 +24,7 @@ import torch
 from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, PreTrainedModel,
                           PreTrainedTokenizerBase)
 
-from selfspec import compiled, hf
+from selfspec.core import compiled, hf
 
 try:
     import fcntl
@@ -203,7 +203,7 @@ def load_model(
     trust_remote_code: allow the model's own Python code (``auto_map``) to run; off by default, and then refused
     without asking (transformers would otherwise prompt on a terminal).
 
-    compile: compile the model's forward (``selfspec.compiled``), for selfspec's verifier and ``generate`` alike.
+    compile: compile the model's forward (``selfspec.core.compiled``), for selfspec's verifier and ``generate`` alike.
     """
     check_device(device)
     if compile:

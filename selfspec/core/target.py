@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from transformers import Cache, PreTrainedModel
 
-from selfspec import hf
-from selfspec.tree import Tree
+from selfspec.core import hf
+from selfspec.core.tree import Tree
 
 
 @dataclass(frozen=True)

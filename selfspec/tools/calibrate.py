@@ -22,16 +22,20 @@ from typing import Sequence, TextIO
 import torch
 from tqdm import tqdm
 
-from selfspec import budget, hf, registry
-from selfspec.drafter import NoDrafter, verifier_for
-from selfspec.early_exit import EarlyExitDrafter, check_exit_layer
-from selfspec.generate import generate
-from selfspec.layerskip import PartialModelDrafter
-from selfspec.layerskip_search import CALIBRATION_PROMPTS, Measurement, calibration_inputs, measure, search_skip_layers
-from selfspec.models import DEFAULT_MODEL, load_model, parse_dtype
-from selfspec.ngram import NGramDrafter
-from selfspec.options import integer, integers
-from selfspec.target import Target
+from selfspec import registry
+
+from selfspec.tools import budget
+
+from selfspec.core import hf
+from selfspec.core.drafter import NoDrafter, verifier_for
+from selfspec.drafts.early_exit import EarlyExitDrafter, check_exit_layer
+from selfspec.core.generate import generate
+from selfspec.drafts.layerskip import PartialModelDrafter
+from selfspec.tools.layerskip_search import CALIBRATION_PROMPTS, Measurement, calibration_inputs, measure, search_skip_layers
+from selfspec.core.models import DEFAULT_MODEL, load_model, parse_dtype
+from selfspec.drafts.ngram import NGramDrafter
+from selfspec.tools.options import integer, integers
+from selfspec.core.target import Target
 
 
 @dataclass(frozen=True)
@@ -309,32 +313,20 @@ def _tune_one(a: argparse.Namespace, merge, spec, dtype: str, depths: list[int],
               out: TextIO) -> int:
     """tune-tree in one dtype: load the target in it, calibrate, print the table, cache the best. Returns 0, or 1 when
     the machine was too busy to cache the result."""
-    from heads.drafter import MedusaDrafter
-    from heads.eagle_drafter import EagleDrafter
-    from heads.hydra_drafter import HydraDrafter
-    from selfspec.tree import DynamicTree
-
     model, tokenizer = load_model(a.model, dtype=dtype, revision=a.revision, device=a.device, compile=a.compile)
     target = Target(model)
     drafter = registry.build_drafter(spec, target)
     location = spec.location
     if isinstance(drafter, NGramDrafter):
         location = budget.lookup_name(spec)
-    elif isinstance(drafter, EagleDrafter):
-        def make(d: int, n: int):
-            return EagleDrafter(drafter.head, d, drafter.topk, n)
-    elif isinstance(drafter, (MedusaDrafter, HydraDrafter)):  # dynamic trees over the heads (depth <= their number)
-        kind = type(drafter)
-
-        def make(d: int, n: int):
-            return kind(drafter.heads, DynamicTree(n, depth=d))
-        depths = [d for d in depths if d <= drafter.heads.config.num_heads] or [drafter.heads.config.num_heads]
-    elif isinstance(drafter, PartialModelDrafter):  # an exit head or a skip set: the target's own layers grow the tree
-        def make(d: int, n: int):
-            return PartialModelDrafter(target, drafter.replace, DynamicTree(n, depth=d), drafter.stop_below)
+    elif drafter.resized(1, 1) is None:
+        raise TypeError(f"{a.draft} built a {type(drafter).__name__}, which does not grow its tree by score under a "
+                        "budget (Drafter.resized); tune-tree tunes EAGLE, Medusa or Hydra heads, an exit head, a "
+                        "layer-skip draft or prompt lookup")
     else:
-        raise TypeError(f"{a.draft} built a {type(drafter).__name__}; tune-tree expected EAGLE, Medusa or Hydra heads, "
-                        "an exit head, a layer-skip draft or prompt lookup")
+        make = drafter.resized  # the same draft at each depth and budget
+        if drafter.max_depth is not None:  # no deeper than the drafter can draft (Medusa / Hydra: their heads)
+            depths = [d for d in depths if d <= drafter.max_depth] or [drafter.max_depth]
     curve = budget.cached_verify_costs(target, a.model, refresh=a.refresh_costs, progress=not a.no_progress)
     prompts = _calibration(a, tokenizer, target.device)
     variants: dict[int | None, registry.DraftSpec] = {}  # a merge: the same merge with each skip_after tuned

@@ -1,0 +1,1 @@
+"""Drafts that need no training, and the drafters that combine others (merge, policy)."""
