@@ -7,6 +7,7 @@ It knows nothing about training (``heads`` does that) and never imports ``heads`
 from selfspec.core.accept import Acceptance, greedy_accept, sample_accept, typical_accept
 from selfspec.core.drafter import Draft, Drafter, DraftState, NoDrafter, check_tree
 from selfspec.core.generate import Output, Step, generate, stream
+from selfspec.core.request import GenerationOptions
 from selfspec.drafts.merge import MergedDrafter
 from selfspec.drafts.ngram import NGramDrafter
 from selfspec.core.sampling import Sampling, next_token, process_logits
@@ -15,7 +16,7 @@ from selfspec.core.target import Target, Verified
 from selfspec.core.tree import Tree
 
 __all__ = [
-    "Acceptance", "Draft", "DraftState", "Drafter", "MergedDrafter", "NoDrafter", "NGramDrafter", "Output", "Sampling", "Step", "Target", "Tree",
+    "Acceptance", "Draft", "DraftState", "Drafter", "GenerationOptions", "MergedDrafter", "NoDrafter", "NGramDrafter", "Output", "Sampling", "Step", "Target", "Tree",
     "Verified", "check_tree", "generate", "greedy_accept", "next_token", "process_logits", "sample_accept",
     "stop_strings", "stream", "typical_accept",
 ]

@@ -7,7 +7,10 @@
     for piece in m.stream("And one about the mountains."):
         print(piece, end="", flush=True)
 
-Arguments mirror transformers' ``generate``: ``temperature`` (0 = greedy), ``top_p``, ``top_k``, ``min_p``,
+A request's options are one object, ``GenerationOptions`` (re-exported here), as transformers' ``GenerationConfig``:
+``m.generate(prompt, GenerationOptions(max_new_tokens=64, temperature=0.7))``, or its fields as keywords
+(``m.generate(prompt, max_new_tokens=64)``), or both (the keywords replace the object's fields). They mirror
+transformers' ``generate``: ``temperature`` (0 = greedy), ``top_p``, ``top_k``, ``min_p``,
 ``repetition_penalty``, ``stop`` (its ``stop_strings``), ``min_new_tokens``, and OpenAI's ``presence_penalty``,
 ``frequency_penalty`` and ``logit_bias``; ``seed`` makes a sampled run repeatable;
 ``logprobs=k`` / ``prompt_logprobs=k`` add the target's log-probability of every new (prompt) token and its k likeliest
@@ -36,6 +39,7 @@ from selfspec.core.drafter import Drafter, verifier_for
 from selfspec.core.generate import check_request, stream as spec_stream
 from selfspec.core.logprobs import TokenLogprob, token_logprobs
 from selfspec.core.models import BUILTIN, DEFAULT_MODEL, _refuse_remote_code, load_model, resolve
+from selfspec.core.request import GenerationOptions, options_from, split_options
 from selfspec.core.sampling import PresencePenalty, Sampling
 from selfspec.core.stopping import stop_strings
 from selfspec.core.target import Target
@@ -249,81 +253,65 @@ class SpecModel:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     # --------------------------------------------------------------------------------------------------- decoding
-    def _request(self, prompt: Prompt, chat: bool, temperature: float, top_p: float, top_k: int, min_p: float,
-                 repetition_penalty: float | None, seed: int | None, stop: str | Sequence[str] | None,
-                 min_new_tokens: int | None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                 logit_bias: dict[int, float] | None = None) -> "_Request":
-        """What one request decodes with: None takes the generation config's value, as ``model.generate`` does."""
-        ids = self.encode(prompt, chat)
-        penalty = self.repetition_penalty if repetition_penalty is None else repetition_penalty
-        bias = tuple((int(k), float(v)) for k, v in (logit_bias or {}).items())
-        if any(k >= self.target.vocab_size for k, _ in bias):
-            raise ValueError(f"logit_bias names token {max(k for k, _ in bias)}; this model's vocabulary has "
-                             f"{self.target.vocab_size} (0..{self.target.vocab_size - 1})")
+    def _request(self, prompt: Prompt, options: GenerationOptions) -> "_Request":
+        """What one request decodes with: the options' None fields take the generation config's value, as
+        ``model.generate`` does; what depends on this model (the logit bias's token ids) is checked here."""
+        ids = self.encode(prompt, options.chat)
+        if any(k >= self.target.vocab_size for k, _ in options.logit_bias):
+            raise ValueError(f"logit_bias names token {max(k for k, _ in options.logit_bias)}; this model's vocabulary "
+                             f"has {self.target.vocab_size} (0..{self.target.vocab_size - 1})")
         gen = self.model.generation_config  # its sampling warpers, which generate applies alongside the call's settings
         warpers = dict(typical_p=float(gen.typical_p or 1.0), epsilon_cutoff=float(gen.epsilon_cutoff or 0.0),
                        eta_cutoff=float(gen.eta_cutoff or 0.0))
-        sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=penalty,
-                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=bias,
-                            **warpers)
-        if not (stop is None or isinstance(stop, str) or (isinstance(stop, (list, tuple))
-                                                          and all(isinstance(x, str) for x in stop))):
-            raise TypeError(f"stop: expected a string or a list of strings, found {stop!r:.80}")
-        stops = self.stop_strings if stop is None else ((stop,) if isinstance(stop, str) else tuple(stop))
+        penalty = self.repetition_penalty if options.repetition_penalty is None else options.repetition_penalty
+        stops = self.stop_strings if options.stop is None else options.stop
         if stops not in self._criteria:
             if len(self._criteria) >= 16:  # a server's clients may each send their own: keep the latest few
                 self._criteria.pop(next(iter(self._criteria)))
             self._criteria[stops] = stop_strings(self.tokenizer, stops)
+        min_new_tokens = options.min_new_tokens
         if min_new_tokens is None:  # the generation config's min_new_tokens, and its min_length (prompt included)
             min_new_tokens = max(self.min_new_tokens, self.min_length - ids.shape[0])
+        seed = options.seed
         generator = None if seed is None else torch.Generator(device=self.target.device).manual_seed(seed)
-        return _Request(ids, sampling, generator, stops, self._criteria[stops], min_new_tokens)
+        return _Request(ids, options, options.sampling(penalty, **warpers), generator, stops, self._criteria[stops],
+                        min_new_tokens)
 
-    def _steps(self, r: "_Request", max_new_tokens: int, logprobs: int | None = None,
-               prompt_logprobs: int | None = None) -> Iterator:
+    def _steps(self, r: "_Request") -> Iterator:
         # the generation config's other processors (no_repeat_ngram_size, bad_words_ids, ...), as generate builds them
-        procs = processors.from_config(self.model.generation_config, r.ids.shape[0], max_new_tokens,
+        o = r.options
+        procs = processors.from_config(self.model.generation_config, r.ids.shape[0], o.max_new_tokens,
                                        self.eos_token_id, self.target.device)
-        return spec_stream(self.target, self.drafter, r.ids, max_new_tokens, sampling=r.sampling,
+        return spec_stream(self.target, self.drafter, r.ids, o.max_new_tokens, sampling=r.sampling,
                            eos_token_id=self.eos_token_id, generator=r.generator, stopping_criteria=r.criteria,
-                           min_new_tokens=r.min_new_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                           min_new_tokens=r.min_new_tokens, logprobs=o.logprobs, prompt_logprobs=o.prompt_logprobs,
                            processors=procs)
 
-    def stream(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-               top_k: int = 0, seed: int | None = None, chat: bool = True,
-               repetition_penalty: float | None = None, min_p: float = 0.0, stop: str | Sequence[str] | None = None,
-               min_new_tokens: int | None = None, logprobs: int | None = None, prompt_logprobs: int | None = None,
-               presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-               logit_bias: dict[int, float] | None = None) -> TextStream:
+    def stream(self, prompt: Prompt, options: GenerationOptions | None = None, **overrides: Any) -> TextStream:
         """Text pieces as they are accepted; the returned TextStream holds .text, .tokens and .stats afterwards.
 
-        As ``model.generate``: temperature (0 = greedy), top_p, top_k, min_p sample; repetition_penalty (1.0 is off),
-        stop (stop strings: decoding ends after the token that completes one, which stays in the output; [] for none)
-        and min_new_tokens (no end-of-sequence token before that many) default, when None, to the model's generation
-        config's (its repetition_penalty, stop_strings, min_new_tokens and min_length). presence_penalty and
-        frequency_penalty (OpenAI's: on the answer's tokens) and logit_bias ({token id: bias}) as OpenAI applies
-        them; ``generate_plain`` applies the same through transformers. logprobs = k: the stream's
-        ``logprobs`` holds the target's log-probability of each new token and its k likeliest alternatives
-        (prompt_logprobs = k: ``prompt_logprobs`` the same for the prompt's tokens after the first); None: none."""
-        r = self._request(prompt, chat, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop,
-                          min_new_tokens, presence_penalty, frequency_penalty, logit_bias)
-        return TextStream(self._steps(r, max_new_tokens, logprobs, prompt_logprobs), self.tokenizer)
+        ``options`` (``selfspec.core.request.GenerationOptions``; None: its defaults), with any of its fields given
+        as keywords on top: ``m.stream(prompt, max_new_tokens=64, temperature=0.7)``. As ``model.generate``:
+        temperature (0 = greedy), top_p, top_k, min_p sample; repetition_penalty (1.0 is off), stop (stop strings:
+        decoding ends after the token that completes one, which stays in the output; [] for none) and min_new_tokens
+        (no end-of-sequence token before that many) default, when None, to the model's generation config's (its
+        repetition_penalty, stop_strings, min_new_tokens and min_length). presence_penalty and frequency_penalty
+        (OpenAI's: on the answer's tokens) and logit_bias ({token id: bias}) as OpenAI applies them;
+        ``generate_plain`` applies the same through transformers. logprobs = k: the stream's ``logprobs`` holds the
+        target's log-probability of each new token and its k likeliest alternatives (prompt_logprobs = k:
+        ``prompt_logprobs`` the same for the prompt's tokens after the first); None: none."""
+        r = self._request(prompt, options_from(options, overrides))
+        return TextStream(self._steps(r), self.tokenizer)
 
-    def generate(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | None = None, chat: bool = True,
-                 repetition_penalty: float | None = None, min_p: float = 0.0, stop: str | Sequence[str] | None = None,
-                 min_new_tokens: int | None = None, logprobs: int | None = None, prompt_logprobs: int | None = None,
-                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                 logit_bias: dict[int, float] | None = None) -> Result:
+    def generate(self, prompt: Prompt, options: GenerationOptions | None = None, **overrides: Any) -> Result:
         """Generate to the end; the text is decoded once, after timing stops. Arguments as ``stream``."""
-        r = self._request(prompt, chat, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop,
-                          min_new_tokens, presence_penalty, frequency_penalty, logit_bias)
+        r = self._request(prompt, options_from(options, overrides))
         tokens: list[int] = []
         lengths: list[int] = []
         lps: list[TokenLogprob] = []
         prompt_lps: list[TokenLogprob] = []
         t0 = time.perf_counter()
-        for step in self._steps(r, max_new_tokens, logprobs, prompt_logprobs):
+        for step in self._steps(r):
             tokens.extend(step.tokens)
             lengths.append(len(step.tokens))
             lps.extend(step.logprobs)
@@ -331,66 +319,67 @@ class SpecModel:
         seconds = time.perf_counter() - t0
         return Result(text=self.decode(tokens), tokens=tokens,
                       stats=Stats(new_tokens=len(tokens), seconds=seconds, accept_lengths=tuple(lengths)),
-                      logprobs=None if logprobs is None else lps,
-                      prompt_logprobs=None if prompt_logprobs is None else prompt_lps)
+                      logprobs=None if r.options.logprobs is None else lps,
+                      prompt_logprobs=None if r.options.prompt_logprobs is None else prompt_lps)
 
     @torch.inference_mode()
-    def generate_plain(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-                       top_k: int = 0, seed: int | None = None, chat: bool = True,
-                       repetition_penalty: float | None = None, min_p: float = 0.0,
-                       stop: str | Sequence[str] | None = None, min_new_tokens: int | None = None,
-                       logprobs: int | None = None, prompt_logprobs: int | None = None,
-                       presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                       logit_bias: dict[int, float] | None = None, **hf_kwargs: Any) -> Result:
-        """The same request through transformers' ``model.generate`` (extra kwargs, e.g. prompt_lookup_num_tokens=10,
-        go to it). accept_lengths are the tokens each of its steps added, as its streamer sees them; logprobs from
-        its ``output_logits``, prompt_logprobs from a forward over the prompt (outside the timing)."""
-        r = self._request(prompt, chat, temperature, top_p, top_k, min_p, repetition_penalty, None, stop,
-                          min_new_tokens, presence_penalty, frequency_penalty, logit_bias)
-        check_request(self.target, r.ids, max_new_tokens, logprobs, prompt_logprobs, r.min_new_tokens)  # as stream
+    def generate_plain(self, prompt: Prompt, options: GenerationOptions | None = None, **kwargs: Any) -> Result:
+        """The same request through transformers' ``model.generate``: ``options`` and keyword overrides of its fields
+        as ``stream`` takes them; other keywords (e.g. prompt_lookup_num_tokens=10) go to ``model.generate``.
+        accept_lengths are the tokens each of its steps added, as its streamer sees them; logprobs from its
+        ``output_logits``, prompt_logprobs from a forward over the prompt (outside the timing)."""
+        overrides, hf_kwargs = split_options(kwargs)
+        o = options_from(options, overrides)
+        r = self._request(prompt, o)
+        check_request(self.target, r.ids, o.max_new_tokens, o.logprobs, o.prompt_logprobs, r.min_new_tokens)  # as stream
         ids = r.ids[None]  # [1, T]
-        sample = temperature > 0
-        kwargs: dict[str, Any] = dict(do_sample=sample, max_new_tokens=max_new_tokens,
+        counter = StepCounter()
+        # min-p, the stop strings and the minimum length as selfspec decodes with them, set on the generation config
+        # for the call: generate takes an argument of None (min_p=0, stop=[]) as "unset" and falls back to the config's;
+        # min_length None, not 0 (min_new_tokens already counts it): a min_length beside min_new_tokens makes it warn
+        with _set(self.model.generation_config, min_p=(o.min_p or None) if o.sampled else None,
+                  stop_strings=list(r.stops) or None, min_length=None, min_new_tokens=r.min_new_tokens or None):
+            t0 = time.perf_counter()
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), streamer=counter,
+                                      output_logits=o.logprobs is not None, return_dict_in_generate=True,
+                                      **{**self._plain_kwargs(r), **hf_kwargs})
+        if self.target.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        tokens = out.sequences[0, ids.shape[1]:].tolist()
+        lps = None if o.logprobs is None else token_logprobs(torch.cat(out.logits), out.sequences[0, ids.shape[1]:],
+                                                             o.logprobs)
+        prompt_lps = None
+        if o.prompt_logprobs is not None:
+            prompt_lps = token_logprobs(self.model(ids).logits[0, :-1], ids[0, 1:], o.prompt_logprobs)
+        return Result(text=self.decode(tokens), tokens=tokens,
+                      stats=Stats(new_tokens=len(tokens), seconds=seconds, accept_lengths=tuple(counter.lengths)),
+                      logprobs=lps, prompt_logprobs=prompt_lps)
+
+    def _plain_kwargs(self, r: "_Request") -> dict[str, Any]:
+        """``model.generate``'s arguments for request ``r`` (seeding torch's global generator when it samples with a
+        seed, as plain decoding draws from it)."""
+        o = r.options
+        kwargs: dict[str, Any] = dict(do_sample=o.sampled, max_new_tokens=o.max_new_tokens,
                                       repetition_penalty=r.sampling.repetition_penalty)
-        if sample:
-            kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
-            if seed is not None:
-                torch.manual_seed(seed)
+        if o.sampled:
+            kwargs.update(temperature=o.temperature, top_p=o.top_p, top_k=o.top_k)
+            if o.seed is not None:
+                torch.manual_seed(o.seed)
         else:  # neutralise any sampling defaults of the checkpoint's generation_config
             kwargs.update(temperature=None, top_p=None, top_k=None)
         if r.stops:
             kwargs["tokenizer"] = self.tokenizer
         if r.sampling.logit_bias:  # transformers' one-token sequence biases are a logit bias
             kwargs["sequence_bias"] = {(k,): v for k, v in r.sampling.logit_bias}
-        if presence_penalty or frequency_penalty:
+        if o.presence_penalty or o.frequency_penalty:
             kwargs["logits_processor"] = LogitsProcessorList(
-                [PresencePenalty(ids.shape[1], presence_penalty, frequency_penalty)])
-        counter = StepCounter()
-        pad = self.model.generation_config.pad_token_id
+                [PresencePenalty(r.ids.shape[0], o.presence_penalty, o.frequency_penalty)])
         if self.eos_token_id:  # the stop tokens selfspec uses (the tokenizer's where the generation config has none)
             kwargs["eos_token_id"] = self.eos_token_id
-        # min-p, the stop strings and the minimum length as selfspec decodes with them, set on the generation config
-        # for the call: generate takes an argument of None (min_p=0, stop=[]) as "unset" and falls back to the config's;
-        # min_length None, not 0 (min_new_tokens already counts it): a min_length beside min_new_tokens makes it warn
-        with _set(self.model.generation_config, min_p=(min_p or None) if sample else None,
-                  stop_strings=list(r.stops) or None, min_length=None, min_new_tokens=r.min_new_tokens or None):
-            t0 = time.perf_counter()
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), streamer=counter,
-                                      pad_token_id=pad if pad is not None else (self.eos_token_id or [None])[0],
-                                      output_logits=logprobs is not None, return_dict_in_generate=True,
-                                      **{**kwargs, **hf_kwargs})
-        if self.target.device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-        tokens = out.sequences[0, ids.shape[1]:].tolist()
-        lps = None if logprobs is None else token_logprobs(torch.cat(out.logits), out.sequences[0, ids.shape[1]:],
-                                                           logprobs)
-        prompt_lps = None
-        if prompt_logprobs is not None:
-            prompt_lps = token_logprobs(self.model(ids).logits[0, :-1], ids[0, 1:], prompt_logprobs)
-        return Result(text=self.decode(tokens), tokens=tokens,
-                      stats=Stats(new_tokens=len(tokens), seconds=seconds, accept_lengths=tuple(counter.lengths)),
-                      logprobs=lps, prompt_logprobs=prompt_lps)
+        pad = self.model.generation_config.pad_token_id
+        kwargs["pad_token_id"] = pad if pad is not None else (self.eos_token_id or [None])[0]
+        return kwargs
 
     def decode(self, tokens: list[int]) -> str:
         """Token ids -> text, as answers are decoded (special tokens skipped)."""
@@ -421,6 +410,7 @@ def check_message(text: str) -> None:
 class _Request:
     ids: torch.Tensor
     """long [T]: the prompt."""
+    options: GenerationOptions
     sampling: Sampling
     generator: torch.Generator | None
     stops: tuple[str, ...]

@@ -72,9 +72,10 @@ def test_stop_min_new_tokens_and_min_p_reach_both_decodings(model_dir):
     assert err.getvalue().splitlines()[2].endswith("x; outputs identical")
     a = args(model_dir, "--stop", "", "--min-new-tokens", "7", "--min-p", "0.1", "--presence-penalty", "0.5",
              "--frequency-penalty", "-0.25")
-    assert cli._decoding(a) | {} == {**cli._decoding(a), "stop": [], "min_new_tokens": 7, "min_p": 0.1,
-                                     "presence_penalty": 0.5, "frequency_penalty": -0.25}
-    assert cli._decoding(args(model_dir))["stop"] is None  # the generation config's
+    options = cli._decoding(a)
+    assert options == options.replace(stop=(), min_new_tokens=7, min_p=0.1, presence_penalty=0.5,
+                                      frequency_penalty=-0.25)
+    assert cli._decoding(args(model_dir)).stop is None  # the generation config's
 
 
 def test_stop_strings_read_the_escapes_a_shell_passes_on():

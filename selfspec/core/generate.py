@@ -24,9 +24,10 @@ from typing import Iterator, Literal, Sequence
 import torch
 
 from selfspec.core.accept import Acceptance, greedy_accept, sample_accept, typical_accept
-from selfspec.core.drafter import Drafter, DraftState, LayerStates
-from selfspec.core.logprobs import MAX_TOP, TokenLogprob, token_logprobs
+from selfspec.core.drafter import Draft, Drafter, DraftState, LayerStates
+from selfspec.core.logprobs import TokenLogprob, token_logprobs
 from selfspec.core.processors import Processors
+from selfspec.core.request import check_logprobs, check_max_new_tokens, check_min_new_tokens
 from selfspec.core.sampling import Sampling, next_token, path_scores, process_logits
 from selfspec.core.stopping import Criterion, first_stop
 from selfspec.core.target import Target
@@ -74,11 +75,9 @@ class Output:
 def check_request(target: Target, input_ids: torch.Tensor, max_new_tokens: int, logprobs: int | None = None,
                   prompt_logprobs: int | None = None, min_new_tokens: int = 0) -> None:
     """Refuse requests plain decoding could not serve either, saying what was expected and what was found."""
-    for name, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP):
-            raise ValueError(f"{name}: expected None or 0..{MAX_TOP} alternatives per token (an int), found {k!r}")
-    if isinstance(min_new_tokens, bool) or not isinstance(min_new_tokens, int) or min_new_tokens < 0:
-        raise ValueError(f"min_new_tokens must be an int >= 0, found {min_new_tokens!r}")
+    check_logprobs("logprobs", logprobs)
+    check_logprobs("prompt_logprobs", prompt_logprobs)
+    check_min_new_tokens(min_new_tokens)
     if input_ids.dim() == 2:
         if input_ids.shape[0] != 1:
             raise ValueError(f"selfspec decodes one sequence at a time (batch size 1); found batch size {input_ids.shape[0]}")
@@ -93,11 +92,7 @@ def check_request(target: Target, input_ids: torch.Tensor, max_new_tokens: int, 
     if low < 0 or high >= target.vocab_size:
         bad = low if low < 0 else high
         raise ValueError(f"token id {bad} is outside this model's vocabulary (0..{target.vocab_size - 1})")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-        raise TypeError(f"max_new_tokens: expected an int >= 1, found {max_new_tokens!r} "
-                        f"({type(max_new_tokens).__name__})")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, found {max_new_tokens}")
+    check_max_new_tokens(max_new_tokens)
     t = input_ids.numel()
     if t >= target.max_length:
         raise ValueError(f"the prompt has {t} tokens; this model's context holds {target.max_length}: shorten the prompt")
@@ -116,36 +111,23 @@ def check_request(target: Target, input_ids: torch.Tensor, max_new_tokens: int, 
         )
 
 
-def stream(
-    target: Target,
-    drafter: Drafter,
-    input_ids: torch.Tensor,
-    max_new_tokens: int,
-    sampling: Sampling = Sampling(),
-    eos_token_id: int | list[int] | None = None,
-    generator: torch.Generator | None = None,
-    accept_rule: AcceptRule = "exact",
-    stopping_criteria: Sequence[Criterion] = (),
-    min_new_tokens: int = 0,
-    logprobs: int | None = None,
-    prompt_logprobs: int | None = None,
-    processors: Processors = Processors(),
-) -> Iterator[Step]:
+def stream(target: Target, drafter: Drafter, input_ids: torch.Tensor, max_new_tokens: int,
+           sampling: Sampling = Sampling(), eos_token_id: int | list[int] | None = None,
+           generator: torch.Generator | None = None, accept_rule: AcceptRule = "exact",
+           stopping_criteria: Sequence[Criterion] = (), min_new_tokens: int = 0, logprobs: int | None = None,
+           prompt_logprobs: int | None = None, processors: Processors = Processors()) -> Iterator[Step]:
     """Yield each step's new tokens as soon as the target has accepted them. input_ids [T] or [1, T].
 
-    stopping_criteria: transformers' stopping criteria (``selfspec.core.stopping.stop_strings`` for stop strings), checked
-    after every new token as ``generate`` checks them; min_new_tokens: the end-of-sequence tokens are blocked until
-    that many tokens are out, as ``generate(min_new_tokens=...)`` blocks them; logprobs = k: each step also carries the
-    target's log-probability of each new token and its k likeliest alternatives (``selfspec.core.logprobs``; None: none);
-    prompt_logprobs = k: the prefill's step carries the same for every prompt token after the first; processors: the
-    generation config's logits processors (``selfspec.core.processors.from_config``), applied to each node's own text."""
+    stopping_criteria: transformers' stopping criteria (``selfspec.core.stopping.stop_strings`` for stop strings),
+    checked after every new token as ``generate`` checks them; min_new_tokens: the end-of-sequence tokens are blocked
+    until that many tokens are out, as ``generate(min_new_tokens=...)`` blocks them; logprobs = k: each step also
+    carries the target's log-probability of each new token and its k likeliest alternatives
+    (``selfspec.core.logprobs``; None: none); prompt_logprobs = k: the prefill's step carries the same for every
+    prompt token after the first; processors: the generation config's logits processors
+    (``selfspec.core.processors.from_config``), applied to each node's own text."""
     check_request(target, input_ids, max_new_tokens, logprobs, prompt_logprobs, min_new_tokens)
-    if accept_rule not in ("exact", "typical"):
-        raise ValueError(f"accept_rule must be 'exact' or 'typical', found {accept_rule!r}")
-    if accept_rule == "typical" and sampling.greedy:
-        raise ValueError("typical acceptance is a sampling rule: set temperature > 0, or use accept_rule='exact'")
-    eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
-    eos = set(eos_ids)
+    check_accept_rule(accept_rule, sampling)
+    eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
     prompt = input_ids.reshape(-1).to(target.device)
     cache = target.new_cache()
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
@@ -153,20 +135,18 @@ def stream(
     # 1. prefill: the prompt in one causal forward; the target's own first token becomes the root
     t0 = time.perf_counter()
     pre = target.prefill(prompt, cache, every_logit=prompt_logprobs is not None)
-    short = torch.ones(1, dtype=torch.bool) if min_new_tokens > 0 else None
-    last = path_scores(pre.logits[-1:], sampling, prompt, prompt.shape[0], short=short, eos=eos_ids,
-                       processors=processors)  # [1, V]
+    last = path_scores(pre.logits[-1:], sampling, prompt, prompt.shape[0], eos=eos, processors=processors,
+                       short=eos_blocked(0, torch.zeros(1, dtype=torch.long), min_new_tokens))  # [1, V]
     root = next_token(last[0], sampling, generator)
     sync()
     tokens = torch.cat([prompt, prompt.new_tensor([root])])  # [T]
     hidden, new_hidden = pre.hidden[-1], pre.hidden  # [D], [T, D]
     new_states = None if pre.states is None else LayerStates.of(pre.states)  # every layer, every prompt position
-    lp = () if logprobs is None else tuple(token_logprobs(pre.logits[-1:], prompt.new_tensor([root]), logprobs))
-    lp_prompt = () if prompt_logprobs is None else tuple(token_logprobs(pre.logits[:-1], prompt[1:], prompt_logprobs))
-    yield Step(tokens=(root,), tree_size=0, verify_s=time.perf_counter() - t0, other_s=0.0, logprobs=lp,
-               prompt_logprobs=lp_prompt)
+    yield Step(tokens=(root,), tree_size=0, verify_s=time.perf_counter() - t0, other_s=0.0,
+               logprobs=scored(pre.logits[-1:], prompt.new_tensor([root]), logprobs),
+               prompt_logprobs=scored(pre.logits[:-1], prompt[1:], prompt_logprobs))
     produced = 1
-    if produced >= max_new_tokens or first_stop(stopping_criteria, tokens, 1, eos) is not None:
+    if produced >= max_new_tokens or first_stop(stopping_criteria, tokens, 1, set(eos)) is not None:
         return
 
     while True:
@@ -175,12 +155,7 @@ def stream(
         # 2. draft a tree rooted at the last token; never deeper than the tokens still wanted or the context allows
         state = DraftState(tokens=tokens, prompt_length=prompt.shape[0], hidden=hidden, cache=cache, sampling=sampling,
                            new_hidden=new_hidden, new_states=new_states)
-        draft = drafter.draft(state)
-        draft = draft.truncated(min(max_new_tokens - produced - 1, target.max_length - start - 1))
-        # a window the mask cannot express (GPT-Neo's local layers count a node by its index): the whole tree stays
-        # inside it (check_request guarantees that the root alone does)
-        while target.window_limit is not None and start + len(draft.tree) > target.window_limit - 1:
-            draft = draft.truncated(draft.tree.depth - 1)
+        draft = fit_draft(drafter.draft(state), target, start, max_new_tokens - produced - 1)
 
         # 3. verify every node in one forward of the target
         t_verify = time.perf_counter()
@@ -188,22 +163,12 @@ def stream(
         sync()
         verify_s = time.perf_counter() - t_verify
 
-        # 4. accept: the longest path the target agrees with, plus the target's own next token (scores penalised for
-        #    the text before each node, where penalties or a logit bias are asked for; no EOS from a node whose text
-        #    is still shorter than min_new_tokens)
-        short = None if produced >= min_new_tokens else \
-            produced + draft.tree.depth_tensor.to(out.logits.device) < min_new_tokens  # [N]
+        # 4. accept: the longest path the target agrees with, plus the target's own next token (each node's scores
+        #    processed for the text before it: penalties, a logit bias, no EOS while it is shorter than min_new_tokens)
+        short = eos_blocked(produced, draft.tree.depth_tensor.to(out.logits.device), min_new_tokens)  # [N] or None
         logits = path_scores(out.logits, sampling, tokens, prompt.shape[0], draft.tree, draft.tokens, short=short,
-                             eos=eos_ids, processors=processors)  # [N, V]
-        acc: Acceptance
-        if sampling.greedy:
-            acc = greedy_accept(draft.tree, draft.tokens, logits)
-        else:
-            p_target = process_logits(logits, sampling)  # [N, V]
-            if accept_rule == "exact":
-                acc = sample_accept(draft.tree, draft.tokens, p_target, draft.q, generator)
-            else:
-                acc = typical_accept(draft.tree, draft.tokens, p_target, generator=generator)
+                             eos=eos, processors=processors)  # [N, V]
+        acc = accept(draft, logits, sampling, accept_rule, generator)
 
         # 5. commit: the cache keeps the root and the accepted drafts, in order
         target.commit(cache, start, acc.path)
@@ -212,22 +177,63 @@ def stream(
         drafter.update(draft, acc)
 
         # 7. emit, stopping exactly where plain decoding would: at EOS, a stop string, or max_new_tokens
-        new = [int(draft.tokens[i]) for i in acc.path[1:]] + [acc.bonus]
-        new = new[: max_new_tokens - produced]
+        new = ([int(draft.tokens[i]) for i in acc.path[1:]] + [acc.bonus])[: max_new_tokens - produced]
         tokens = torch.cat([tokens, tokens.new_tensor(new)])
-        stop = first_stop(stopping_criteria, tokens, len(new), eos)
+        stop = first_stop(stopping_criteria, tokens, len(new), set(eos))
         if stop is not None:
             tokens, new = tokens[: tokens.shape[0] - len(new) + stop + 1], new[: stop + 1]
         produced += len(new)
         hidden, new_hidden = out.hidden[acc.path[-1]], out.hidden[list(acc.path)]  # [D], [A, D]
         new_states = None if out.states is None else LayerStates.of(out.states, list(acc.path))
         # new[j] follows path node j (the bonus follows the last): its log-probability is that node's, unprocessed
-        lp = () if logprobs is None else tuple(
-            token_logprobs(out.logits[list(acc.path[: len(new)])], tokens[-len(new):], logprobs))
         yield Step(tokens=tuple(new), tree_size=len(draft.tree), verify_s=verify_s,
-                   other_s=time.perf_counter() - t_step - verify_s, logprobs=lp)
+                   other_s=time.perf_counter() - t_step - verify_s,
+                   logprobs=scored(out.logits[list(acc.path[: len(new)])], tokens[-len(new):], logprobs))
         if stop is not None or produced >= max_new_tokens:
             return
+
+
+def eos_blocked(produced: int, depths: torch.Tensor, min_new_tokens: int) -> torch.Tensor | None:
+    """[N] bool: the nodes (at ``depths`` [N] below a root that follows ``produced`` new tokens) from which no
+    end-of-sequence token may follow yet (``min_new_tokens``); None when no node is held back."""
+    return None if produced >= min_new_tokens else produced + depths < min_new_tokens
+
+
+def scored(logits: torch.Tensor, tokens: torch.Tensor, k: int | None) -> tuple[TokenLogprob, ...]:
+    """The log-probabilities of ``tokens`` [n] under ``logits`` [n, V] with their k likeliest alternatives, or ()
+    when none are asked for (k None)."""
+    return () if k is None else tuple(token_logprobs(logits, tokens, k))
+
+
+def check_accept_rule(accept_rule: str, sampling: Sampling) -> None:
+    """'exact' (lossless), or 'typical' (Medusa's typical acceptance: lossy, sampling only)."""
+    if accept_rule not in ("exact", "typical"):
+        raise ValueError(f"accept_rule must be 'exact' or 'typical', found {accept_rule!r}")
+    if accept_rule == "typical" and sampling.greedy:
+        raise ValueError("typical acceptance is a sampling rule: set temperature > 0, or use accept_rule='exact'")
+
+
+def fit_draft(draft: Draft, target: Target, start: int, wanted: int) -> Draft:
+    """``draft`` cut to what this step may verify: no deeper than the ``wanted`` tokens still to come beyond the bonus
+    or the context's room after the ``start`` cached tokens; inside a local attention window the mask cannot express
+    (GPT-Neo's local layers count a node by its index), the whole tree stays inside it (``check_request`` guarantees
+    that the root alone does)."""
+    draft = draft.truncated(min(wanted, target.max_length - start - 1))
+    while target.window_limit is not None and start + len(draft.tree) > target.window_limit - 1:
+        draft = draft.truncated(draft.tree.depth - 1)
+    return draft
+
+
+def accept(draft: Draft, logits: torch.Tensor, sampling: Sampling, rule: AcceptRule,
+           generator: torch.Generator | None) -> Acceptance:
+    """The acceptance rule of a step, on the processed scores [N, V]: greedy (exact), lossless tree rejection sampling
+    (``exact``, with the draft's q where it has one) or typical acceptance."""
+    if sampling.greedy:
+        return greedy_accept(draft.tree, draft.tokens, logits)
+    p_target = process_logits(logits, sampling)  # [N, V]
+    if rule == "exact":
+        return sample_accept(draft.tree, draft.tokens, p_target, draft.q, generator)
+    return typical_accept(draft.tree, draft.tokens, p_target, generator=generator)
 
 
 def generate(target: Target, drafter: Drafter, input_ids: torch.Tensor, max_new_tokens: int, **kwargs) -> Output:

@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from selfspec.core.files import atomic_write
 from selfspec.tools.bench_log import BenchLog
 from selfspec.core.drafter import NoDrafter
 from selfspec.core.models import DEFAULT_MODEL, check_device, load_model, parse_dtype
+from selfspec.core.request import GenerationOptions
 from selfspec.tools.plots import plot_summary
 from selfspec.tools.specbench import Answer, Question
 from selfspec.core.target import Target
@@ -131,6 +133,10 @@ class BenchConfig:
         out = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
         return {**out, "min_p": self.min_p} if self.min_p else out  # manifests from before min_p stay resumable
 
+    def options(self, max_new_tokens: int) -> GenerationOptions:
+        """What every method decodes each turn with (the seed is each turn's own, ``turn_seed``)."""
+        return GenerationOptions(max_new_tokens=max_new_tokens, **(self.sampling or {}), **self.limits)
+
 
 @dataclass(frozen=True)
 class Method:
@@ -202,38 +208,36 @@ def _runner(method: Method, target: Target, tokenizer: Any, model_name: str,
     return SpecModel(target, tokenizer, drafter, name=model_name, repetition_penalty=repetition_penalty)
 
 
-def _run_once(runner: SpecModel, method: Method, ids: torch.Tensor, max_new_tokens: int,
-              sampling: dict[str, Any] | None, limits: dict[str, Any] | None = None) -> Result:
-    """One answer to one turn; sampling: {temperature, top_p, top_k[, min_p], seed} (this turn's seed), or None:
-    greedy; limits: {stop, min_new_tokens} where given (``BenchConfig.limits``)."""
-    kwargs = {**(sampling or {}), **(limits or {})}
+def _run_once(runner: SpecModel, method: Method, ids: torch.Tensor, options: GenerationOptions) -> Result:
+    """One answer to one turn, with this turn's options (its seed, when sampling)."""
     if method.hf_kwargs is not None:
-        return runner.generate_plain(ids, max_new_tokens=max_new_tokens, **kwargs, **method.hf_kwargs)
-    return runner.generate(ids, max_new_tokens=max_new_tokens, **kwargs)
+        return runner.generate_plain(ids, options, **method.hf_kwargs)
+    return runner.generate(ids, options)
 
 
-def turn_seed(seed: int, question_id: int, turn: int) -> int:
-    """The sampling seed of one turn: the same for every method and every repeat, different across turns."""
-    return seed + 1000 * question_id + turn
+def turn_seed(seed: int, question_id: int | str, turn: int) -> int:
+    """The sampling seed of one turn: the same for every method and every repeat, different across turns. A question
+    id that is not an int (Spec-Bench files may use strings, which ``specbench`` accepts) counts as its CRC-32."""
+    number = question_id if isinstance(question_id, int) else zlib.crc32(str(question_id).encode())
+    return seed + 1000 * number + turn
 
 
-def answer_question(runner: SpecModel, method: Method, question: Question, max_new_tokens: int, repeats: int = 1,
-                    sampling: dict[str, Any] | None = None, limits: dict[str, Any] | None = None) -> Answer:
+def answer_question(runner: SpecModel, method: Method, question: Question, options: GenerationOptions,
+                    repeats: int = 1) -> Answer:
     """Every turn with the conversation so far; the answer text (special tokens removed, stripped) goes into the
-    next turn's prompt, as Spec-Bench does. sampling: {temperature, top_p, top_k[, min_p], seed} or None (greedy);
-    each turn samples with ``turn_seed``, so repeats draw the same tokens. limits: {stop, min_new_tokens}, or None:
-    the generation config's."""
+    next turn's prompt, as Spec-Bench does. ``options``: what every turn decodes with (``BenchConfig.options``); a
+    sampled turn is seeded with ``turn_seed``, so repeats draw the same tokens."""
     answer = Answer(question_id=question.question_id, category=question.category)
     messages: list[dict[str, str]] = []
     for index, turn in enumerate(question.turns):
         messages.append({"role": "user", "content": turn})
         ids = runner.encode(messages)
-        turn_sampling = None if sampling is None else {
-            **sampling, "seed": turn_seed(sampling["seed"], question.question_id, index)}
-        results = [_run_once(runner, method, ids, max_new_tokens, turn_sampling, limits) for _ in range(repeats)]
+        turn_options = options.replace(seed=turn_seed(options.seed, question.question_id, index)) \
+            if options.sampled else options
+        results = [_run_once(runner, method, ids, turn_options) for _ in range(repeats)]
         first = results[0]
         if any(r.tokens != first.tokens for r in results[1:]):
-            what = "greedy outputs" if sampling is None else "sampled outputs with the same seed"
+            what = "sampled outputs with the same seed" if options.sampled else "greedy outputs"
             raise RuntimeError(f"{method.label} gave different {what} across repeats on question "
                                f"{question.question_id}: decoding is not deterministic on this machine")
         text = first.text.strip()
@@ -338,8 +342,7 @@ def run_bench(cfg: BenchConfig) -> specbench.Summary:
         warm = Question(questions[0].question_id, questions[0].category, questions[0].turns[:1])
         for dname in dtypes:
             for m in methods:
-                answer_question(runners[dname][m.label], m, warm, cfg.warmup_tokens, sampling=cfg.sampling,
-                                limits=cfg.limits)
+                answer_question(runners[dname][m.label], m, warm, cfg.options(cfg.warmup_tokens))
     # 4. answer: questions outside, every dtype and method inside, so that load on the machine hits them alike and a
     #    run resumed on another day still compares each question's answers side by side; each answer is logged at once
     todo = [q for q in questions if not all(log.has(m.label, d, q.question_id) for m in methods for d in dtypes)]
@@ -350,8 +353,8 @@ def run_bench(cfg: BenchConfig) -> specbench.Summary:
         for dname in dtypes:
             for m in methods:
                 if not log.has(m.label, dname, q.question_id):
-                    log.add(m.label, dname, answer_question(runners[dname][m.label], m, q, cfg.max_new_tokens,
-                                                            cfg.repeats, cfg.sampling, cfg.limits))
+                    log.add(m.label, dname, answer_question(runners[dname][m.label], m, q,
+                                                            cfg.options(cfg.max_new_tokens), cfg.repeats))
         summary = _report(out, log, questions, methods, dtypes, model_id)  # partial results readable at any time
         if not cfg.progress:  # a line per question instead of a bar (logs of runs under nohup)
             minutes = (time.perf_counter() - started) / 60

@@ -25,6 +25,7 @@ from selfspec import api, registry
 from selfspec.tools import specbench
 from selfspec.tools.bench import DEFAULT_QUESTIONS, BenchConfig, run_bench
 from selfspec.core.models import DEFAULT_MODEL
+from selfspec.core.request import GenerationOptions
 from selfspec.tools.options import integer, integers, number
 from selfspec.tools.specbench import to_markdown
 
@@ -230,17 +231,17 @@ def stop_strings(values: Sequence[str] | None) -> list[str] | None:
     return [re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m.group(1)], s) for s in values if s]
 
 
-def _decoding(args: argparse.Namespace) -> dict:
-    """The decoding arguments of infer.py's options, for ``stream`` / ``generate_plain``."""
-    stop = stop_strings(args.stop)
-    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                min_p=args.min_p, seed=args.seed, chat=not args.no_chat, repetition_penalty=args.repetition_penalty,
-                stop=stop, min_new_tokens=args.min_new_tokens, presence_penalty=args.presence_penalty,
-                frequency_penalty=args.frequency_penalty)
+def _decoding(args: argparse.Namespace) -> GenerationOptions:
+    """The generation options of infer.py's flags, for ``stream`` / ``generate_plain``."""
+    return GenerationOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                             top_k=args.top_k, min_p=args.min_p, seed=args.seed, chat=not args.no_chat,
+                             repetition_penalty=args.repetition_penalty, stop=stop_strings(args.stop),
+                             min_new_tokens=args.min_new_tokens, presence_penalty=args.presence_penalty,
+                             frequency_penalty=args.frequency_penalty)
 
 
 def _start(model: api.SpecModel, prompt: api.Prompt, args: argparse.Namespace) -> api.TextStream:
-    return model.stream(prompt, **_decoding(args))
+    return model.stream(prompt, options=_decoding(args))
 
 
 def _reply(model: api.SpecModel, prompt: api.Prompt, args: argparse.Namespace, out: TextIO, err: TextIO,
@@ -267,7 +268,7 @@ def _show(stream: api.TextStream, out: TextIO) -> None:
 
 def _compare(model: api.SpecModel, prompt: api.Prompt, args: argparse.Namespace, spec: api.TextStream,
              err: TextIO) -> None:
-    plain = model.generate_plain(prompt, **_decoding(args))
+    plain = model.generate_plain(prompt, options=_decoding(args))
     err.write(f"[plain generate] {plain.stats}\n")
     err.write(f"[compare] speed-up {spec.stats.tokens_per_s / plain.stats.tokens_per_s:.2f}x; ")
     if args.temperature > 0:

@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 from selfspec.api import SpecModel
 from selfspec.core.logprobs import MAX_TOP, TokenLogprob
+from selfspec.core.request import GenerationOptions
 from selfspec.tools.token_bytes import token_bytes, token_text
 
 CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
@@ -64,24 +65,33 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class Request:
-    """A validated request: the prompt and the decoding arguments of ``SpecModel.stream``."""
+    """A validated request: the prompts, and the options ``SpecModel.stream`` decodes each answer with."""
 
     prompts: tuple[Any, ...]
     """chat messages (one), or texts / token-id lists fed without the chat template (one choice each)."""
-    chat: bool
     stream: bool
     max_new_tokens: int | None
     """None: the server's default, capped to the room the context leaves after the prompt."""
-    decoding: dict
-    """temperature, top_p, top_k, min_p, seed, repetition_penalty, min_new_tokens, stop (for SpecModel.stream)."""
+    options: GenerationOptions
+    """temperature, top_p, top_k, min_p, seed, penalties, logit bias, min_new_tokens, stop (None: the model's own),
+    logprobs and chat; its max_new_tokens is set per answer (``max_new_tokens`` above, or the room the context
+    leaves)."""
     stops: tuple[str, ...]
     """the stop strings, cut from the answer's text."""
-    logprobs: int | None = None
-    """report each answer token's log-probability with this many alternatives (None: none)."""
     echo: bool = False
     """a completion's text and log-probabilities start with the prompt's."""
     n: int = 1
     """answers per prompt (choice i answers prompt i // n; with a seed, answer j of a prompt samples with seed + j)."""
+
+    @property
+    def chat(self) -> bool:
+        """a chat completion (the chat template applied), else a text completion."""
+        return self.options.chat
+
+    @property
+    def logprobs(self) -> int | None:
+        """report each answer token's log-probability with this many alternatives (None: none)."""
+        return self.options.logprobs
 
 
 def _number(body: dict, key: str, kind: type, default: Any, low: float | None = None, high: float | None = None) -> Any:
@@ -163,7 +173,7 @@ def parse_request(body: Any, chat: bool, default_temperature: float = 0.0) -> Re
     if not isinstance(stream, bool):
         raise RequestError(f"'stream': expected true or false, found {stream!r}", "stream")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    decoding = dict(
+    decoding: dict[str, Any] = dict(
         temperature=_number(body, "temperature", float, default_temperature, 0.0, 2.0),
         top_p=_number(body, "top_p", float, 1.0, 0.0, 1.0),
         top_k=_number(body, "top_k", int, 0, -1),
@@ -180,8 +190,10 @@ def parse_request(body: Any, chat: bool, default_temperature: float = 0.0) -> Re
         decoding["top_k"] = 0
     if decoding["top_p"] == 0.0:
         raise RequestError("'top_p': expected a value in (0, 1], found 0.0", "top_p")
-    return Request(prompts=prompts, chat=chat, stream=stream, decoding=decoding, stops=stops,
-                   max_new_tokens=_number(body, key, int, None, 1), logprobs=logprobs, echo=echo,
+    options = GenerationOptions(chat=chat, logprobs=logprobs, prompt_logprobs=logprobs if echo else None,
+                                **decoding)
+    return Request(prompts=prompts, stream=stream, options=options, stops=stops,
+                   max_new_tokens=_number(body, key, int, None, 1), echo=echo,
                    n=_number(body, "n", int, 1, 1, 128))
 
 
@@ -327,8 +339,8 @@ class Session:
 
     def warm_up(self) -> None:
         """Decode a few tokens on the worker, so that the first request does not pay for its first use."""
-        for _ in self.pieces(Request(prompts=("Hello",), chat=False, stream=False, max_new_tokens=8, stops=(),
-                                     decoding={"stop": []})):
+        for _ in self.pieces(Request(prompts=("Hello",), stream=False, max_new_tokens=8, stops=(),
+                                     options=GenerationOptions(chat=False, stop=()))):
             pass
 
     def parse(self, body: Any, chat: bool) -> Request:
@@ -339,11 +351,11 @@ class Session:
             if bad:
                 raise RequestError(f"'prompt': token id {bad[0]} is outside this model's vocabulary (0..{vocab - 1})",
                                    "prompt")
-        bad = [k for k in r.decoding["logit_bias"] or {} if k >= vocab]
+        bad = [k for k, _ in r.options.logit_bias if k >= vocab]
         if bad:
             raise RequestError(f"'logit_bias': token id {bad[0]} is outside this model's vocabulary (0..{vocab - 1})",
                                "logit_bias")
-        if r.decoding["stop"] is None:  # the model's own stop strings (its generation config's) are cut as well
+        if r.options.stop is None:  # the model's own stop strings (its generation config's) are cut as well
             r = dataclasses.replace(r, stops=self.model.stop_strings)
         return r
 
@@ -367,9 +379,9 @@ class Session:
 
     def _decode(self, r: Request, index: int = 0) -> Iterator[Piece]:
         prompt, j = r.prompts[index // r.n], index % r.n
-        decoding = dict(r.decoding)
-        if j and decoding.get("seed") is not None:  # the n answers to one prompt differ, and repeat with the seed
-            decoding["seed"] += j
+        options = r.options
+        if j and options.seed is not None:  # the n answers to one prompt differ, and repeat with the seed
+            options = options.replace(seed=options.seed + j)
         ids = self.model.encode(prompt, chat=r.chat)
         limit, room = r.max_new_tokens, self.model.target.max_length - int(ids.shape[0])
         if limit is not None and limit > room >= 1:  # named as the client sent it, not as generate calls it
@@ -379,8 +391,7 @@ class Session:
         if limit is None:  # as OpenAI-compatible servers do: no more than the context has room for
             limit = max(1, min(self.default_max_tokens, self.model.target.max_length - int(ids.shape[0])))
         scoring = r.logprobs is not None
-        stream = self.model.stream(ids, max_new_tokens=limit, logprobs=r.logprobs,
-                                   prompt_logprobs=r.logprobs if r.echo else None, **decoding)
+        stream = self.model.stream(ids, options.replace(max_new_tokens=limit))
         echo = (prompt if isinstance(prompt, str) else self.model.decode(ids.tolist())) if r.echo else ""
         ledger = _Ledger(self.model.decode, base=len(echo))  # the answer's text starts after the echoed prompt's
 
