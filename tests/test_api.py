@@ -319,3 +319,29 @@ def test_the_generation_configs_sampling_warpers_apply_as_generate_applies_them(
     finally:
         config.typical_p, config.eta_cutoff = None, None
     assert spec == plain != before[0]
+
+
+def test_generation_options_are_one_object_checked_once(ngram):
+    """A request's options are one frozen object (GenerationOptions): checked when made, taken whole or as keyword
+    overrides of its fields by generate / stream / generate_plain alike, and copied with replace (checked again)."""
+    options = api.GenerationOptions(max_new_tokens=12, temperature=0.8, top_k=20, seed=3, stop="\n\n")
+    assert options.stop == ("\n\n",) and options.sampled
+    by_object = ngram.generate(PROMPTS[0], options)
+    assert by_object.tokens == ngram.generate(PROMPTS[0], max_new_tokens=12, temperature=0.8, top_k=20, seed=3,
+                                              stop="\n\n").tokens
+    stream = ngram.stream(PROMPTS[0], options)
+    assert "".join(stream) == by_object.text and stream.tokens == by_object.tokens
+    greedy = ngram.generate(PROMPTS[0], options, temperature=0.0)  # keywords replace the object's fields
+    assert greedy.tokens == ngram.generate_plain(PROMPTS[0], options.replace(temperature=0.0)).tokens
+    assert options.replace(seed=4) == api.GenerationOptions(max_new_tokens=12, temperature=0.8, top_k=20, seed=4,
+                                                            stop=["\n\n"])
+    with pytest.raises(ValueError, match="top_p must be in"):
+        api.GenerationOptions(temperature=0.8, top_p=0.0)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1, found 0"):
+        options.replace(max_new_tokens=0)
+    with pytest.raises(TypeError, match="unknown generation option.s. top_n: expected some of"):
+        options.replace(top_n=5)
+    with pytest.raises(TypeError, match="options: expected a GenerationOptions, found int 64"):
+        ngram.generate(PROMPTS[0], 64)
+    with pytest.raises(TypeError, match="seed: expected an int or None, found '3'"):
+        api.GenerationOptions(seed="3")

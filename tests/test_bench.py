@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import zlib
 from pathlib import Path
 
 import pytest
@@ -521,3 +522,26 @@ def test_bad_limits_fail_before_any_model_loads(tmp_path, monkeypatch, capsys, m
     assert cli.main([*argv, *flags]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_sampled_run_takes_string_question_ids(model_dir, tmp_path):
+    """Spec-Bench files may name questions by strings (specbench reads them): a sampled run seeds each turn from the
+    id's CRC-32 (the same for every method and repeat, different across questions and turns) and answers exactly what
+    generate gives with that seed."""
+    rows = [dict(q, question_id=f"mt_{q['question_id']}") for q in QUESTIONS[:2]]
+    out = tmp_path / "out"
+    argv = ["bench", "--model", str(model_dir), "--questions", str(write_questions(tmp_path / "q.jsonl", rows)),
+            "--methods", "ngram", "--dtype", "fp32", "--max-new-tokens", str(MAX_NEW), "--warmup-tokens", "0",
+            "--no-progress", "--out-dir", str(out), "--temperature", "1.5", "--seed", "7", "--repeats", "2"]
+    assert cli.main(argv) == 0
+    seeds = {(r["question_id"], t): bench.turn_seed(7, r["question_id"], t) for r in rows for t in range(2)}
+    assert seeds[("mt_81", 1)] == 7 + 1000 * zlib.crc32(b"mt_81") + 1 and len(set(seeds.values())) == 4
+    m = api.load(str(model_dir), draft="ngram")
+    answers = {r["question_id"]: r["choices"][0]["turns"] for r in read_jsonl(out / "model-ngram-float32.jsonl")}
+    for row in rows:
+        messages = []
+        for turn, text in enumerate(row["turns"]):
+            messages.append({"role": "user", "content": text})
+            r = m.generate(messages, max_new_tokens=MAX_NEW, temperature=1.5, seed=seeds[(row["question_id"], turn)])
+            assert r.text.strip() == answers[row["question_id"]][turn]
+            messages.append({"role": "assistant", "content": answers[row["question_id"]][turn]})
