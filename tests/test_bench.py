@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import zlib
 from pathlib import Path
 
@@ -48,9 +49,12 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def test_answer_files_have_spec_bench_format(run):
+    summary = {(r["method"], r["dtype"]): r for r in json.loads((run / "summary.json").read_text())["rows"]
+               if r["category"] == "overall"}
     for method in METHODS:
         for dtype in DTYPES:
             rows = read_jsonl(run / f"model-{method}-{dtype}.jsonl")
+            speeds = []
             assert [r["question_id"] for r in rows] == [q["question_id"] for q in QUESTIONS]
             assert [r["category"] for r in rows] == [q["category"] for q in QUESTIONS]
             for r in rows:
@@ -66,8 +70,12 @@ def test_answer_files_have_spec_bench_format(run):
                 assert sum(c["decoding_steps"]) == len(c["accept_lengths"])
                 if method == "plain":
                     assert set(c["accept_lengths"]) == {1}
-                # what speed.py computes per question
-                assert sum(c["new_tokens"]) / sum(c["wall_time"]) > 0
+                speeds.append(sum(c["new_tokens"]) / sum(c["wall_time"]))  # what speed.py computes per question
+            # speed.py's tokens/s (the mean over questions) and mean accepted length, read off the files alone, are
+            # exactly the summary's
+            assert summary[(method, dtype)]["tokens_per_s"] == statistics.mean(speeds)
+            assert summary[(method, dtype)]["mean_accepted"] == statistics.mean(
+                n for r in rows for n in r["choices"][0]["accept_lengths"])
 
 
 def test_lossless_methods_equal_plain_as_equal_py_sees_it(run):

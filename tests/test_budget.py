@@ -12,11 +12,13 @@ import json
 import pytest
 import torch
 from conftest import random_prompts, tiny_model
+from fake_clock import FakeClock
 
 from heads.eagle import EagleConfig, EagleHead
 from heads.eagle_drafter import EagleDrafter
 from selfspec import registry
 from selfspec.tools import budget
+import selfspec.core.generate as generate_module
 from selfspec.core.generate import generate
 from selfspec.drafts.layerskip import LayerSkipDrafter
 from selfspec.core.target import Target
@@ -205,28 +207,43 @@ def test_tune_caches_costs_and_the_best_tree_for_tree_auto(setup, tmp_path, monk
         registry.resolve_tree("auto", registry.parse_draft("early-exit:layer=1"), target, "tiny")
 
 
-def test_tune_predicts_at_this_runs_level_whatever_level_the_cached_curve_was_measured_at(setup):
+def test_tune_predicts_at_this_runs_level_whatever_level_the_cached_curve_was_measured_at(setup, monkeypatch):
     """A cost curve measured when the machine was 10x slower (busier, another load) predicts the same tokens/s as one
     measured now: its shape is kept, its level scaled to this run's own verifications, so the verify cost and the
     drafting cost (measured now) of a prediction come from the same run. Unscaled, the stale curve's predictions are
-    ~10x off and it favours deeper trees than are fastest now."""
+    ~10x off and it favours deeper trees than are fastest now. The loop's clock moves only in the target's verify (by
+    what ``curve`` says a tree of that size costs) and in drafting (1 ms per level of depth), so every figure is exact."""
     model, head = setup
     target = Target(model)
     prompts = random_prompts(3, VOCAB, seed=7)
-    curve = {r.nodes: r.median_ms for r in budget.verify_costs(target, sizes=budget.SIZES, repeats=5)}
+    curve = {n: 1.0 + 0.5 * n for n in budget.SIZES}  # ms: what this run's verifications cost
     stale = {n: 10 * ms for n, ms in curve.items()}
+    clock = FakeClock()
+    monkeypatch.setattr(generate_module, "time", clock)
+    verify = target.verify
+    monkeypatch.setattr(target, "verify", lambda tree, tokens, cache: clock.advance(
+        budget.interpolate(curve, len(tokens)) / 1000) or verify(tree, tokens, cache))
+
+    def timed_drafter(depth: int, n: int) -> EagleDrafter:
+        drafter = EagleDrafter(head, depth, 3, n)
+        draft = drafter.draft
+        drafter.draft = lambda state: clock.advance(depth / 1000) or draft(state)
+        return drafter
 
     def run(c):
-        return budget.tune(target, lambda d, n: EagleDrafter(head, d, 3, n), prompts, c, depths=(1, 3), budgets=(2, 8),
-                           max_new_tokens=24)
+        return budget.tune(target, timed_drafter, prompts, c, depths=(1, 3), budgets=(2, 8), max_new_tokens=24)
 
     now, then = run(curve), run(stale)
-    assert 0.03 < then.verify_ratio / now.verify_ratio < 0.3  # the stale curve is seen as ~10x this run's level
-    assert 1 / 3 < then.plain_ms / now.plain_ms < 3  # timings of a tiny model on a shared machine: loose bounds
+    assert now.verify_ratio == pytest.approx(1.0)  # this run's verifications cost what the curve says
+    assert then.verify_ratio == pytest.approx(0.1)  # the stale curve is seen as 10x this run's level
+    assert now.plain_ms == pytest.approx(curve[1]) and then.plain_ms == pytest.approx(curve[1])  # scaled to this run
+    assert len(now.table) == len(then.table) == 4
     for a, b in zip(sorted(now.table, key=lambda c: (c.depth, c.budget)),
                     sorted(then.table, key=lambda c: (c.depth, c.budget))):
         assert (a.depth, a.budget, a.accepted) == (b.depth, b.budget, b.accepted)
-        assert 1 / 3 < b.tokens_per_s / a.tokens_per_s < 3, (a, b)
+        # predicted step: the verify of budget + 1 nodes at this run's level, plus this run's drafting at that depth
+        assert a.step_ms == pytest.approx(curve[1] + 0.5 * a.budget + a.depth), a
+        assert b.step_ms == pytest.approx(a.step_ms) and b.tokens_per_s == pytest.approx(a.tokens_per_s), (a, b)
 
 
 def test_dynamic_tree_depth_option_parses_and_limits_the_drafts(setup):
@@ -279,20 +296,25 @@ def test_tune_tree_caches_nothing_when_the_machine_is_busier_than_its_cost_curve
                                                                                  capsys):
     """A cost curve 20x cheaper than what the calibration's own verifications take stands for a machine busy during
     tune-tree (or a stale curve): the choice would fit that load, so nothing is cached for --tree auto and the message
-    says what to do."""
+    says what to do. The loop's clock moves only in the target's verify, by 20x what the cached curve says."""
     from selfspec.tools import cli
     from selfspec.drafts.layerskip import LayerSkipConfig
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
-    real = budget.cached_verify_costs
-    monkeypatch.setattr(budget, "cached_verify_costs",
-                        lambda *a, **k: {n: ms / 20 for n, ms in real(*a, **k).items()})
+    curve = {n: (1.0 + 0.5 * n) / 20 for n in budget.SIZES}  # ms
+    monkeypatch.setattr(budget, "cached_verify_costs", lambda *a, **k: curve)
+    clock = FakeClock()
+    monkeypatch.setattr(generate_module, "time", clock)
+    verify = Target.verify
+    monkeypatch.setattr(Target, "verify", lambda self, tree, tokens, cache: clock.advance(
+        20 * budget.interpolate(curve, len(tokens)) / 1000) or verify(self, tree, tokens, cache))
     ckpt = tmp_path / "skip"
     LayerSkipConfig(base_model="model", num_hidden_layers=2, skip_layers=(1,), draft_depth=3).save(ckpt)
     assert cli.main(["tune-tree", "--model", str(model_dir), "--draft", str(ckpt), "--dtype", "fp32", "--depths", "2",
                      "--budgets", "2,6", "--prompts", "2", "--max-new-tokens", "8"]) == 1
     printed = capsys.readouterr().out
-    assert "error: nothing cached for --tree auto. This run's verifications took" in printed
+    assert ("error: nothing cached for --tree auto. This run's verifications took 20.0x the time the cached verify "
+            "costs say (one-token step 1.5 ms)") in printed
     assert "Run tune-tree again with nothing else running" in printed
     assert not list((tmp_path / "cache").rglob("tree-*.json"))
 

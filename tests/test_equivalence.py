@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from conftest import ARCHS, REPEATING, VOCAB, Recording, random_prompts, reference, tiny_model
+from fake_clock import FakeClock
 from selfspec import NGramDrafter, NoDrafter, Target, Tree
+import selfspec.core.generate as generate_module
 from selfspec.core.generate import generate
 from selfspec.drafts.merge import MergedDrafter
 from selfspec.testing import OracleDrafter, RandomDrafter
@@ -167,15 +169,26 @@ def test_request_that_fills_the_context():
         assert out.tokens == ref
 
 
-def test_steps_add_up(case):
-    """Step records: the prefill, then one per verify; tokens add up to the output; Spec-Bench accept_lengths."""
+def test_steps_add_up(case, monkeypatch):
+    """Step records: the prefill, then one per verify; tokens add up to the output; Spec-Bench accept_lengths; each
+    step's time split exactly into the target's forward (verify_s) and the rest of the step (other_s), read off a clock
+    that moves only in the prefill (3 s), each verify (5 s) and each draft (2 s)."""
     arch, target, prompts, refs = case
-    out = generate(target, OracleDrafter(CHAIN, VOCAB, refs[0]), prompts[0], NEW)
+    clock = FakeClock()
+    monkeypatch.setattr(generate_module, "time", clock)
+    prefill, verify = target.prefill, target.verify
+    monkeypatch.setattr(target, "prefill", lambda *a, **k: clock.advance(3.0) or prefill(*a, **k))
+    monkeypatch.setattr(target, "verify", lambda *a, **k: clock.advance(5.0) or verify(*a, **k))
+    drafter = OracleDrafter(CHAIN, VOCAB, refs[0])
+    draft = drafter.draft
+    monkeypatch.setattr(drafter, "draft", lambda state: clock.advance(2.0) or draft(state))
+    out = generate(target, drafter, prompts[0], NEW)
     assert out.steps[0].tree_size == 0 and len(out.steps[0].tokens) == 1
     assert [t for s in out.steps for t in s.tokens] == out.tokens
     assert out.accept_lengths == [1, 5, 5, 5, 4]  # 1 + 5 + 5 + 5 + 4 = 20
     assert all(s.tree_size == 5 for s in out.steps[1:4])
-    assert all(s.verify_s > 0 and s.other_s >= 0 for s in out.steps)
+    assert [(s.verify_s, s.other_s) for s in out.steps] == [(3.0, 0.0)] + [(5.0, 2.0)] * 4  # prefill, then 4 verifies
+    assert out.seconds == 3.0 + 4 * (5.0 + 2.0)
     assert out.mean_accepted == pytest.approx(4.0)
 
 

@@ -39,3 +39,36 @@ def test_ci_script_is_executable_and_strict():
     assert os.access(run, os.X_OK), ".ci/run is not executable"
     text = run.read_text()
     assert text.startswith("#!/usr/bin/env bash") and "set -euo pipefail" in text
+
+
+def heading_anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings: lower case, punctuation dropped, spaces to hyphens, a
+    repeated heading suffixed -1, -2, ... (headings inside code blocks are not headings)."""
+    anchors: set[str] = set()
+    seen: dict[str, int] = {}
+    in_code = False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        heading = None if in_code else re.match(r"#+\s+(.*)", line)
+        if heading:
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+            anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+            seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def test_links_in_readme_and_docs_point_to_files_and_headings_that_exist():
+    """README.md links into docs/ for everything it leaves out: every relative link of README.md and docs/*.md names a
+    file that exists, and a #fragment names a heading of that file."""
+    broken = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target, fragment in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", doc.read_text()):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path = (doc.parent / target) if target else doc
+            if not path.exists():
+                broken.append(f"{doc.name}: {target} (no such file)")
+            elif fragment and fragment not in heading_anchors(path):
+                broken.append(f"{doc.name}: {target}#{fragment} (no such heading)")
+    assert not broken, "\n".join(broken)
