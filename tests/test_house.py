@@ -1,0 +1,166 @@
+"""The rules of the house (docs/ARCHITECTURE.md), read off the source: the runtime never imports ``heads``, the import
+graph has no cycles, selfspec's layers import downwards only, no function outgrows a screen and a half, and imports
+inside functions are kept for optional heavy dependencies, each with its reason."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("selfspec", "heads")
+MAX_FUNCTION_LINES = 80
+
+LAYERS = {"selfspec.core": 0, "selfspec.drafts": 1, "selfspec.registry": 2, "selfspec.api": 3, "selfspec.testing": 3,
+          "selfspec.tools": 4, "selfspec": 5}
+"""selfspec's layers, lowest first: a module imports only from its own layer or lower ones (the package's own
+``__init__``, the public face, sits above them all)."""
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the two packages: dotted name -> file."""
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imports(path: Path, known: dict[str, Path]) -> list[tuple[str, int, bool, str]]:
+    """The project modules a file imports: (module, line, inside a function, the import's first source line). ``from
+    pkg import name`` imports ``pkg.name`` when that is a module, else ``pkg``."""
+    source = path.read_text()
+    lines = source.splitlines()
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            names: list[str] = []
+            if isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+                names = [f"{child.module}.{a.name}" if f"{child.module}.{a.name}" in known else child.module
+                         for a in child.names]
+            elif isinstance(child, ast.Import):
+                names = [a.name for a in child.names]
+            for name in names:
+                found.append((name, child.lineno, in_function, lines[child.lineno - 1]))
+            visit(child, inner)
+
+    visit(ast.parse(source), False)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {m: {name for name, *_ in imports(p, known) if name in known and name != m} for m, p in known.items()}
+
+
+def layer(module: str) -> int:
+    """The layer of ``module``: that of the longest prefix LAYERS names."""
+    return max((len(prefix), rank) for prefix, rank in LAYERS.items()
+               if module == prefix or module.startswith(prefix + "."))[1]
+
+
+def test_the_import_graph_has_no_cycles():
+    g = graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def walk(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(g[node]):
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                walk(nxt, path + [nxt])
+        state[node] = 2
+
+    for start in sorted(g):
+        if start not in state:
+            walk(start, [start])
+    assert cycles == [], "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_selfspec_never_imports_heads_and_its_layers_import_downwards():
+    g = graph()
+    upward = [(m, n) for m, targets in g.items() if m.startswith("selfspec") for n in targets
+              if n.split(".")[0] == "heads" or (n.startswith("selfspec") and layer(n) > layer(m))]
+    assert upward == []
+
+
+def test_imports_inside_functions_are_optional_heavy_dependencies_with_a_reason():
+    """No project module is imported inside a function (the graph says who needs whom), and any other import there
+    says why on its line (``# optional: ...``, ``# heavy: ...``)."""
+    known = modules()
+    project = [(p.relative_to(ROOT), line, name) for m, p in known.items() for name, line, inner, _ in imports(p, known)
+               if inner and name.split(".")[0] in PACKAGES]
+    unexplained = [(p.relative_to(ROOT), line, text.strip()) for m, p in known.items()
+                   for name, line, inner, text in imports(p, known)
+                   if inner and name.split(".")[0] not in PACKAGES and "#" not in text]
+    assert project == [] and unexplained == []
+
+
+def test_no_function_is_longer_than_a_screen_and_a_half():
+    long = []
+    for path in [*modules().values(), ROOT / "train.py", ROOT / "infer.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines)")
+    assert long == []
+
+
+def test_the_house_rules_catch_what_they_are_about(tmp_path, monkeypatch):
+    """The checks above fail on a cycle, an upward import and an unexplained import inside a function."""
+    pkg = tmp_path / "selfspec"
+    (pkg / "core").mkdir(parents=True)
+    (pkg / "tools").mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "core" / "__init__.py").write_text("")
+    (pkg / "tools" / "__init__.py").write_text("")
+    (pkg / "core" / "a.py").write_text("from selfspec.tools import b\n")
+    (pkg / "tools" / "b.py").write_text("from selfspec.core import a\n\n\ndef f():\n    import json\n")
+    (tmp_path / "heads").mkdir()
+    (tmp_path / "heads" / "__init__.py").write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    with pytest.raises(AssertionError, match="selfspec.core.a -> selfspec.tools.b -> selfspec.core.a"):
+        test_the_import_graph_has_no_cycles()
+    with pytest.raises(AssertionError):
+        test_selfspec_never_imports_heads_and_its_layers_import_downwards()
+    with pytest.raises(AssertionError):
+        test_imports_inside_functions_are_optional_heavy_dependencies_with_a_reason()
+
+
+def test_the_runtime_never_loads_heads(model_dir, tmp_path):
+    """Importing every selfspec module, and decoding with each built-in draft (prompt lookup, early exit, a layer-skip
+    checkpoint, a merge), leaves ``heads`` out of sys.modules; so does ``import selfspec.api`` alone."""
+    skip = tmp_path / "skip"
+    skip.mkdir()
+    (skip / "config.json").write_text(json.dumps({"draft_type": "layerskip", "base_model": "model",
+                                                  "num_hidden_layers": 2, "skip_layers": [1], "draft_depth": 3}))
+    script = textwrap.dedent(f"""
+        import importlib, pkgutil, sys
+        import selfspec.api
+        assert not any(m == "heads" or m.startswith("heads.") for m in sys.modules), "import selfspec.api"
+        import selfspec
+        for info in pkgutil.walk_packages(selfspec.__path__, "selfspec."):
+            importlib.import_module(info.name)
+        from selfspec import api
+        decoded = []
+        for draft in ("ngram", "early-exit:layer=1", {str(skip)!r}, "ngram+" + {str(skip)!r}):
+            m = api.load({str(model_dir)!r}, draft=draft)
+            decoded.append(len(m.generate("hello there", max_new_tokens=6).tokens))
+        loaded = sorted(m for m in sys.modules if m == "heads" or m.startswith("heads."))
+        print(decoded, loaded)
+        """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[6, 6, 6, 6] []"
