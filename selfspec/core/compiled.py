@@ -1,8 +1,8 @@
 """A target whose forward is compiled by ``torch.compile`` (inductor), for every caller at once.
 
-At batch size 1 a small model's forward is dominated by launching hundreds of small operators, not by arithmetic:
-on this project's 2-core CPU, SmolLM2-135M's plain decoding is ~1.2x faster compiled, in fp32 and bf16, and
-speculative decoding ~1.15x (BENCHMARKS §26). ``compile_forward`` replaces the model's ``forward`` by its compiled version on the instance, so
+At batch size 1 a small model's forward is dominated by launching hundreds of small operators, not by arithmetic, so
+compiling it pays (measured side by side: docs/BENCHMARKS.md, "A compiled target"). ``compile_forward`` replaces the
+model's ``forward`` by its compiled version on the instance, so
 selfspec's verifier and transformers' own ``generate`` (plain decoding, prompt lookup, ...) run the same compiled
 code: a speed-up measured side by side compares like with like, and greedy answers stay those of plain decoding with
 that same forward (the lossless guarantee is relative to the forward the target runs).
@@ -10,8 +10,7 @@ that same forward (the lossless guarantee is relative to the forward the target 
 Shapes are dynamic (``dynamic=True``): the cache length and a tree's node count vary from step to step without
 recompiling. A few graphs are compiled on first use (a prefill on an empty cache, one-token steps, trees with their
 mask, ``generate``'s own calls): minutes on a small CPU, at every start (inductor's on-disk cache spares only part of
-it: 7 minutes for one draft in bf16 on this project's CPU), so compiling pays for a server or a benchmark, not for one
-prompt.
+it), so compiling pays for a server or a benchmark, not for one prompt.
 Drafts that run the target's layers themselves (early exit, layer skipping) run them uncompiled.
 """
 

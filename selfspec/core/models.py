@@ -153,8 +153,8 @@ def looks_local(spec: str) -> bool:
 
 def unreachable_hub(repo_id: str, filename: str = "config.json", revision: str | None = None) -> str | None:
     """Why ``repo_id``'s ``filename`` cannot come from the Hub, where that is known at once: it is not in the Hub
-    cache and the Hub's host does not resolve (a machine without a network, where huggingface_hub would retry for
-    ~25 s a file before failing). None: it may (cached, or the host resolves)."""
+    cache and the Hub's host does not resolve (a machine without a network, where huggingface_hub would retry
+    a while for each file before failing). None: it may (cached, or the host resolves)."""
     from huggingface_hub import constants, try_to_load_from_cache
 
     try:

@@ -307,8 +307,9 @@ class _Job:
 class Session:
     """The served model and the line requests wait in: one worker thread decodes every request, in turn.
 
-    One thread, not the request's own: torch runs ~1.3x slower in a fresh thread for its first requests (measured
-    here, BENCHMARKS §18), and ThreadingHTTPServer gives every request a fresh thread."""
+    One thread, not the request's own: torch runs slower in a fresh thread for its first requests (measured:
+    docs/BENCHMARKS.md, "Stop strings and infer.py serve"), and ThreadingHTTPServer gives every request a fresh
+    thread."""
 
     def __init__(self, model: SpecModel, name: str, default_temperature: float = 0.0, default_max_tokens: int = 256,
                  api_key: str | None = None):
