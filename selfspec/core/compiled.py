@@ -33,7 +33,7 @@ def check_compilable(device: torch.device | str) -> None:
     """Fail now, saying what is missing, where inductor could not build kernels later: on CPU it needs a C++ compiler."""
     if torch.device(device).type != "cpu":
         return
-    from torch._inductor import cpp_builder
+    from torch._inductor import cpp_builder  # heavy: loads inductor (seconds), only when compiling
     try:
         cpp_builder.get_cpp_compiler()
     except Exception as err:  # InvalidCxxCompiler; its class lives in a private module

@@ -21,6 +21,7 @@ import urllib.parse
 from pathlib import Path
 
 import torch
+from huggingface_hub import constants, try_to_load_from_cache
 from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, PreTrainedModel,
                           PreTrainedTokenizerBase)
 
@@ -155,8 +156,6 @@ def unreachable_hub(repo_id: str, filename: str = "config.json", revision: str |
     """Why ``repo_id``'s ``filename`` cannot come from the Hub, where that is known at once: it is not in the Hub
     cache and the Hub's host does not resolve (a machine without a network, where huggingface_hub would retry
     a while for each file before failing). None: it may (cached, or the host resolves)."""
-    from huggingface_hub import constants, try_to_load_from_cache
-
     try:
         if isinstance(try_to_load_from_cache(repo_id, filename, revision=revision), str):
             return None
