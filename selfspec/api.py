@@ -29,16 +29,17 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
-from transformers import AutoConfig, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.streamers import BaseStreamer
 
 from selfspec import registry
+from selfspec.base_check import check_drafts
 
 from selfspec.core import processors
 from selfspec.core.drafter import Drafter, verifier_for
 from selfspec.core.generate import check_request, stream as spec_stream
 from selfspec.core.logprobs import TokenLogprob, token_logprobs
-from selfspec.core.models import BUILTIN, DEFAULT_MODEL, _refuse_remote_code, load_model, resolve
+from selfspec.core.models import DEFAULT_MODEL, load_model
 from selfspec.core.request import GenerationOptions, options_from, split_options
 from selfspec.core.sampling import PresencePenalty, Sampling
 from selfspec.core.stopping import stop_strings
@@ -420,45 +421,6 @@ class _Request:
     min_new_tokens: int
 
 
-@dataclass(frozen=True)
-class TargetInfo:
-    """What a model's config says, read without loading any weights."""
-
-    hidden_sizes: tuple[int, ...]
-    """the width of its layers, and of the LM head's input where the config says it differs (OPT's
-    word_embed_proj_dim): a draft's hidden_size is one of them."""
-    vocab_size: int
-    num_layers: int
-    aliases: tuple[str, ...]
-    """other names of the model (its directory, the Hub id of a built-in)."""
-
-
-def target_info(model: str, revision: str | None = None, trust_remote_code: bool = False) -> TargetInfo:
-    location, gguf = resolve(model)
-    kwargs: dict[str, Any] = {"revision": revision} if revision else {}
-    if gguf:
-        kwargs["gguf_file"] = gguf
-    try:
-        cfg = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code, **kwargs).get_text_config()
-    except ValueError as err:
-        _refuse_remote_code(model, err)
-        raise
-    aliases = (location, BUILTIN[model]["hub_id"]) if model in BUILTIN else (location,)
-    widths = (int(cfg.hidden_size), int(getattr(cfg, "word_embed_proj_dim", None) or cfg.hidden_size))
-    return TargetInfo(tuple(dict.fromkeys(widths)), int(cfg.vocab_size), int(cfg.num_hidden_layers), aliases)
-
-
-def check_drafts(model: str, drafts: Sequence[registry.DraftSpec], revision: str | None = None,
-                 allow_other_base: bool = False, trust_remote_code: bool = False) -> None:
-    """Refuse draft checkpoints trained for another model, from the configs alone."""
-    if not any(d.location or d.parts for d in drafts):
-        return
-    info = target_info(model, revision, trust_remote_code)
-    for d in drafts:
-        registry.check_base(d, model, info.hidden_sizes, info.vocab_size, info.aliases,
-                            allow_other_base=allow_other_base, revision=revision)
-
-
 def load(model: str = DEFAULT_MODEL, draft: str = "ngram", dtype: str | torch.dtype = "float32",
          tree: str | Tree | None = None, device: str = "cpu", revision: str | None = None,
          draft_revision: str | None = None, allow_other_base: bool = False,
@@ -467,12 +429,10 @@ def load(model: str = DEFAULT_MODEL, draft: str = "ngram", dtype: str | torch.dt
     before any weights are loaded (a draft for another base model fails here, fast). trust_remote_code: let a model
     that ships its own Python code run it (off: such a model is refused). compile: compile the target's forward
     (``selfspec.core.compiled``; ``generate_plain`` runs the same compiled forward)."""
-    spec = registry.parse_draft(draft, revision=draft_revision)
-    if tree != "auto":
-        tree = registry.parse_tree(tree) if isinstance(tree, str) else tree  # a bad tree fails before any loading
+    spec = registry.parse_draft(draft, draft_revision, tree)  # a bad draft or tree fails before any loading
     check_drafts(model, [spec], revision, allow_other_base, trust_remote_code)
     hf_model, tokenizer = load_model(model, dtype=dtype, revision=revision, device=device,
                                      trust_remote_code=trust_remote_code, compile=compile)
     target = Target(hf_model)
-    tree_obj = registry.resolve_tree(tree, spec, target, model)
-    return SpecModel(target, tokenizer, registry.build_drafter(spec, target, tree_obj), name=model, tree=tree_obj)
+    resolved = registry.resolve_tree(spec.tree, spec, target, model)  # 'auto': the tree tuned for this machine
+    return SpecModel(target, tokenizer, registry.build(spec, target, model, resolved), name=model, tree=resolved)

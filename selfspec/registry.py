@@ -1,4 +1,14 @@
-"""What a user's ``--draft`` and ``--tree`` strings turn into, checked before any model is loaded.
+"""The one place a draft spec becomes a drafter: ``--draft`` / ``--tree`` strings parsed and checked before any model is
+loaded, then built on the loaded target.
+
+    1. parse    ``parse_draft`` (a ``--draft``, with a ``--tree``), ``parse_draft_at`` ('DRAFT@TREE': bench methods,
+                costs' --loop-draft, policy arms), ``split_drafts`` (comma-separated lists of them) -> DraftSpec,
+                model-free: a checkpoint's config.json is read, no weights; a bad tree, or one the draft cannot take,
+                fails here
+    2. check    ``selfspec.base_check.check_drafts``: draft checkpoints trained for another base model are refused,
+                from the target's config alone
+    3. build    ``build``: the tree resolved ('auto': what ``infer.py tune-tree`` cached for this machine,
+                ``selfspec.tuned``), the drafter constructed on the target
 
 ``--draft`` accepts:
 
@@ -17,7 +27,7 @@
   (``ngram+runs/eagle_head+skip_after=3``: the head rests while prompt lookup is copying)
 
 ``--tree`` accepts ``chain:K``, ``full:3,2,1`` (children per level), Medusa-style JSON choices ``[[0], [0, 0], [1]]``
-or a ``.json`` file holding such a list.
+or a ``.json`` file holding such a list, ``dynamic:N`` / ``dynamic:N,depth=D``, and ``auto``.
 """
 
 from __future__ import annotations
@@ -25,17 +35,24 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Callable
 
+from huggingface_hub import hf_hub_download
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
+
+from selfspec import tuned
 from selfspec.core.drafter import Drafter, NoDrafter
 from selfspec.core.files import read_json_object
 from selfspec.core.models import looks_local, unreachable_hub
-from selfspec.drafts.ngram import NGramDrafter
 from selfspec.core.target import Target
 from selfspec.core.tree import DynamicTree, Tree
+from selfspec.drafts.early_exit import EarlyExitDrafter
+from selfspec.drafts.merge import MergedDrafter
+from selfspec.drafts.ngram import NGramDrafter
+from selfspec.drafts.policy import PolicyDrafter, read_policy
 
 ENTRY_POINT_GROUP = "selfspec.drafters"
 MERGE_OPTION = re.compile(r"skip_after=\d+")  # a trailing option of 'A+B': '+skip_after=3'  (merge.MergedDrafter)
@@ -46,11 +63,15 @@ ACCEPTED = (
     "'early-exit:layer=E' (optional keys depth, stop_below), "
     "or a local directory / Hub id of a draft checkpoint whose config.json has \"draft_type\""
 )
+TreeArg = str | Tree | DynamicTree | None
+"""a --tree: its string ('chain:3', 'dynamic:16', 'auto', ...), a Tree or a DynamicTree; None: the draft's own."""
 
 
+# ------------------------------------------------------------------------------------------------------ 1. parse
 @dataclass(frozen=True)
 class DraftSpec:
-    """A parsed ``--draft``: what kind of drafter, where its checkpoint is, and what its config.json says."""
+    """A parsed ``--draft``: what kind of drafter, where its checkpoint is, what its config.json says, and the tree it
+    is to draft (validated, unresolved: 'auto' stays 'auto' until a target is loaded)."""
 
     kind: str
     """'none', 'ngram', or a checkpoint's draft_type."""
@@ -61,11 +82,25 @@ class DraftSpec:
     revision: str | None = None
     parts: tuple["DraftSpec", ...] = ()
     """for kind 'merged' (``A+B``): the drafts whose trees are merged, the first one taking ``--tree``."""
+    tree: TreeArg = None
+    """its --tree ('DRAFT@TREE', or ``parse_draft``'s tree); None: the drafter's or checkpoint's own."""
 
     @property
     def label(self) -> str:
         """A short name for file names and tables: 'none', 'ngram' or 'ngram:depth=6' (the options as given, so two
-        configurations never share a name), the checkpoint's directory name, or 'A+B' of the parts' labels."""
+        configurations never share a name), the checkpoint's directory name, or 'A+B' of the parts' labels; then
+        '@TREE' where it has a --tree string ('DRAFT@TREE')."""
+        return self._name + (f"@{self.tree}" if isinstance(self.tree, str) else "")
+
+    @property
+    def text(self) -> str:
+        """The ``--draft`` string that parses to this spec (a checkpoint by its directory or Hub id), without its tree."""
+        if self.parts:
+            return "+".join([p.text for p in self.parts] + [f"{k}={v}" for k, v in self.config.items()])
+        return self.location or self._name
+
+    @property
+    def _name(self) -> str:
         if self.parts:
             return "+".join([p.label for p in self.parts] + [f"{k}={v}" for k, v in self.config.items()])
         if self.location is None:
@@ -73,23 +108,8 @@ class DraftSpec:
             return f"{self.kind}:{options}" if options else self.kind
         return Path(self.location.rstrip("/")).name or self.kind
 
-    @property
-    def text(self) -> str:
-        """The ``--draft`` string that parses to this spec (a checkpoint by its directory or Hub id)."""
-        if self.parts:
-            return "+".join([p.text for p in self.parts] + [f"{k}={v}" for k, v in self.config.items()])
-        return self.location or self.label
-
-
-def drafter_loaders() -> dict[str, Any]:
-    """The registered checkpoint loaders: entry-point name -> EntryPoint (not imported yet)."""
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
-
 
 def _read_hub_config(repo_id: str, revision: str | None) -> dict[str, Any]:
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
-
     if reason := unreachable_hub(repo_id, "config.json", revision):
         raise FileNotFoundError(f"--draft {repo_id!r} is not a local directory, and its config.json cannot come from "
                                 f"the Hub: {reason}. Expected {ACCEPTED}.")
@@ -103,39 +123,42 @@ def _read_hub_config(repo_id: str, revision: str | None) -> dict[str, Any]:
     return read_json_object(Path(path), f"the config.json of Hub repo {repo_id}")
 
 
+def _options(what: str, text: str, keys: dict[str, type]) -> dict[str, Any]:
+    """'depth=8,max_nodes=24' -> {'depth': 8, 'max_nodes': 24} for the keys ``keys`` names, of the types it gives;
+    unknown keys and values of another type fail naming ``what``."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in keys:
+            raise ValueError(f"bad {what} option {item!r}: expected key=value with key one of {', '.join(keys)}")
+        try:
+            out[key] = keys[key](value)
+        except ValueError:
+            kind = "an integer" if keys[key] is int else "a number"
+            raise ValueError(f"{what} option {key} must be {kind}, found {value!r}") from None
+    return out
+
+
 def parse_ngram(options: str) -> dict[str, int]:
     """'depth=8,max_nodes=24' -> {'depth': 8, 'max_nodes': 24}; unknown keys and non-integers fail."""
-    out: dict[str, int] = {}
-    for item in filter(None, (s.strip() for s in options.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or key not in NGRAM_KEYS:
-            raise ValueError(f"bad n-gram option {item!r}: expected key=value with key one of {', '.join(NGRAM_KEYS)}")
-        try:
-            out[key] = int(value)
-        except ValueError:
-            raise ValueError(f"n-gram option {key} must be an integer, found {value!r}") from None
+    out = _options("n-gram", options, dict.fromkeys(NGRAM_KEYS, int))
     NGramDrafter(**out)  # validates the ranges now, not after the model is loaded
     return out
 
 
 def parse_early_exit(options: str) -> dict[str, Any]:
     """'layer=15,depth=4,stop_below=0.3' -> {'layer': 15, 'depth': 4, 'stop_below': 0.3}; layer is required."""
-    out: dict[str, Any] = {}
-    for item in filter(None, (s.strip() for s in options.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or key not in EARLY_EXIT_KEYS:
-            raise ValueError(f"bad early-exit option {item!r}: expected key=value with key one of {', '.join(EARLY_EXIT_KEYS)}")
-        try:
-            out[key] = EARLY_EXIT_KEYS[key](value)
-        except ValueError:
-            raise ValueError(f"early-exit option {key} must be a{'n integer' if EARLY_EXIT_KEYS[key] is int else ' number'}, found {value!r}") from None
+    out = _options("early-exit", options, EARLY_EXIT_KEYS)
     if "layer" not in out:
         raise ValueError("early-exit needs the exit layer: --draft early-exit:layer=E with 1 <= E < the number of layers")
     return out
 
 
-def parse_draft(spec: str, revision: str | None = None) -> DraftSpec:
-    """Parse and validate a ``--draft`` string, reading a checkpoint's config.json but no weights."""
+def parse_draft(spec: str, revision: str | None = None, tree: TreeArg = None) -> DraftSpec:
+    """Parse and validate a ``--draft`` string, reading a checkpoint's config.json but no weights; with ``tree`` (its
+    --tree), the tree too, and that the draft can take it."""
+    if tree is not None and tree != "":
+        return with_tree(parse_draft(spec, revision), tree)
     if "+" in spec and not Path(spec).expanduser().exists():
         pieces = spec.split("+")
         options = {}
@@ -181,52 +204,32 @@ def parse_draft(spec: str, revision: str | None = None) -> DraftSpec:
     return DraftSpec(kind=draft_type, location=location, config=config, revision=revision)
 
 
-def _norm(name: str) -> str:
-    return name.rstrip("/").split("/")[-1].lower()
+def parse_draft_at(text: str, revision: str | None = None) -> DraftSpec:
+    """'DRAFT' or 'DRAFT@TREE' (a bench method, costs' --loop-draft, a policy arm): the draft as ``--draft`` takes it,
+    with TREE as its ``--tree``, both validated."""
+    draft, _, tree = text.partition("@")
+    return parse_draft(draft, revision, tree or None)
 
 
-def _same_revision(a: str | None, b: str | None) -> bool:
-    """Hub revisions that name the same thing without asking the Hub: equal (None is 'main'), or a commit hash and
-    its abbreviation."""
-    a, b = (a or "main").lower(), (b or "main").lower()
-    hashes = all(len(r) >= 7 and all(c in "0123456789abcdef" for c in r) for r in (a, b))
-    return a == b or (hashes and (a.startswith(b) or b.startswith(a)))
+_OPTION = re.compile(r"[a-z_]+=[\w.\-]+([+@].*)?")  # 'max_nodes=8', 'depth=3', 'max_nodes=8@auto', 'max_nodes=8+runs/h'
 
 
-def check_base(spec: DraftSpec, model_name: str, hidden_sizes: tuple[int, ...], vocab_size: int,
-               aliases: tuple[str, ...] = (), allow_other_base: bool = False, revision: str | None = None) -> None:
-    """Refuse a checkpoint trained for another model, or for another Hub revision of it. model_name and aliases name
-    the target, revision its Hub revision (None: main); sizes are its own (hidden_sizes: its layers' width, and its
-    LM head's input width where that differs)."""
-    for part in spec.parts:
-        check_base(part, model_name, hidden_sizes, vocab_size, aliases, allow_other_base, revision)
-    if spec.location is None:
-        return
-    cfg = spec.config
-    base = cfg.get("base_model")
-    for key, found in (("hidden_size", hidden_sizes), ("vocab_size", (vocab_size,))):
-        want = cfg.get(key)
-        if want is not None and want not in found:
-            raise ValueError(
-                f"these heads were trained for {base or 'another model'} with {key} {want}, but the target "
-                f"{model_name} has {key} {' or '.join(map(str, found))}: pass the model they were trained for "
-                f"(--model {base or '...'})"
-            )
-    names = {_norm(n) for n in (model_name, *aliases) if n}
-    if base and not allow_other_base and _norm(base) not in names:
-        raise ValueError(
-            f"these heads were trained for {base}, but the target is {model_name}: pass --model {base}, "
-            f"or allow_other_base=True (--allow-other-base) if {model_name} is a copy of the same model"
-        )
-    trained_at = cfg.get("base_revision")
-    if base and trained_at and not allow_other_base and not _same_revision(trained_at, revision):
-        raise ValueError(
-            f"these heads were trained for {base} at revision {trained_at}, but the target is at revision "
-            f"{revision or 'main'}: pass --revision {trained_at}, or allow_other_base=True (--allow-other-base) if "
-            f"the two revisions hold the same weights"
-        )
+def split_drafts(text: str) -> tuple[str, ...]:
+    """A comma-separated list of drafts ('DRAFT@TREE' allowed) or bench methods:
+    'plain,ngram:depth=6,max_nodes=8,runs/h@dynamic:12,depth=3' -> ('plain', 'ngram:depth=6,max_nodes=8',
+    'runs/h@dynamic:12,depth=3'): a bare 'key=value' piece is an option of the one before it, not a draft."""
+    out: list[str] = []
+    for piece in (s.strip() for s in text.split(",")):
+        if not piece:
+            continue
+        if out and _OPTION.fullmatch(piece):
+            out[-1] += "," + piece
+        else:
+            out.append(piece)
+    return tuple(out)
 
 
+# ------------------------------------------------------------------------------------------------------ 2. trees
 MAX_TREE_NODES = 1024
 """the most draft nodes a --tree may verify a step: every step verifies them all, as a prompt that long would cost
 (BENCHMARKS §1: 64 nodes already cost 2.5× a one-token step on a 2-core CPU); the trees that pay hold 4-64."""
@@ -284,51 +287,26 @@ def parse_tree(spec: str | None) -> Tree | DynamicTree | None:
     raise ValueError(f"unknown --tree {spec!r}: {forms}")
 
 
-def resolve_tree(tree: str | Tree | DynamicTree | None, spec: DraftSpec, target: Target,
-                 model_id: str) -> Tree | DynamicTree | None:
+def resolve_tree(tree: TreeArg, spec: DraftSpec, target: Target, model_id: str) -> Tree | DynamicTree | None:
     """A --tree value for ``spec`` on ``target``: 'auto' is the (budget, depth) that ``infer.py tune-tree`` measured
-    fastest for this draft, target, dtype and machine (selfspec/tools/budget.py); anything else as ``parse_tree``. For a
-    merged draft, the tree of its first part."""
-    if spec.parts:
-        part = tree_part(spec)
-        if tree == "auto" and part.kind in TUNABLE_KINDS:  # the budget tuned for this merge, else for the part alone
-            from selfspec.tools.budget import load_tuned, merge_stamp
-
-            try:
-                return load_tuned(part.location, target, model_id, part.revision, merged=merge_stamp(spec, part))
-            except FileNotFoundError:
-                pass
-            try:
-                return resolve_tree(tree, part, target, model_id)
-            except FileNotFoundError as err:
-                raise FileNotFoundError(f"{err}, or tune it inside this merge: `python infer.py tune-tree --draft "
-                                        f"{spec.text} ...`") from None
-        return resolve_tree(tree, part, target, model_id)
+    fastest for this draft, target (``model_id``), dtype and machine (``tuned.auto_tree``); anything else as
+    ``parse_tree``. For a merged draft, the tree of its first checkpoint part."""
     if tree == "auto":
-        if spec.kind == "ngram":  # prompt lookup's depth and max_nodes, tuned by tune_lookup
-            from selfspec.tools.budget import check_untuned, load_tuned, lookup_name
+        return tuned.auto_tree(spec, target, model_id, tree_part(spec) if spec.parts else None)
+    _check_tree_type(tree)
+    return parse_tree(tree) if isinstance(tree, str) else tree
 
-            check_untuned(spec, "--tree auto")
-            return load_tuned(lookup_name(spec), target, model_id)
-        if spec.kind not in TUNABLE_KINDS:
-            raise ValueError(f"--tree auto is for drafts whose tree budget infer.py tune-tree can tune "
-                             f"({', '.join(TUNABLE_KINDS)}, ngram); --draft {spec.kind} takes a --tree of its own")
-        from selfspec.tools.budget import load_tuned
 
-        return load_tuned(spec.location, target, model_id, spec.revision)
+def _check_tree_type(tree: Any) -> None:
     if not (tree is None or isinstance(tree, (str, Tree, DynamicTree))):
         raise TypeError(f"tree: expected a --tree string ('chain:3', 'dynamic:16', 'auto', ...), a Tree or a "
                         f"DynamicTree, found {type(tree).__name__} {tree!r:.60}")
-    return parse_tree(tree) if isinstance(tree, str) else tree
 
 
 def tree_part(spec: DraftSpec) -> DraftSpec:
     """The part of a merged draft that --tree applies to: its first checkpoint (else its first part)."""
     return next((p for p in spec.parts if p.location is not None), spec.parts[0])
 
-
-TUNABLE_KINDS = ("eagle", "medusa", "hydra", "exit-head", "layerskip")
-"""drafters that grow their tree by score under a budget and a depth, and report the scores (infer.py tune-tree)."""
 
 DYNAMIC_TREE_KINDS = ("medusa", "eagle", "hydra", "early-exit", "exit-head", "layerskip")
 """drafters that grow a tree per step from their candidates' probabilities (--tree dynamic:N)."""
@@ -358,11 +336,23 @@ def check_tree_applies(spec: DraftSpec, tree: Tree | DynamicTree | None) -> None
                          "tree such as chain:4")
 
 
+def with_tree(spec: DraftSpec, tree: TreeArg) -> DraftSpec:
+    """``spec`` to draft ``tree``, refused now if the draft cannot take it ('auto' is checked once a target is loaded)."""
+    _check_tree_type(tree)
+    if tree != "auto":
+        check_tree_applies(spec, parse_tree(tree) if isinstance(tree, str) else tree)
+    return replace(spec, tree=tree)
+
+
+# ------------------------------------------------------------------------------------------------------ 3. build
+def drafter_loaders() -> dict[str, Any]:
+    """The registered checkpoint loaders: entry-point name -> EntryPoint (not imported yet)."""
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
 def build_drafter(spec: DraftSpec, target: Target, tree: Tree | DynamicTree | None = None) -> Drafter:
     """Construct the drafter a DraftSpec names, for this target (loads the checkpoint's weights, if any)."""
     if spec.parts:
-        from selfspec.drafts.merge import MergedDrafter
-
         takes_tree = tree_part(spec)
         return MergedDrafter([build_drafter(p, target, tree if p is takes_tree else None) for p in spec.parts],
                              skip_after=spec.config.get("skip_after"))
@@ -372,8 +362,6 @@ def build_drafter(spec: DraftSpec, target: Target, tree: Tree | DynamicTree | No
     if spec.kind == "none":
         return NoDrafter()
     if spec.kind == "early-exit":
-        from selfspec.drafts.early_exit import EarlyExitDrafter
-
         opts = dict(spec.config)
         return EarlyExitDrafter(target, opts.pop("layer"), tree=tree, **opts)
     entry = drafter_loaders()[spec.kind]
@@ -385,3 +373,22 @@ def build_drafter(spec: DraftSpec, target: Target, tree: Tree | DynamicTree | No
     if not isinstance(drafter, Drafter):
         raise TypeError(f"{entry.value} returned {type(drafter).__name__}, expected a selfspec Drafter (draft + update)")
     return drafter
+
+
+def build(spec: str | DraftSpec, target: Target, model_id: str, tree: TreeArg = None,
+          revision: str | None = None) -> Drafter:
+    """The drafter ``spec`` names, on ``target`` (``model_id``: the name the target was loaded by, which tuned trees
+    are cached under): a string is parsed as ``parse_draft_at`` (at ``revision``); its tree is ``tree`` where given,
+    else the spec's own, resolved ('auto': tune-tree's for this machine) before the drafter is built."""
+    if isinstance(spec, str):
+        spec = parse_draft_at(spec, revision)
+    resolved = resolve_tree(spec.tree if tree is None else tree, spec, target, model_id)
+    return build_drafter(spec, target, resolved)
+
+
+def load_policy(path_or_repo_id: str | Path, target: Target, revision: str | None = None,
+                tree: TreeArg = None) -> PolicyDrafter:
+    """Entry point ``policy`` of ``selfspec.drafters``: a local policy directory (``selfspec.drafts.policy``); each arm
+    is built as ``--draft`` builds it (``DRAFT@TREE``: the arm's own tree, 'auto' as tuned for this machine)."""
+    policy = read_policy(path_or_repo_id, target, tree)
+    return PolicyDrafter(policy, [build(arm, target, policy.base_model) for arm in policy.arms])

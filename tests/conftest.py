@@ -125,7 +125,7 @@ def random_prompts(n: int, vocab: int, seed: int, min_len: int = 3, max_len: int
     return prompts
 
 
-class Recording:
+class Recording(Drafter):
     """Wraps a drafter and keeps every (draft, acceptance) pair and the loop's cache, for assertions."""
 
     def __init__(self, inner: Drafter):

@@ -210,9 +210,9 @@ def test_methods_parse():
 
 
 def test_method_lists_keep_options_with_their_method():
-    from selfspec.tools.cli import _split
+    from selfspec.registry import split_drafts
 
-    assert _split("plain, ngram:depth=6,max_nodes=8,runs/h@dynamic:12,depth=3,runs/e+ngram:depth=6,max_nodes=8@auto,aee") \
+    assert split_drafts("plain, ngram:depth=6,max_nodes=8,runs/h@dynamic:12,depth=3,runs/e+ngram:depth=6,max_nodes=8@auto,aee") \
         == ("plain", "ngram:depth=6,max_nodes=8", "runs/h@dynamic:12,depth=3", "runs/e+ngram:depth=6,max_nodes=8@auto",
             "aee")
 

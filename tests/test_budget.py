@@ -16,7 +16,7 @@ from fake_clock import FakeClock
 
 from heads.eagle import EagleConfig, EagleHead
 from heads.eagle_drafter import EagleDrafter
-from selfspec import registry
+from selfspec import registry, tuned
 from selfspec.tools import budget
 import selfspec.core.generate as generate_module
 from selfspec.core.generate import generate
@@ -193,7 +193,7 @@ def test_tune_caches_costs_and_the_best_tree_for_tree_auto(setup, tmp_path, monk
     tuning = budget.tune(target, lambda d, n: EagleDrafter(head, d, 3, n), random_prompts(3, VOCAB, seed=5), curve,
                          depths=(2, 4), budgets=(2, 8), max_new_tokens=12)
     assert len(tuning.table) == 4 and tuning.best == max(tuning.table, key=lambda c: c.tokens_per_s)
-    path = budget.save_tuned(str(tmp_path / "eagle"), target, "tiny", tuning)
+    path = tuned.save_tuned(str(tmp_path / "eagle"), target, "tiny", tuning)
     assert json.loads(path.read_text())["best"]["budget"] == tuning.best.budget
     spec = registry.parse_draft(str(tmp_path / "eagle"))
     tree = registry.resolve_tree("auto", spec, target, "tiny")

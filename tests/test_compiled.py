@@ -72,7 +72,7 @@ def test_no_cpp_compiler_is_told_before_anything_loads():
 
 def test_tuning_and_bench_runs_keep_compiled_targets_apart():
     from selfspec.tools.bench import BenchConfig, _manifest, parse_methods
-    from selfspec.tools.budget import machine_key
+    from selfspec.tuned import machine_key
 
     model = tiny_model("llama")
     plain_key = machine_key(Target(model), "tiny")

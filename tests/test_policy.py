@@ -120,6 +120,24 @@ def test_checkpoint_round_trip_is_exact_and_loading_is_strict(tmp_path):
         Policy(arms=("ngram",), ridge=policy.ridge, base_model="tiny", hidden_size=4, vocab_size=96, dtype="float32")
 
 
+def test_a_saved_policy_loads_as_a_draft_with_each_arm_built_by_the_registry(model_dir, tmp_path):
+    """--draft POLICY_DIR goes through the registry's entry point (selfspec.registry.load_policy): each arm is built as
+    --draft builds it, 'DRAFT@TREE' with its own tree; a --tree for the policy itself is refused."""
+    from selfspec import api
+
+    plain = api.load(str(model_dir), draft="none")
+    policy = _length_policy(plain.target.hidden_size, threshold=10.5)
+    Policy(arms=("ngram:depth=1", "ngram@dynamic:6,depth=2"), ridge=policy.ridge, base_model=str(model_dir),
+           hidden_size=policy.hidden_size, vocab_size=plain.target.vocab_size, dtype="float32",
+           measured=policy.measured).save_pretrained(tmp_path / "policy")
+    loaded = api.load(str(model_dir), draft=str(tmp_path / "policy"))
+    assert isinstance(loaded.drafter, PolicyDrafter)
+    assert [(d.depth, d.max_nodes) for d in loaded.drafter.drafters] == [(1, NGramDrafter().max_nodes), (2, 6)]
+    assert loaded.generate("hello there", max_new_tokens=8).tokens == plain.generate("hello there", max_new_tokens=8).tokens
+    with pytest.raises(ValueError, match="--tree does not apply to a policy"):
+        api.load(str(model_dir), draft=str(tmp_path / "policy"), tree="chain:2")
+
+
 def test_fit_policy_learns_from_a_bench_run_and_runs_as_a_bench_method(model_dir, tmp_path, capsys):
     questions = tmp_path / "q.jsonl"
     prompts = ["Write about the sea.", "the quick brown fox", "Hello, how are you today?", "abc abc abc abc",

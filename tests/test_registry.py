@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from selfspec import api, registry
+from selfspec import api, base_check, registry
 from selfspec.core.drafter import NoDrafter
 from selfspec.drafts.ngram import NGramDrafter
 from selfspec.core.tree import DynamicTree, Tree
@@ -72,15 +72,15 @@ def test_check_base():
     spec = registry.DraftSpec(kind="medusa", location="/x/heads",
                               config={"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "hidden_size": 576,
                                       "vocab_size": 49152})
-    registry.check_base(spec, "smollm2-135m-instruct", (576,), 49152)  # the built-in's name matches the Hub id's
+    base_check.check_base(spec, "smollm2-135m-instruct", (576,), 49152)  # the built-in's name matches the Hub id's
     with pytest.raises(ValueError, match="trained for HuggingFaceTB/SmolLM2-135M-Instruct with hidden_size 576, but the "
                                          "target /m/tiny has hidden_size 64"):
-        registry.check_base(spec, "/m/tiny", (64,), 49152)
+        base_check.check_base(spec, "/m/tiny", (64,), 49152)
     with pytest.raises(ValueError, match="trained for HuggingFaceTB/SmolLM2-135M-Instruct, but the target is /m/copy"):
-        registry.check_base(spec, "/m/copy", (576,), 49152)
-    registry.check_base(spec, "/m/copy", (576,), 49152, allow_other_base=True)
+        base_check.check_base(spec, "/m/copy", (576,), 49152)
+    base_check.check_base(spec, "/m/copy", (576,), 49152, allow_other_base=True)
     # a target whose LM head reads another width than its layers (OPT-350m): heads of either width pass
-    registry.check_base(spec, "smollm2-135m-instruct", (1024, 576), 49152)
+    base_check.check_base(spec, "smollm2-135m-instruct", (1024, 576), 49152)
 
 
 @pytest.mark.parametrize("trained_at, target_at, same", [
@@ -92,7 +92,7 @@ def test_check_base_compares_hub_revisions(trained_at, target_at, same):
     """Heads trained for one revision of a Hub model are refused on another (its weights may differ), unless told."""
     spec = registry.DraftSpec(kind="medusa", location="/x/heads",
                               config={"base_model": "me/model", "base_revision": trained_at, "hidden_size": 64})
-    check = functools.partial(registry.check_base, spec, "me/model", (64,), 100, revision=target_at)
+    check = functools.partial(base_check.check_base, spec, "me/model", (64,), 100, revision=target_at)
     if same:
         check()
         return

@@ -241,11 +241,9 @@ class PolicyDrafter(Drafter):
         self.drafters[self.arm].update(draft, acceptance)
 
 
-def load_drafter(path_or_repo_id: str | Path, target, revision: str | None = None, tree=None) -> PolicyDrafter:
-    """Entry point ``policy`` of ``selfspec.drafters``: a local policy directory; each arm is built as
-    ``--draft`` builds it (``DRAFT@TREE``: the arm's own tree, 'auto' as tuned for this machine)."""
-    from selfspec import registry
-
+def read_policy(path_or_repo_id: str | Path, target, tree=None) -> Policy:
+    """The policy in a local directory, checked against ``target`` before its arms are built (its loader,
+    ``selfspec.registry.load_policy``, builds each arm as ``--draft`` builds it)."""
     if tree is not None:
         raise ValueError("--tree does not apply to a policy: each arm carries its own tree ('DRAFT@TREE' in its arms)")
     if not Path(str(path_or_repo_id)).expanduser().is_dir():
@@ -256,10 +254,4 @@ def load_drafter(path_or_repo_id: str | Path, target, revision: str | None = Non
     if d != policy.hidden_size:
         raise ValueError(f"this policy was fitted on {policy.base_model} (hidden size {policy.hidden_size}), but the "
                          f"target's hidden size is {d}: fit a policy for this model (infer.py fit-policy)")
-    drafters = []
-    for arm in policy.arms:
-        spec, _, arm_tree = arm.partition("@")
-        draft = registry.parse_draft(spec)
-        resolved = registry.resolve_tree(arm_tree or None, draft, target, policy.base_model)
-        drafters.append(registry.build_drafter(draft, target, resolved))
-    return PolicyDrafter(policy, drafters)
+    return policy

@@ -29,6 +29,7 @@ import sys
 import time
 import zlib
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,8 @@ from tqdm import tqdm
 from selfspec import registry
 
 from selfspec.tools import specbench
-from selfspec.api import Result, SpecModel, check_drafts, target_info
+from selfspec.api import Result, SpecModel
+from selfspec.base_check import check_drafts, target_info
 from selfspec.core.files import atomic_write
 from selfspec.tools.bench_log import BenchLog
 from selfspec.core.drafter import NoDrafter
@@ -145,9 +147,8 @@ class Method:
     hf_kwargs: dict[str, Any] | None = None
     """for transformers methods: extra ``model.generate`` arguments (plain: {})."""
     draft: registry.DraftSpec | None = None
-    """for selfspec methods: the parsed --draft."""
-    tree: str | None = None
-    """for selfspec methods: a --tree for the draft ('DRAFT@TREE', e.g. 'runs/heads@dynamic:32'); None: its own."""
+    """for selfspec methods: the parsed --draft, with its tree ('DRAFT@TREE', e.g. 'runs/heads@dynamic:32'; None:
+    its own)."""
 
 
 def _option(spec: str, name: str) -> int | None:
@@ -188,23 +189,18 @@ def parse_methods(specs: tuple[str, ...], num_layers: int, revision: str | None 
 def draft_method(spec: str, revision: str | None = None) -> Method:
     """A selfspec draft as a bench method: 'DRAFT' or 'DRAFT@TREE' (the same draft with another tree), validated and
     labelled (config.json read, no weights)."""
-    draft_spec, _, tree = spec.partition("@")
     try:  # a bad draft or tree, or a tree the draft cannot take, fails here, before any model loads
-        draft = registry.parse_draft(draft_spec, revision=revision)
-        if tree and tree != "auto":
-            registry.check_tree_applies(draft, registry.parse_tree(tree))
+        draft = registry.parse_draft_at(spec, revision=revision)
     except (ValueError, FileNotFoundError) as err:
         raise type(err)(f"method {spec!r}: {err} (a method is plain, pld[:N], aee[:E], or a draft as infer.py --draft "
                         f"takes it, with @TREE for another --tree)") from None
-    return Method(f"{draft.label}@{tree}" if tree else draft.label, draft=draft, tree=tree or None)
+    return Method(draft.label, draft=draft)
 
 
 def _runner(method: Method, target: Target, tokenizer: Any, model_name: str,
             repetition_penalty: float | None = None, tree_spec: str | None = None) -> SpecModel:
-    """tree_spec: the --tree to decode with, if not ``method.tree`` (what its 'auto' stands for in this run)."""
-    tree_spec = tree_spec or method.tree
-    tree = registry.resolve_tree(tree_spec, method.draft, target, model_name) if tree_spec else None
-    drafter = registry.build_drafter(method.draft, target, tree) if method.draft is not None else NoDrafter()
+    """tree_spec: the --tree to decode with, if not the method's own (what its 'auto' stands for in this run)."""
+    drafter = NoDrafter() if method.draft is None else registry.build(method.draft, target, model_name, tree_spec)
     return SpecModel(target, tokenizer, drafter, name=model_name, repetition_penalty=repetition_penalty)
 
 
@@ -297,8 +293,6 @@ def _report(out: Path, log: BenchLog, questions: list[Question], methods: list[M
 def _code() -> dict[str, Any]:
     """Which selfspec measured: the package version and, in a git checkout, the commit (and whether files differ
     from it), so a run resumed across days shows whether every segment ran the same code."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         code: dict[str, Any] = {"selfspec": version("selfspec")}
     except PackageNotFoundError:
@@ -334,7 +328,7 @@ def run_bench(cfg: BenchConfig) -> specbench.Summary:
         target = Target(model)
         runners[dname] = {}
         for m in methods:  # DRAFT@auto: tune-tree's choice when the run first met it, kept for the whole run
-            tree = m.tree if m.tree != "auto" else log.auto_tree(
+            tree = None if m.draft is None or m.draft.tree != "auto" else log.auto_tree(
                 m.label, dname, lambda: registry.resolve_tree("auto", m.draft, target, cfg.model).spec)
             runners[dname][m.label] = _runner(m, target, tokenizer, cfg.model, cfg.repetition_penalty, tree)
     # 3. warm-up (every resumed segment too: a fresh process is cold)

@@ -9,9 +9,9 @@
     3. choose       expected tokens/s (N, d) = accepted(N, d) / (r · verify_ms(N + 1 nodes) + other_ms(d)), where
                     other_ms is the measured rest of a step at depth d (drafting, acceptance, cache commit) and r this
                     run's verifications over the cached curve's (the curve's shape, this run's level); the maximum is
-                    cached per (draft, target, dtype, machine) and ``--tree auto`` uses it, unless the calibration's
-                    own verifications ran much slower than the cached curve says (a busy machine: the choice would fit
-                    the load, not the machine that decodes later)
+                    cached per (draft, target, dtype, machine) in ``selfspec/tuned.py``'s store and ``--tree auto``
+                    uses it, unless the calibration's own verifications ran much slower than the cached curve says (a
+                    busy machine: the choice would fit the load, not the machine that decodes later)
 
 It needs a drafter that grows its tree by score under a budget and a depth and reports the scores (``Draft.scores``):
 EAGLE heads, and Medusa heads with a dynamic tree. Nothing is guessed: accepted lengths come from the target's own verdicts on this machine's dtype.
@@ -36,27 +36,22 @@ Shapes: N tree nodes.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
-import platform
 import statistics
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
 import torch
 from tqdm import tqdm
 
-from selfspec.core import compiled
 from selfspec.core.accept import Acceptance
-from selfspec.tools.costs import verify_costs
 from selfspec.core.drafter import Draft, Drafter, DraftState, NoDrafter
 from selfspec.core.generate import generate
 from selfspec.drafts.merge import MergedDrafter
 from selfspec.drafts.ngram import NGramDrafter
-from selfspec.core.tree import DynamicTree
+from selfspec.tools.costs import verify_costs
+from selfspec.tuned import cache_file, machine_key, write_json
 
 log = logging.getLogger(__name__)
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -67,35 +62,6 @@ BUSY = 2.0
 
 
 # ------------------------------------------------------------------------------------------------ 1. verify cost
-def machine_key(target, model_id: str) -> dict:
-    """What a verify-cost curve depends on: the model, its dtype and device, this machine's CPU and threads, and whether
-    the target's forward is compiled."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"model": model_id, "config": hashlib.sha256(target.model.config.to_json_string().encode()).hexdigest()[:12],
-            "dtype": str(next(target.model.parameters()).dtype), "device": str(target.device), "cpu": cpu,
-            "threads": torch.get_num_threads(), "torch": torch.__version__,
-            **({"compiled": True} if compiled.is_compiled(target.model) else {})}  # uncompiled keys as they always were
-
-
-def _cache_file(kind: str, key: dict) -> Path:
-    from selfspec.core.models import cache_dir
-
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / "tuning" / f"{kind}-{digest}.json"
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)  # whole or absent
-
-
 MONOTONE_FROM = 8
 """from this many nodes up a verify's work only grows with the tree (below it kernel choices can make a 2-node fp32
 verify dearer than a 4-node one, BENCHMARKS §14)."""
@@ -116,7 +82,7 @@ def cached_verify_costs(target, model_id: str, refresh: bool = False, context: i
     """{nodes: median verify ms} for SIZES on this machine, read from the cache or measured once and stored. A curve
     with ``cost_anomalies`` is timed again (up to TRIES times), read from the cache or not."""
     key = machine_key(target, model_id)
-    path = _cache_file("verify", key)
+    path = cache_file("verify", key)
     if path.is_file() and not refresh:
         data = json.loads(path.read_text())
         if data.get("key") == key and data.get("timing") == TIMING:  # curves timed size by size are measured again
@@ -133,7 +99,7 @@ def cached_verify_costs(target, model_id: str, refresh: bool = False, context: i
         n, m = odd[0]
         log.warning(f"the verify costs stayed out of order after {TRIES} timings ({n} nodes {curve[n]:.1f} ms, {m} "
                     f"nodes {curve[m]:.1f} ms): something else is using this machine's cores; tune on a quiet machine")
-    _write_json(path, {"key": key, "context": context, "timing": TIMING, "median_ms": curve})
+    write_json(path, {"key": key, "context": context, "timing": TIMING, "median_ms": curve})
     return curve
 
 
@@ -505,114 +471,3 @@ def format_skips(tunings: dict[int | None, Tuning], own: int | None) -> str:
         lines.append(f"| {name} | dynamic:{c.budget},depth={c.depth} | {c.nodes:.1f} | {c.resting:.0%} | "
                      f"{c.accepted:.2f} | {c.tokens_per_s:.1f}{mark} | {c.tokens_per_s / plain:.2f}× |")
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------- 3. the tuned tree
-def draft_stamp(location: str, revision: str | None = None) -> str:
-    """What identifies a draft's contents: the sha256 of its weights, or of its config.json for a draft without
-    weights (a layer-skip config), from the directory or, for a Hub id, from the Hub cache at ``revision`` (two
-    revisions of one repo are two drafts). Falls back to 'location@revision' where neither file can be read."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
-
-    from selfspec.core.models import looks_local
-
-    for name in ("model.safetensors", "config.json"):
-        if looks_local(location):
-            file = Path(location).expanduser() / name
-        else:
-            try:
-                file = Path(hf_hub_download(location, name, revision=revision))
-            except (EntryNotFoundError, LocalEntryNotFoundError, HfHubHTTPError, OSError):
-                continue
-        if file.is_file():
-            return hashlib.sha256(file.read_bytes()).hexdigest()[:16]
-    return f"{location}@{revision}" if revision else location
-
-
-def _tuned_elsewhere(key: dict) -> list[str]:
-    """The dtypes (as 'torch.bfloat16, 2 threads') this draft is tuned for on this target and machine, other than
-    ``key``'s: ``tune-tree`` defaults to bf16, ``infer.py`` to fp32."""
-    found = []
-    for file in sorted(_cache_file("tree", key).parent.glob("tree-*.json")):
-        try:
-            other = json.loads(file.read_text())["key"]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        varies = ("dtype", "threads", "config")  # the config's hash records the dtype the model was loaded in
-        if {k: v for k, v in other.items() if k not in varies} == {k: v for k, v in key.items() if k not in varies}:
-            found.append(f"{other['dtype'].removeprefix('torch.')}, {other['threads']} threads")
-    return found
-
-
-def merge_stamp(spec, tuned) -> str:
-    """What identifies the merge a draft part is tuned in (``spec``: a merged DraftSpec, ``tuned``: its part whose
-    budget is tuned): the other parts in order (a checkpoint by its ``draft_stamp``, prompt lookup by its options),
-    '*' in the tuned part's place, and the merge's options: 'ngram:depth=6,max_nodes=8+*+skip_after=3'."""
-    def name(p) -> str:
-        if p is tuned:
-            return "*"
-        if p.location:
-            return f"{p.kind}@{draft_stamp(p.location, p.revision)}"
-        return with_options(p.kind, p.config)
-
-    parts = [name(p) for p in spec.parts]
-    return "+".join(parts + [f"{k}={v}" for k, v in spec.config.items()])
-
-
-def with_options(kind: str, config: dict) -> str:
-    """A draft kind with its options as --draft spells them, sorted: "ngram:depth=6,max_nodes=8"."""
-    options = ",".join(f"{k}={v}" for k, v in sorted(config.items()))  # sorted: one name however they were given
-    return f"{kind}:{options}" if options else kind
-
-
-TUNED_LOOKUP = ("depth", "max_nodes")
-"""prompt lookup's options that ``tune_lookup`` tunes (its budget and depth)."""
-
-
-def check_untuned(spec, tuner: str) -> None:
-    """Prompt lookup given to ``tuner`` ('tune-tree', '--tree auto') may not set what the tuning chooses."""
-    if given := [k for k in TUNED_LOOKUP if k in spec.config]:
-        raise ValueError(f"{tuner} tunes prompt lookup's {' and '.join(TUNED_LOOKUP)}, and --draft {spec.text} sets "
-                         f"{' and '.join(given)}: drop {'them' if len(given) > 1 else 'it'} from --draft")
-
-
-def lookup_name(spec) -> str:
-    """Prompt lookup (a DraftSpec of kind 'ngram') as tuned and cached: 'ngram' with the options it keeps as given,
-    'ngram:max_matches=4'; the tuned ones (``TUNED_LOOKUP``) left out."""
-    return with_options(spec.kind, {k: v for k, v in spec.config.items() if k not in TUNED_LOOKUP})
-
-
-def tuned_key(draft_location: str, target, model_id: str, revision: str | None = None,
-              merged: str | None = None) -> dict:
-    """draft_location: a checkpoint, or prompt lookup's ``lookup_name``; merged: the ``merge_stamp`` of the merge the
-    draft was tuned in (None: tuned alone)."""
-    lookup = draft_location == "ngram" or draft_location.startswith("ngram:")  # never a checkpoint (registry.parse_draft)
-    return {"draft": draft_location if lookup else draft_stamp(draft_location, revision),
-            **({"merged": merged} if merged else {}), **machine_key(target, model_id)}
-
-
-def save_tuned(draft_location: str, target, model_id: str, tuning: Tuning, revision: str | None = None,
-               merged: str | None = None) -> Path:
-    key = tuned_key(draft_location, target, model_id, revision, merged)
-    _write_json(_cache_file("tree", key), {"key": key, "draft": draft_location, "revision": revision,
-                                          "best": asdict(tuning.best), "table": [asdict(c) for c in tuning.table]})
-    return _cache_file("tree", key)
-
-
-def load_tuned(draft_location: str, target, model_id: str, revision: str | None = None,
-               merged: str | None = None) -> DynamicTree:
-    """The tuned DynamicTree (budget, depth) for this draft on this target, dtype and machine (``--tree auto``), tuned
-    alone or, with ``merged``, inside that merge."""
-    key = tuned_key(draft_location, target, model_id, revision, merged)
-    path = _cache_file("tree", key)
-    if not path.is_file():
-        at, flag = (f" at revision {revision}", f" --draft-revision {revision}") if revision else ("", "")
-        others = _tuned_elsewhere(key)
-        hint = (f" (it is tuned for {' and '.join(others)}: decode in that dtype, or tune this one)" if others else "")
-        raise FileNotFoundError(f"--tree auto: no tuned tree for {draft_location}{at} on {model_id} ({key['dtype']}, "
-                                f"{key['threads']} threads) on this machine{hint}; run `python infer.py tune-tree "
-                                f"--draft {draft_location}{flag} --model {model_id} --dtype "
-                                f"{key['dtype'].removeprefix('torch.')}` first (a few minutes)")
-    best = json.loads(path.read_text())["best"]
-    return DynamicTree(budget=int(best["budget"]), depth=int(best["depth"]))

@@ -22,18 +22,16 @@ from typing import Sequence, TextIO
 import torch
 from tqdm import tqdm
 
-from selfspec import registry
-
-from selfspec.tools import budget
-
+from selfspec import registry, tuned
+from selfspec.base_check import check_drafts
 from selfspec.core import hf
-from selfspec.core.drafter import NoDrafter, verifier_for
+from selfspec.core.drafter import Drafter, NoDrafter, verifier_for
 from selfspec.drafts.early_exit import EarlyExitDrafter, check_exit_layer
 from selfspec.core.generate import generate
-from selfspec.drafts.layerskip import PartialModelDrafter
 from selfspec.tools.layerskip_search import CALIBRATION_PROMPTS, Measurement, calibration_inputs, measure, search_skip_layers
 from selfspec.core.models import DEFAULT_MODEL, load_model, parse_dtype
 from selfspec.drafts.ngram import NGramDrafter
+from selfspec.tools import budget
 from selfspec.tools.options import integer, integers
 from selfspec.core.target import Target
 
@@ -52,10 +50,10 @@ class ExitRow:
 
 
 def sweep_exit_layers(target: Target, prompts: Sequence[torch.Tensor], layers: Sequence[int], depth: int = 4,
-                      exit_heads: Sequence[str] = (), max_new_tokens: int = 64,
-                      draft_revision: str | None = None, progress: bool = False) -> list[ExitRow]:
-    """Plain decoding once, then early exit at each E in ``layers`` and each exit-head checkpoint (Hub ids at
-    ``draft_revision``), on ``prompts``."""
+                      exit_heads: Sequence[tuple[str, Drafter]] = (), max_new_tokens: int = 64,
+                      progress: bool = False) -> list[ExitRow]:
+    """Plain decoding once, then early exit at each E in ``layers`` and each exit-head checkpoint (its name and its
+    drafter, built by the registry), on ``prompts``."""
     num_layers = len(hf.decoder_layers(target.model))
     for e in layers:
         check_exit_layer(e, num_layers)
@@ -70,8 +68,7 @@ def sweep_exit_layers(target: Target, prompts: Sequence[torch.Tensor], layers: S
         rows.append(ExitRow(e, "early-exit", measure(verifier_for(drafter, target), drafter, prompts, max_new_tokens),
                             plain))
         bar.update()
-    for ckpt in exit_heads:
-        drafter = registry.build_drafter(registry.parse_draft(ckpt, draft_revision), target)
+    for ckpt, drafter in exit_heads:
         if not isinstance(drafter, EarlyExitDrafter):
             raise ValueError(f"{ckpt} is a {type(drafter).__name__} checkpoint; expected an exit head (draft_type "
                              "'exit-head', from train.py with method=exit_head)")
@@ -178,14 +175,6 @@ def _allow_other_base(p: argparse.ArgumentParser) -> None:
                    help="accept a draft checkpoint whose base_model names another model (e.g. a local copy of it)")
 
 
-def _check_drafts(model: str, drafts: Sequence[str], revision: str | None, allow_other_base: bool,
-                  draft_revision: str | None = None) -> None:
-    """Drafts trained for another model are refused before any weights load, as by infer.py."""
-    from selfspec.api import check_drafts
-
-    check_drafts(model, [registry.parse_draft(d, draft_revision) for d in drafts], revision, allow_other_base)
-
-
 def build_sweep_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="infer.py sweep-exit", allow_abbrev=False,
                                 description="Early exit at each exit layer E: mean "
@@ -204,16 +193,16 @@ def build_sweep_parser() -> argparse.ArgumentParser:
 
 def run_sweep_cli(argv: Sequence[str], out: TextIO) -> int:
     a = _parse(build_sweep_parser(), argv)
-    _check_drafts(a.model, [h for h in a.exit_heads.split(",") if h], a.revision, a.allow_other_base,
-                  a.draft_revision)
+    heads = registry.split_drafts(a.exit_heads)
+    specs = [registry.parse_draft(h, a.draft_revision) for h in heads]
+    check_drafts(a.model, specs, a.revision, a.allow_other_base)  # before any weights load, as by infer.py
     model, tokenizer = load_model(a.model, dtype=a.dtype, revision=a.revision, device=a.device)
     num_layers = len(hf.decoder_layers(model))
     layers = list(a.layers) if a.layers else list(range(4, num_layers, 4))
-    heads = [h for h in a.exit_heads.split(",") if h]
     target = Target(model)
-    rows = sweep_exit_layers(target, _calibration(a, tokenizer, target.device), layers,
-                             depth=a.depth, exit_heads=heads, max_new_tokens=a.max_new_tokens,
-                             draft_revision=a.draft_revision, progress=not a.no_progress)
+    rows = sweep_exit_layers(target, _calibration(a, tokenizer, target.device), layers, depth=a.depth,
+                             exit_heads=[(h, registry.build(s, target, a.model)) for h, s in zip(heads, specs)],
+                             max_new_tokens=a.max_new_tokens, progress=not a.no_progress)
     table = format_exit_rows(rows)
     out.write(f"{a.model} {a.dtype}, {a.prompts} calibration prompts{_source(a)} x {a.max_new_tokens} tokens, chain of {a.depth}:\n"
               f"{table}\n")
@@ -296,56 +285,43 @@ def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
     merge = registry.parse_draft(a.draft, a.draft_revision)
     spec = registry.tree_part(merge) if merge.parts else merge  # the part whose budget is tuned
     if spec.kind == "ngram" and not merge.parts:  # prompt lookup alone: its depth and max_nodes
-        budget.check_untuned(spec, "tune-tree")
-    elif spec.kind not in registry.TUNABLE_KINDS:
+        tuned.check_untuned(spec, "tune-tree")
+    elif spec.kind not in tuned.TUNABLE_KINDS:  # the drafter is asked (Drafter.resized) once built; this is before
         within = f" (the part of {a.draft} that --tree applies to)" if merge.parts else ""
-        raise ValueError(f"tune-tree tunes drafts that grow their tree by score ({', '.join(registry.TUNABLE_KINDS)} "
+        raise ValueError(f"tune-tree tunes drafts that grow their tree by score ({', '.join(tuned.TUNABLE_KINDS)} "
                          f"heads) and prompt lookup alone (ngram); {spec.text}{within} is a {spec.kind!r} draft")
     depths, budgets = list(a.depths), list(a.budgets)
     dtypes = [d.strip() for d in a.dtype.split(",")]
     for d in dtypes:
         parse_dtype(d)  # an unknown dtype fails before anything loads
-    _check_drafts(a.model, [a.draft], a.revision, a.allow_other_base, a.draft_revision)
+    check_drafts(a.model, [merge], a.revision, a.allow_other_base)  # before any weights load, as by infer.py
     return max(_tune_one(a, merge, spec, dtype, depths, budgets, out) for dtype in dtypes)
 
 
-def _tune_one(a: argparse.Namespace, merge, spec, dtype: str, depths: list[int], budgets: list[int],
-              out: TextIO) -> int:
+def _tune_one(a: argparse.Namespace, merge: registry.DraftSpec, spec: registry.DraftSpec, dtype: str,
+              depths: list[int], budgets: list[int], out: TextIO) -> int:
     """tune-tree in one dtype: load the target in it, calibrate, print the table, cache the best. Returns 0, or 1 when
     the machine was too busy to cache the result."""
     model, tokenizer = load_model(a.model, dtype=dtype, revision=a.revision, device=a.device, compile=a.compile)
     target = Target(model)
-    drafter = registry.build_drafter(spec, target)
-    location = spec.location
-    if isinstance(drafter, NGramDrafter):
-        location = budget.lookup_name(spec)
-    elif drafter.resized(1, 1) is None:
+    drafter = registry.build(spec, target, a.model)
+    lookup = isinstance(drafter, NGramDrafter)
+    if not lookup and drafter.resized(1, 1) is None:
         raise TypeError(f"{a.draft} built a {type(drafter).__name__}, which does not grow its tree by score under a "
                         "budget (Drafter.resized); tune-tree tunes EAGLE, Medusa or Hydra heads, an exit head, a "
                         "layer-skip draft or prompt lookup")
-    else:
-        make = drafter.resized  # the same draft at each depth and budget
-        if drafter.max_depth is not None:  # no deeper than the drafter can draft (Medusa / Hydra: their heads)
-            depths = [d for d in depths if d <= drafter.max_depth] or [drafter.max_depth]
+    if not lookup and drafter.max_depth is not None:  # no deeper than the drafter can draft (Medusa / Hydra: heads)
+        depths = [d for d in depths if d <= drafter.max_depth] or [drafter.max_depth]
     curve = budget.cached_verify_costs(target, a.model, refresh=a.refresh_costs, progress=not a.no_progress)
     prompts = _calibration(a, tokenizer, target.device)
-    variants: dict[int | None, registry.DraftSpec] = {}  # a merge: the same merge with each skip_after tuned
-    if merge.parts:  # the part's budget with the other parts drafting beside it, each depth's merge built afresh
-        tuned = merge.parts.index(spec)
-
-        def make_parts(d: int, n: int):
-            return [make(d, n) if k == tuned else registry.build_drafter(p, target) for k, p in enumerate(merge.parts)]
-        own_skip = merge.config.get("skip_after")
-        variants = {k: replace(merge, config={} if k is None else {"skip_after": k})
-                    for k in dict.fromkeys([own_skip, *budget.SKIPS])}
-        tunings = budget.tune_merged(target, make_parts, tuned, prompts, curve, depths, budgets, list(variants),
-                                     a.max_new_tokens, progress=not a.no_progress)
-        tuning = tunings[own_skip]
-    elif isinstance(drafter, NGramDrafter):
+    if merge.parts:
+        tunings = _tune_merge(a, merge, spec, target, drafter, prompts, curve, depths, budgets)
+        tuning = tunings[merge.config.get("skip_after")]
+    elif lookup:
         tuning = budget.tune_lookup(target, drafter, prompts, curve, depths, budgets, a.max_new_tokens,
                                     progress=not a.no_progress)
-    else:
-        tuning = budget.tune(target, make, prompts, curve, depths, budgets, a.max_new_tokens,
+    else:  # the same draft at each depth and budget
+        tuning = budget.tune(target, drafter.resized, prompts, curve, depths, budgets, a.max_new_tokens,
                              progress=not a.no_progress)
     if tuning.busy:
         out.write(f"{budget.format_tuning(tuning)}\n\nerror: nothing cached for --tree auto. This run's verifications "
@@ -354,29 +330,58 @@ def _tune_one(a: argparse.Namespace, merge, spec, dtype: str, depths: list[int],
                   f"a loaded machine is not the one to decode with on a quiet one. Run tune-tree "
                   f"again with nothing else running (or with --refresh-costs if the machine itself changed)\n")
         return 1
-    path = budget.save_tuned(location, target, a.model, tuning, a.draft_revision,
-                             merged=budget.merge_stamp(merge, spec) if merge.parts else None)
+    location = tuned.lookup_name(spec) if lookup else spec.location
+    path = tuned.save_tuned(location, target, a.model, tuning, a.draft_revision,
+                            merged=tuned.merge_stamp(merge, spec) if merge.parts else None)
     b = tuning.best
     within = f" inside {a.draft}" if merge.parts else ""
-    best = (f"--draft {budget.with_options('ngram', {**spec.config, 'depth': b.depth, 'max_nodes': b.budget})}"
-            if isinstance(drafter, NGramDrafter) else f"--tree dynamic:{b.budget},depth={b.depth}{within}")
+    best = (f"--draft {tuned.with_options('ngram', {**spec.config, 'depth': b.depth, 'max_nodes': b.budget})}"
+            if lookup else f"--tree dynamic:{b.budget},depth={b.depth}{within}")
     out.write(f"{a.model} {dtype}, {a.prompts} calibration prompts{_source(a)} x {a.max_new_tokens} tokens, one-token step "
               f"{tuning.plain_ms:.1f} ms (this run's verifications: {tuning.verify_ratio:.2f}x the cached costs):\n"
               f"{budget.format_tuning(tuning)}\n\nbest: {best} (mean accepted {b.accepted:.2f}, predicted "
               f"{b.tokens_per_s:.1f} tokens/s); cached in {path} for --draft {a.draft} --tree auto\n")
-    if isinstance(drafter, NGramDrafter) and not a.prompts_file:
+    if lookup and not a.prompts_file:
         out.write("note: prompt lookup gains where the text repeats what came before, and the built-in calibration "
                   "prompts are generic requests that hold little to copy: tune it on prompts like your workload's "
                   "(--prompts-file)\n")
-    if variants:  # every skip_after's best, each cached for its own merge
-        for k, variant in variants.items():
-            if k != own_skip:
-                budget.save_tuned(spec.location, target, a.model, tunings[k], a.draft_revision,
-                                  merged=budget.merge_stamp(variant, spec))
-        out.write(f"\n{budget.format_skips(tunings, own_skip)}\n")
-        fastest = max(tunings, key=lambda k: tunings[k].best.tokens_per_s)
-        gain = tunings[fastest].best.tokens_per_s / b.tokens_per_s
-        if fastest != own_skip and gain > 1.01:
-            out.write(f"\npredicted {gain:.2f}x faster than {a.draft}: --draft {variants[fastest].text} --tree auto "
-                      f"(its tree is cached too)\n")
+    if merge.parts:
+        _report_skips(a, merge, spec, target, tunings, out)
     return 0
+
+
+def _skip_variants(merge: registry.DraftSpec) -> dict[int | None, registry.DraftSpec]:
+    """The same merge with each skip_after tune-tree tunes (its own first, then ``budget.SKIPS``)."""
+    own = merge.config.get("skip_after")
+    return {k: replace(merge, config={} if k is None else {"skip_after": k}) for k in dict.fromkeys([own, *budget.SKIPS])}
+
+
+def _tune_merge(a: argparse.Namespace, merge: registry.DraftSpec, spec: registry.DraftSpec, target: Target,
+                drafter: Drafter, prompts: list[torch.Tensor], curve: dict[int, float], depths: list[int],
+                budgets: list[int]) -> dict[int | None, budget.Tuning]:
+    """The part ``spec`` of ``merge`` (built: ``drafter``) tuned with the other parts drafting beside it, each depth's
+    merge built afresh, for every skip_after of ``_skip_variants``."""
+    tuned_at = merge.parts.index(spec)
+
+    def make_parts(d: int, n: int) -> list[Drafter]:
+        return [drafter.resized(d, n) if k == tuned_at else registry.build(p, target, a.model)
+                for k, p in enumerate(merge.parts)]
+    return budget.tune_merged(target, make_parts, tuned_at, prompts, curve, depths, budgets,
+                              list(_skip_variants(merge)), a.max_new_tokens, progress=not a.no_progress)
+
+
+def _report_skips(a: argparse.Namespace, merge: registry.DraftSpec, spec: registry.DraftSpec, target: Target,
+                  tunings: dict[int | None, budget.Tuning], out: TextIO) -> None:
+    """Every skip_after's best, each cached for its own merge; the fastest named where it beats the merge's own."""
+    own = merge.config.get("skip_after")
+    variants = _skip_variants(merge)
+    for k, variant in variants.items():
+        if k != own:
+            tuned.save_tuned(spec.location, target, a.model, tunings[k], a.draft_revision,
+                             merged=tuned.merge_stamp(variant, spec))
+    out.write(f"\n{budget.format_skips(tunings, own)}\n")
+    fastest = max(tunings, key=lambda k: tunings[k].best.tokens_per_s)
+    gain = tunings[fastest].best.tokens_per_s / tunings[own].best.tokens_per_s
+    if fastest != own and gain > 1.01:
+        out.write(f"\npredicted {gain:.2f}x faster than {a.draft}: --draft {variants[fastest].text} --tree auto "
+                  f"(its tree is cached too)\n")

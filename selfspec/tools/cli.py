@@ -22,11 +22,13 @@ from transformers.utils import logging as hf_logging
 
 from selfspec import api, registry
 
-from selfspec.tools import specbench
-from selfspec.tools.bench import DEFAULT_QUESTIONS, BenchConfig, run_bench
-from selfspec.core.models import DEFAULT_MODEL
+from selfspec.core.models import DEFAULT_MODEL, load_model
 from selfspec.core.request import GenerationOptions
-from selfspec.tools.options import integer, integers, number
+from selfspec.core.target import Target
+from selfspec.tools import calibrate, policy_fit, serve, specbench
+from selfspec.tools.bench import DEFAULT_QUESTIONS, BenchConfig, draft_method, run_bench
+from selfspec.tools.costs import format_costs, loop_overhead, verify_costs
+from selfspec.tools.options import integer, integers, names, number
 from selfspec.tools.specbench import to_markdown
 
 INTERRUPTED = 130
@@ -203,23 +205,6 @@ def build_costs_parser() -> argparse.ArgumentParser:
     return p
 
 
-_OPTION = re.compile(r"[a-z_]+=[\w.\-]+([+@].*)?")  # 'max_nodes=8', 'depth=3', 'max_nodes=8@auto', 'max_nodes=8+runs/h'
-
-
-def _split(text: str) -> tuple[str, ...]:
-    """'plain,ngram:depth=6,max_nodes=8,runs/h@dynamic:12,depth=3' -> ('plain', 'ngram:depth=6,max_nodes=8',
-    'runs/h@dynamic:12,depth=3'): a bare 'key=value' piece is an option of the method before it, not a method."""
-    out: list[str] = []
-    for piece in (s.strip() for s in text.split(",")):
-        if not piece:
-            continue
-        if out and _OPTION.fullmatch(piece):
-            out[-1] += "," + piece
-        else:
-            out.append(piece)
-    return tuple(out)
-
-
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 
 
@@ -330,8 +315,8 @@ def run_decode(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
 def run_bench_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
     out = out or sys.stdout
     a = build_bench_parser().parse_args(argv)
-    cfg = BenchConfig(questions=a.questions, out_dir=a.out_dir, methods=_split(a.methods), dtypes=_split(a.dtype),
-                      model=a.model, revision=a.revision, draft_revision=a.draft_revision,
+    cfg = BenchConfig(questions=a.questions, out_dir=a.out_dir, methods=registry.split_drafts(a.methods),
+                      dtypes=names(a.dtype), model=a.model, revision=a.revision, draft_revision=a.draft_revision,
                       max_new_tokens=a.max_new_tokens, limit=a.limit, per_category=a.per_category, repeats=a.repeats,
                       warmup_tokens=a.warmup_tokens, device=a.device, allow_other_base=a.allow_other_base,
                       progress=not a.no_progress, resume=a.resume, temperature=a.temperature, top_p=a.top_p,
@@ -351,23 +336,17 @@ def run_bench_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
 
 def run_costs_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
     out = out or sys.stdout
-    from selfspec.tools.bench import draft_method
-    from selfspec.tools.costs import format_costs, loop_overhead, verify_costs
-    from selfspec.core.models import load_model
-    from selfspec.core.target import Target
-
     a = build_costs_parser().parse_args(argv)
     loop = draft_method(a.loop_draft)  # 'DRAFT' or 'DRAFT@TREE', checked before any model loads
     questions = specbench.load_questions(DEFAULT_QUESTIONS, per_category=1)[: a.loop_prompts] if a.loop_prompts else []
-    for dtype in _split(a.dtype):
+    for dtype in names(a.dtype):
         model, tokenizer = load_model(a.model, dtype=dtype, revision=a.revision, device=a.device)
         target = Target(model)
         out.write(f"\n{a.model} {dtype}, cache of {a.context} tokens, median of {a.repeats}:\n")
         costs = verify_costs(target, sizes=a.sizes, context=a.context, repeats=a.repeats, progress=not a.no_progress)
         out.write(format_costs(costs) + "\n")
         if questions:
-            tree = registry.resolve_tree(loop.tree, loop.draft, target, a.model) if loop.tree else None
-            drafter = registry.build_drafter(loop.draft, target, tree)
+            drafter = registry.build(loop.draft, target, a.model)
             spec_model = api.SpecModel(target, tokenizer, drafter, a.model)
             prompts = [spec_model.encode(q.turns[0]) for q in questions]
             loop_overhead(target, drafter, prompts[:1], max_new_tokens=8)  # warm-up
@@ -404,8 +383,6 @@ def build_serve_parser() -> argparse.ArgumentParser:
 
 
 def run_serve_cli(argv: Sequence[str], err: TextIO | None = None) -> int:
-    from selfspec.tools import serve
-
     err = err or sys.stderr
     a = build_serve_parser().parse_args(argv)
     try:  # the address first: a port in use fails at once, not after the model has loaded
@@ -443,12 +420,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if argv[:1] == ["serve"]:
             return run_serve_cli(argv[1:])
         if argv[:1] == ["fit-policy"]:
-            from selfspec.tools import policy_fit
-
             return policy_fit.run_cli(argv[1:], sys.stdout)
         if argv[:1] in (["sweep-exit"], ["search-skip"], ["tune-tree"]):
-            from selfspec.tools import calibrate
-
             run = {"sweep-exit": calibrate.run_sweep_cli, "search-skip": calibrate.run_search_cli,
                    "tune-tree": calibrate.run_tune_cli}[argv[0]]
             return run(argv[1:], sys.stdout)

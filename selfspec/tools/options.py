@@ -43,3 +43,9 @@ def number(low: float, high: float) -> Callable[[str], float]:
             raise argparse.ArgumentTypeError(f"expected a number from {low} to {high}, found {text!r}")
         return value
     return parse
+
+
+def names(text: str) -> tuple[str, ...]:
+    """Comma-separated names ('fp32, bf16' -> ('fp32', 'bf16')), blanks dropped. (Lists of drafts: their options hold
+    commas too, ``selfspec.registry.split_drafts``.)"""
+    return tuple(p for p in (s.strip() for s in text.split(",")) if p)

@@ -28,8 +28,10 @@ from typing import Sequence, TextIO
 import torch
 from tqdm import tqdm
 
+from selfspec import registry
+from selfspec.api import SpecModel
+from selfspec.base_check import check_drafts
 from selfspec.tools import specbench
-from selfspec.api import SpecModel, check_drafts
 from selfspec.tools.bench import DTYPE_NAMES, draft_method
 from selfspec.core.drafter import NoDrafter
 from selfspec.tools.bench_log import LOG, MANIFEST, read_answers
@@ -80,8 +82,6 @@ def requests(questions: Sequence[Question], answers: dict[tuple[str, str, object
 
 
 def run_cli(argv: Sequence[str], out: TextIO) -> int:
-    from selfspec.tools.cli import _split
-
     a = build_parser().parse_args(argv)
     # 1. the run and the arms, checked before any model loads
     run_dir = Path(a.bench_dir)
@@ -99,7 +99,7 @@ def run_cli(argv: Sequence[str], out: TextIO) -> int:
                          "arms as --draft strings, which load at their default revision: run the bench without "
                          "--draft-revision (on local copies of the drafts) to fit a policy")
     revision = manifest.get("revision")  # the model's Hub revision the run measured
-    arms = _split(a.arms)
+    arms = registry.split_drafts(a.arms)
     if len(set(arms)) != len(arms) or len(arms) < 2:
         raise ValueError(f"--arms needs at least two distinct drafts, found {list(arms)}")
     methods = [draft_method(arm) for arm in arms]

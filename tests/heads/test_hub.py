@@ -312,6 +312,7 @@ def test_tuned_trees_belong_to_one_revision_of_a_hub_draft(chat, hub, monkeypatc
     """`infer.py tune-tree --draft REPO --draft-revision R` caches the tree for R's weights: `--tree auto` finds it
     for R (also offline, from the Hub cache) and not for main, whose heads differ (a tuning once keyed by the repo id
     alone served any revision)."""
+    from selfspec import tuned
     from selfspec.tools import budget
     from selfspec.registry import resolve_tree
     from selfspec.core.tree import DynamicTree
@@ -322,7 +323,7 @@ def test_tuned_trees_belong_to_one_revision_of_a_hub_draft(chat, hub, monkeypatc
     heads_for(model, seed=0).push_to_hub(REPO)
     heads_for(model, seed=1).push_to_hub(REPO, revision="exp")
     choice = budget.Choice(depth=2, budget=4, accepted=1.5, step_ms=2.0)
-    budget.save_tuned(REPO, target, "tiny-chat", budget.Tuning(best=choice, plain_ms=1.0, table=[choice]), "exp")
+    tuned.save_tuned(REPO, target, "tiny-chat", budget.Tuning(best=choice, plain_ms=1.0, table=[choice]), "exp")
 
     assert resolve_tree("auto", parse_draft(REPO, revision="exp"), target, "tiny-chat") == DynamicTree(4, depth=2)
     with pytest.raises(FileNotFoundError, match=f"run `python infer.py tune-tree --draft {REPO} --model tiny-chat"):
@@ -330,7 +331,7 @@ def test_tuned_trees_belong_to_one_revision_of_a_hub_draft(chat, hub, monkeypatc
     seen = len(hub.requests)
     with pytest.MonkeyPatch.context() as offline:
         offline.setattr(constants, "HF_HUB_OFFLINE", True)
-        assert budget.load_tuned(REPO, target, "tiny-chat", "exp") == DynamicTree(4, depth=2)
+        assert tuned.load_tuned(REPO, target, "tiny-chat", "exp") == DynamicTree(4, depth=2)
     assert len(hub.requests) == seen
 
 
