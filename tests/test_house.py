@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("selfspec", "heads")
 MAX_FUNCTION_LINES = 80
 
-LAYERS = {"selfspec.core": 0, "selfspec.drafts": 1, "selfspec.registry": 2, "selfspec.api": 3, "selfspec.testing": 3,
-          "selfspec.tools": 4, "selfspec": 5}
+LAYERS = {"selfspec.core": 0, "selfspec.drafts": 1, "selfspec.registry": 2, "selfspec.tuned": 2, "selfspec.base_check": 2,
+          "selfspec.api": 3, "selfspec.testing": 3, "selfspec.tools": 4, "selfspec": 5}
 """selfspec's layers, lowest first: a module imports only from its own layer or lower ones (the package's own
 ``__init__``, the public face, sits above them all)."""
 
