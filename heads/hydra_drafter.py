@@ -59,8 +59,6 @@ class HydraDrafter(Drafter):
                 max(tree.ranks[i] for i in nodes) + 1,
             ))
 
-    @torch.inference_mode()
-
     @property
     def max_depth(self) -> int:
         """head k drafts depth k: no deeper tree than the heads."""
@@ -69,6 +67,7 @@ class HydraDrafter(Drafter):
     def resized(self, depth: int, budget: int) -> "HydraDrafter":
         return HydraDrafter(self.heads, DynamicTree(budget, depth=depth))
 
+    @torch.inference_mode()
     def draft(self, state: DraftState) -> Draft:
         if self.dynamic is not None:
             return self._draft_dynamic(state)
