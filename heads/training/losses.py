@@ -24,7 +24,7 @@ it has none). Two entry points compute the same numbers:
 - ``scored_loss(logits [K, N, V], targets [K, N])``: N positions already gathered (the trainer runs the heads only on
   positions some head is scored on; on chat data that skips the prompts, and it never builds [K, B, T, V]).
 
-On a draft vocabulary (``vocab``: the V' token ids heads draft from, heads/draft_vocab.py) the heads' logits are
+On a draft vocabulary (``vocab``: the V' token ids heads draft from, heads/training/draft_vocab.py) the heads' logits are
 [K, N, V'] and the loss is read there, as drafting reads them: the cross-entropy of the data's token where it lies in
 V' (a token outside V' is no head's to draft, so it teaches nothing), the KL to the target's distribution restricted to
 V' and renormalised; accuracy still counts every scored position, a token outside V' as a miss at every rank (what

@@ -40,9 +40,11 @@ from typing import Callable, ContextManager
 import numpy as np
 import torch
 
-from heads.base_model import (expand_feature_states, final_and_layer_states, final_hidden, layer_and_final_hidden,
-                              lm_logits, stored_feature_layers)
-from heads.medusa import base_sizes
+import pyarrow.compute as pc
+
+from heads.base import base_sizes
+from heads.training.base_model import (expand_feature_states, final_and_layer_states, final_hidden,
+                                       layer_and_final_hidden, lm_logits, stored_feature_layers)
 
 log = logging.getLogger(__name__)
 STORAGE = {"float16": (np.float16, torch.float16), "bfloat16": (np.uint16, torch.bfloat16)}
@@ -150,8 +152,6 @@ class HiddenCache:
 # ------------------------------------------------------------------------------------- where hidden states come from
 def rows_fingerprint(rows) -> tuple[dict, list[int]]:
     """The exact token ids of a dataset split, hashed in order (row i of the cache is row i of this split)."""
-    import pyarrow.compute as pc
-
     if rows._indices is not None:
         rows = rows.flatten_indices()
     column = rows.data.column("input_ids").combine_chunks()
@@ -211,7 +211,7 @@ class TargetStates:
     (the config refuses that combination: the logits need the final states too). feature_layers (an EAGLE-3 head):
     [B, T, (1 + L) D], the final hidden states then the states at those ``hidden_states`` indices, concatenated (the
     cache holds the final state once, ``expand_feature_states`` repeats it where it is a feature layer). logit_vocab
-    (a DraftVocab): the KL loss reads the target's logits on that draft vocabulary only: [B, T, V'] (heads/losses.py)."""
+    (a DraftVocab): the KL loss reads the target's logits on that draft vocabulary only: [B, T, V'] (heads/training/losses.py)."""
 
     def __init__(self, model, device: torch.device, autocast: Callable[[], ContextManager], loss_kind: str,
                  caches: dict[str, HiddenCache], cache_dtype: str, layer: int | None = None,

@@ -15,7 +15,8 @@
   7. the end: measure acc[k][r] on held-out data, build the tree from it, save the heads (main process only)
   8. publish the saved checkpoint to the Hub when the recipe names a repo (publish.repo_id)
 
-Checkpoints, resuming and signals: heads/train_state.py. Cached target hidden states: heads/hidden_cache.py.
+Checkpoints, resuming and signals: heads/training/state.py. Cached target hidden states:
+heads/training/hidden_cache.py.
 
 Shapes: K heads, B batch, T time, D hidden size, V vocabulary, R measured ranks.
 """
@@ -37,23 +38,26 @@ from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from heads.base_model import UnsupportedModel, load_base
-from heads.config import TrainConfig, to_dict
-from heads.checkpoint import push_folder, write_checkpoint
-from heads.data import build_datasets
-from heads.eagle import EagleConfig, EagleHead, eagle_card
-from heads.draft_vocab import draft_vocabulary, end_of_turn
-from selfspec.core.draft_vocab import DraftVocab
-from heads.eagle_loss import eagle_loss
-from heads.exit_head import ExitHead, ExitHeadConfig, ExitLogits, final_norm
-from heads.hydra import HydraConfig, HydraHeads, following
-from heads.losses import IGNORE_INDEX, gather_scored, scored_loss
-from heads.medusa import MedusaConfig, MedusaHeads
-from heads.hidden_cache import TargetStates, make_caches
-from heads.hub import find_token
-from heads.train_log import Window, emit
-from heads.train_state import Progress, StopFlag, check_intact, load_progress, resolve_resume, save_checkpoint
+from heads.checkpoints.files import write_checkpoint
+from heads.checkpoints.hub import find_token
+from heads.draft_types import push_folder
+from heads.eagle.config import EagleConfig
+from heads.eagle.loss import eagle_loss
+from heads.eagle.model import EagleHead, eagle_card
+from heads.exit_head.model import ExitHead, ExitHeadConfig, ExitLogits, final_norm
+from heads.hydra.model import HydraConfig, HydraHeads, following
+from heads.medusa.config import MedusaConfig
+from heads.medusa.model import MedusaHeads
+from heads.training.base_model import UnsupportedModel, load_base
+from heads.training.config import TrainConfig, to_dict
+from heads.training.data import build_datasets
+from heads.training.draft_vocab import count_vocabulary, draft_vocab_size
+from heads.training.hidden_cache import TargetStates, make_caches
+from heads.training.losses import IGNORE_INDEX, gather_scored, scored_loss
+from heads.training.metrics import Window, emit
+from heads.training.state import Progress, StopFlag, check_intact, load_progress, resolve_resume, save_checkpoint
 from heads.tree_search import best_choices
+from selfspec.core.draft_vocab import DraftVocab
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +131,7 @@ def build_accelerator(cfg: TrainConfig) -> Accelerator:
     if uses_deepspeed and not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op when it starts (minutes on a small CPU),
         # even for a single process, which has nothing to reduce: mark the op unavailable so it falls back to gloo.
-        import deepspeed.ops
+        import deepspeed.ops  # optional heavy dependency: only under DeepSpeed, whose import costs seconds
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     return Accelerator(
@@ -318,7 +322,7 @@ def outputs(cfg: TrainConfig) -> tuple[int, int, int | None]:
     """(K predictions per position, the first one's look-ahead, the target layer whose input they read) of the
     method: Medusa and Hydra heads predict t+2..t+1+K from the final hidden state (Hydra heads also read tokens
     t+1..t+k); an exit head predicts t+1 from layer E's input; an EAGLE head predicts t+2 at each of its unrolled
-    steps, from the final hidden states (heads/eagle_loss.py)."""
+    steps, from the final hidden states (heads/eagle/loss.py)."""
     if cfg.method in ("medusa", "hydra"):
         return cfg.heads.num_heads, 1, None
     if cfg.method == "eagle":
@@ -364,20 +368,6 @@ def build_drafts(cfg: TrainConfig, model, train_rows=None,
         return ExitLogits(exit_head, final_norm(model), lm_head), ecfg
     count_vocabulary(heads.draft_vocab, train_rows, tokenizer)
     return heads, hcfg
-
-
-def count_vocabulary(vocab, train_rows, tokenizer) -> None:
-    """Fill a head's draft vocabulary (``heads.draft_vocab.DraftVocab``) with the most frequent training tokens of
-    ``train_rows`` and the end of turn; nothing for heads drafting from every token, or without rows."""
-    if vocab.size is not None and train_rows is not None:
-        vocab.set(draft_vocabulary(train_rows, vocab.size, vocab.vocab_size, end_of_turn(tokenizer)))
-
-
-def draft_vocab_size(size: int, lm_head) -> int | None:
-    """The draft vocabulary size of Medusa / Hydra / exit heads from its recipe key (heads.draft_vocab,
-    exit.draft_vocab): None (every token) for 0 or a vocabulary no larger than it."""
-    V = int(lm_head.weight.shape[0])
-    return size if 0 < size < V else None
 
 
 def loss_vocab(cfg: TrainConfig, heads) -> DraftVocab | None:

@@ -20,8 +20,8 @@ from transformers import (
     AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast,
 )
 
-from heads.config import ModelConfig
-from heads.medusa import base_sizes
+from heads.base import base_sizes
+from heads.training.config import ModelConfig
 from selfspec.core import hf
 from selfspec.core.models import load_model, parse_dtype
 
