@@ -5,7 +5,7 @@ checkpoints.
     base.py blocks.py tree_search.py   what the kinds share: the base they are built on, their blocks, trees
     checkpoints/                       checkpoint files, the Hub, model cards, the DraftCheckpoint mixin
     training/                          the trainer and its parts (recipe, data, losses, hidden-state cache, state)
-    draft_types.py                     the lookup: checkpoint draft_type -> kind, and publishing any of them
+    kinds.py draft_types.py            the lookups: recipe method -> kind, checkpoint draft_type -> kind
     export.py publish.py distill.py retree.py add_vocab.py import_medusa.py   the commands (python -m heads.X)
 """
 

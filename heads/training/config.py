@@ -278,11 +278,6 @@ class TrainConfig:
     """the Hub repo the final checkpoint goes to (the token: HF_TOKEN or a saved `hf auth login`)."""
 
     @property
-    def feature_layers(self) -> list[int] | None:
-        """The target layers whose hidden states the trained draft reads besides the final ones (an EAGLE-3 head's)."""
-        return self.eagle.feature_layers if self.method == "eagle" else None
-
-    @property
     def final_dir(self) -> Path:
         """Where the trained draft is saved: <output_dir>/heads, hydra_heads, exit_head or eagle_head (by method)."""
         return Path(self.output_dir) / FINAL_DIRS[self.method]

@@ -22,7 +22,8 @@ it has none). Two entry points compute the same numbers:
 
 - ``medusa_loss(logits [K, B, T, V], labels [B, T])``: the whole sequence, as MedusaHeads returns it;
 - ``scored_loss(logits [K, N, V], targets [K, N])``: N positions already gathered (the trainer runs the heads only on
-  positions some head is scored on; on chat data that skips the prompts, and it never builds [K, B, T, V]).
+  positions some head is scored on; on chat data that skips the prompts, and it never builds [K, B, T, V]);
+  ``batch_loss`` is it for a batch, or one per row of the batch (held-out counts).
 
 On a draft vocabulary (``vocab``: the V' token ids heads draft from, heads/training/draft_vocab.py) the heads' logits are
 [K, N, V'] and the loss is read there, as drafting reads them: the cross-entropy of the data's token where it lies in
@@ -200,3 +201,20 @@ def medusa_loss(
         raise ValueError(f"kind='kl' needs the target's logits [B, T, V] = {[B, T, V]}, found {found}")
     scored, targets, shifted = gather_scored(labels, K, target_logits if kind == "kl" else None)
     return scored_loss(logits[:, scored], targets, decay, kind, shifted, ranks)  # logits [K, N, V]
+
+
+def batch_loss(logits: torch.Tensor, scored: torch.Tensor, targets: torch.Tensor,
+               shifted: list[torch.Tensor] | None, decay: float, kind: str, ranks: int, per_row: bool = False,
+               vocab: torch.Tensor | None = None) -> MedusaLoss | list[MedusaLoss]:
+    """``scored_loss`` of a batch's gathered positions (``gather_scored``: scored [B, T], targets [K, N], shifted K x
+    [N, V]; logits [K, N, V] or [K, N, V'] on ``vocab``), or with ``per_row`` a list with one MedusaLoss per row of the
+    batch (for exact held-out counts across processes)."""
+    if not per_row:
+        return scored_loss(logits, targets, decay, kind, shifted, ranks, vocab)
+    row_of = scored.nonzero()[:, 0]  # [N]
+    outs = []
+    for b in range(scored.shape[0]):
+        m = row_of == b
+        outs.append(scored_loss(logits[:, m], targets[:, m], decay, kind,
+                                None if shifted is None else [p[m] for p in shifted], ranks, vocab))
+    return outs

@@ -20,8 +20,8 @@ from heads.hydra.model import HydraConfig, HydraHeads, following
 from heads.medusa.config import MedusaConfig
 from heads.medusa.drafter import MedusaDrafter
 from heads.medusa.model import MedusaHeads
+from heads.training.evaluate import heads_loss
 from heads.training.losses import IGNORE_INDEX, gather_scored, scored_loss
-from heads.training.trainer import heads_loss
 from selfspec import Target
 from selfspec.core.generate import generate
 from selfspec.core.tree import DynamicTree, Tree
