@@ -1,5 +1,5 @@
-"""What an EAGLE-style head stores as config.json (``EagleConfig``, strict): its base, the decoder's transformers config,
-the draft vocabulary size, drafting defaults, the target layers an EAGLE-3 head reads, and measured agreement.
+"""What an EAGLE-style head stores as config.json (``EagleConfig``, strict): its base, the decoder's transformers
+config, the draft vocabulary size, drafting defaults, the target layers an EAGLE-3 head reads, and measured agreement.
 
 The decoder is the base architecture's own, cut to ``num_layers`` layers and no vocabulary (``decoder_config``);
 feature layers follow transformers' ``hidden_states`` indices (0 the embeddings, i decoder layer i's output).

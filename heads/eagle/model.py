@@ -152,7 +152,7 @@ class EagleHead(nn.Module, DraftCheckpoint):
             feats = torch.cat([true[:, :1], out[:, :-1]], dim=1)  # pair i reads the prediction made at i - 1
         return torch.stack(outs)
 
-    # ----------------------------------------------------------------- storage (heads.checkpoints.draft.DraftCheckpoint)
+    # -------------------------------------------------------------- storage (heads.checkpoints.draft.DraftCheckpoint)
     @classmethod
     def card_for(cls, config: EagleConfig, location: str) -> str:
         return eagle_card(config, location)
@@ -187,7 +187,8 @@ def unroll_mask(u: int, n: int, lengths: torch.Tensor, dtype: torch.dtype, devic
 
 
 LEGACY_KEYS = {"draft_tokens": "draft_vocab.tokens"}
-"""Tensor names of EAGLE heads saved before the head used ``heads.draft_vocab.DraftVocab`` -> their names now."""
+"""Tensor names of EAGLE heads saved before the head used ``selfspec.core.draft_vocab.DraftVocab`` -> their names
+now."""
 
 
 def upgrade_state(state: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:

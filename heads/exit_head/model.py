@@ -56,8 +56,8 @@ class ExitHeadConfig(BaseFields):
     stop_below: float = 0.0
     """stop drafting once the draft's top probability falls below this (0: never)."""
     draft_vocab_size: int | None = None
-    """V': drafting reads only the LM head's rows of these most frequent training tokens (heads/training/draft_vocab.py);
-    None: every token (and exit heads trained before draft vocabularies existed)."""
+    """V': drafting reads only the LM head's rows of these most frequent training tokens
+    (heads/training/draft_vocab.py); None: every token (and exit heads trained before draft vocabularies existed)."""
     top1_agreement: float | None = None
     """measured on held-out data: how often the draft's argmax is the target's own (trained with loss kl) or the
     data's next token (loss ce) (null: not measured)."""
@@ -125,7 +125,7 @@ class ExitHead(nn.Module, DraftCheckpoint):
             x = block(x.to(block.linear.weight.dtype))
         return x
 
-    # ----------------------------------------------------------------- storage (heads.checkpoints.draft.DraftCheckpoint)
+    # -------------------------------------------------------------- storage (heads.checkpoints.draft.DraftCheckpoint)
     @classmethod
     def card_for(cls, config: ExitHeadConfig, location: str) -> str:
         return exit_card(config, location)

@@ -7,15 +7,16 @@ sequentially dependent:
     head k at t:  [h_t ; e(x_{t+1}) ; ... ; e(x_{t+k})] ─ fc_k [(k+1)D -> D] ─ residual blocks ─ LM head ─▶ x_{t+1+k}
 
 x_{t+1} is the root (the target's own token at t+1), x_{t+2..t+k} the drafted tokens on the path. The index shift is
-Medusa's (heads/training/losses.py): head k at t is scored on labels[t+1+k]; in training its inputs are the data's tokens
-t+1..t+k (teacher forcing, ``following``). fc_k starts as [I 0 ... 0] and the blocks as the identity, so an untrained
-Hydra head makes exactly the LM head's guess, like an untrained Medusa head; the residual blocks are Medusa's
-(distinct modules per head and per layer). The base's embeddings and LM head are held by reference: never stored,
-never trained.
+Medusa's (heads/training/losses.py): head k at t is scored on labels[t+1+k]; in training its inputs are the data's
+tokens t+1..t+k (teacher forcing, ``following``). fc_k starts as [I 0 ... 0] and the blocks as the identity, so an
+untrained Hydra head makes exactly the LM head's guess, like an untrained Medusa head; the residual blocks are
+Medusa's (distinct modules per head and per layer). The base's embeddings and LM head are held by reference: never
+stored, never trained.
 
 A checkpoint (``save_pretrained``) is config.json (draft_type "hydra", the base, sizes, the tree built from measured
 accuracy) + model.safetensors (each head's fc and blocks) + README.md, written atomically like every selfspec
-checkpoint; heads/hydra/drafter.py drafts, and its ``load_drafter`` is the ``selfspec.drafters`` entry point (``--draft DIR``).
+checkpoint; heads/hydra/drafter.py drafts, and its ``load_drafter`` is the ``selfspec.drafters`` entry point
+(``--draft DIR``).
 
 Shapes: K heads, B batch, T time, N positions, D hidden size, V vocabulary.
 """
@@ -56,7 +57,8 @@ class HydraConfig(BaseFields):
     head_accuracy: list[list[float]] | None = None
     """[K][r]: measured probability that head k's rank-r candidate is the right token, the path above it right."""
     draft_vocab_size: int | None = None
-    """V': the heads draft only from these most frequent training tokens (heads/training/draft_vocab.py); None: every token."""
+    """V': the heads draft only from these most frequent training tokens (heads/training/draft_vocab.py); None: every
+    token."""
     recipe: dict | None = None
     draft_type: str = DRAFT_TYPE
 
@@ -132,11 +134,12 @@ class HydraHeads(nn.Module, DraftCheckpoint):
 
     def forward(self, hidden: torch.Tensor, following: torch.Tensor, on_draft_vocab: bool = False) -> torch.Tensor:
         """hidden [N, D], following [N, K] (tokens t+1..t+K, from ``following``) -> logits [K, N, V], or [K, N, V'] on
-        the draft vocabulary (``on_draft_vocab``, for heads that have one: what training reads, heads/losses.py)."""
+        the draft vocabulary (``on_draft_vocab``, for heads that have one: what training reads,
+        heads/training/losses.py)."""
         logits = self.draft_logits if on_draft_vocab else self.head_logits
         return torch.stack([logits(hidden, following, k) for k in range(1, len(self.heads) + 1)])
 
-    # ----------------------------------------------------------------- storage (heads.checkpoints.draft.DraftCheckpoint)
+    # -------------------------------------------------------------- storage (heads.checkpoints.draft.DraftCheckpoint)
     @classmethod
     def card_for(cls, config: HydraConfig, location: str) -> str:
         return hydra_card(config, location)

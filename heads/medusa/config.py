@@ -46,7 +46,8 @@ class MedusaConfig(BaseFields):
     mean_accepted: float | None = None
     """mean accepted tokens per target forward, measured by a benchmark with ``tree`` (None until measured)."""
     draft_vocab_size: int | None = None
-    """V': the heads draft only from these most frequent training tokens (heads/training/draft_vocab.py); None: every token."""
+    """V': the heads draft only from these most frequent training tokens (heads/training/draft_vocab.py); None: every
+    token."""
     draft_type: str = "medusa"
     """written to config.json; selfspec's drafter registry dispatches on it."""
     recipe: dict | None = None

@@ -1,9 +1,9 @@
 """Medusa heads: K extra next-next-token predictors on the frozen target's final hidden state.
 
-Head k (k = 1..K) at position t predicts token t+1+k, k steps beyond the LM head's t+1 (the loss in heads/training/losses.py
-draws the index shift). Each head is a stack of ``num_layers`` residual blocks ``x + SiLU(W x + b)`` (distinct modules
-per head and per layer; W and b start at zero, so a new head predicts exactly what the LM head predicts) followed by a
-projection to the vocabulary:
+Head k (k = 1..K) at position t predicts token t+1+k, k steps beyond the LM head's t+1 (the loss in
+heads/training/losses.py draws the index shift). Each head is a stack of ``num_layers`` residual blocks
+``x + SiLU(W x + b)`` (distinct modules per head and per layer; W and b start at zero, so a new head predicts exactly
+what the LM head predicts) followed by a projection to the vocabulary:
 
 - ``shared``: the base model's own LM head, frozen. It is never stored in a checkpoint (tiny checkpoints).
 - ``own``:    a trainable copy of the LM head per head, initialised from it.
@@ -111,7 +111,8 @@ class MedusaHeads(nn.Module, DraftCheckpoint):
 
     def forward(self, hidden: torch.Tensor, on_draft_vocab: bool = False) -> torch.Tensor:
         """hidden [..., D]: the base's final hidden state (after its final norm) -> logits [K, ..., V], or [K, ..., V']
-        on the draft vocabulary (``on_draft_vocab``, for heads that have one: what training reads, heads/losses.py)."""
+        on the draft vocabulary (``on_draft_vocab``, for heads that have one: what training reads,
+        heads/training/losses.py)."""
         if on_draft_vocab:
             return self.draft_logits(hidden, len(self.heads))
         return torch.stack([self.head_logits(hidden, k) for k in range(len(self.heads))])
@@ -125,7 +126,7 @@ class MedusaHeads(nn.Module, DraftCheckpoint):
             return self.draft_vocab.linear(self.lm_head, features)
         return self.draft_vocab.restrict(torch.stack([self.head_logits(hidden, k) for k in range(num)]))
 
-    # ----------------------------------------------------------------- storage (heads.checkpoints.draft.DraftCheckpoint)
+    # -------------------------------------------------------------- storage (heads.checkpoints.draft.DraftCheckpoint)
     @classmethod
     def card_for(cls, config: MedusaConfig, location: str) -> str:
         return model_card(config, location)

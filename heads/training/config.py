@@ -55,7 +55,8 @@ class HeadsConfig:
     """LoRA scaling numerator (delta scaled by lora_alpha / lora_rank)."""
     draft_vocab: int = 8192
     """V': at inference Medusa and Hydra heads draft only from the V' tokens most frequent in the training data,
-    reading that many LM-head rows instead of all (heads/training/draft_vocab.py); 0 or >= the vocabulary: every token."""
+    reading that many LM-head rows instead of all (heads/training/draft_vocab.py); 0 or >= the vocabulary: every
+    token."""
 
 
 @dataclass
@@ -66,8 +67,8 @@ class LossConfig:
     """head k's loss weight is decay**(k-1)."""
     vocab: Literal["draft", "full"] = "draft"
     """Medusa and Hydra heads with a draft vocabulary (heads.draft_vocab): "draft" reads their loss and accuracy on it,
-    as they draft (5-7x less LM-head work per step on a CPU, heads/training/losses.py); "full": over the whole vocabulary. An
-    EAGLE head always trains on its draft vocabulary, an exit head on the whole one."""
+    as they draft (5-7x less LM-head work per step on a CPU, heads/training/losses.py); "full": over the whole
+    vocabulary. An EAGLE head always trains on its draft vocabulary, an exit head on the whole one."""
 
 
 @dataclass
@@ -250,8 +251,8 @@ class TrainConfig:
     """the frozen target."""
     method: Literal["medusa", "hydra", "exit_head", "eagle"] = "medusa"
     """what is trained on the frozen target: Medusa heads (section heads), Hydra heads (Medusa heads that also read
-    the tokens drafted before them; section heads, heads/hydra/model.py), an early-exit head (section exit) or an EAGLE-style
-    sequential head (section eagle)."""
+    the tokens drafted before them; section heads, heads/hydra/model.py), an early-exit head (section exit) or an
+    EAGLE-style sequential head (section eagle)."""
     heads: HeadsConfig = field(default_factory=HeadsConfig)
     """the Medusa or Hydra heads being trained (method medusa / hydra; Hydra heads use the shared LM head)."""
     exit: ExitConfig = field(default_factory=ExitConfig)

@@ -6,7 +6,8 @@ system message) are kept; turn by turn, the target answers the conversation so f
 included — in batches with left padding, greedy or sampled.
 
 Output (``out``): a ``datasets`` dataset saved with ``save_to_disk``, column ``messages`` ([{role, content}], like
-every source in ``heads/training/data.py``) and ``source_index`` (the row it came from), usable as ``DataConfig(source=out)``.
+every source in ``heads/training/data.py``) and ``source_index`` (the row it came from), usable as
+``DataConfig(source=out)``.
 Work is written as it goes to ``out/shards/shard-NNNNN`` (``shard_size`` conversations each, written atomically);
 a restart with the same settings skips finished shards, and each shard seeds its own sampling, so an interrupted and
 resumed run writes exactly what an uninterrupted one would. ``out/distill.json`` records the settings.

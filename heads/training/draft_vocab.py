@@ -71,8 +71,8 @@ def with_draft_vocab(heads: nn.Module, tokens: torch.Tensor, rebuild) -> nn.Modu
 
 
 def count_vocabulary(vocab, train_rows, tokenizer) -> None:
-    """Fill a head's draft vocabulary (``selfspec.core.draft_vocab.DraftVocab``) with the most frequent training tokens of
-    ``train_rows`` and the end of turn; nothing for heads drafting from every token, or without rows."""
+    """Fill a head's draft vocabulary (``selfspec.core.draft_vocab.DraftVocab``) with the most frequent training
+    tokens of ``train_rows`` and the end of turn; nothing for heads drafting from every token, or without rows."""
     if vocab.size is not None and train_rows is not None:
         vocab.set(draft_vocabulary(train_rows, vocab.size, vocab.vocab_size, end_of_turn(tokenizer)))
 

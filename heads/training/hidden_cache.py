@@ -214,7 +214,8 @@ class TargetStates:
     (the config refuses that combination: the logits need the final states too). feature_layers (an EAGLE-3 head):
     [B, T, (1 + L) D], the final hidden states then the states at those ``hidden_states`` indices, concatenated (the
     cache holds the final state once, ``expand_feature_states`` repeats it where it is a feature layer). logit_vocab
-    (a DraftVocab): the KL loss reads the target's logits on that draft vocabulary only: [B, T, V'] (heads/training/losses.py)."""
+    (a DraftVocab): the KL loss reads the target's logits on that draft vocabulary only: [B, T, V']
+    (heads/training/losses.py)."""
 
     def __init__(self, model, device: torch.device, autocast: Callable[[], ContextManager], loss_kind: str,
                  caches: dict[str, HiddenCache], cache_dtype: str, layer: int | None = None,

@@ -25,12 +25,12 @@ it has none). Two entry points compute the same numbers:
   positions some head is scored on; on chat data that skips the prompts, and it never builds [K, B, T, V]);
   ``batch_loss`` is it for a batch, or one per row of the batch (held-out counts).
 
-On a draft vocabulary (``vocab``: the V' token ids heads draft from, heads/training/draft_vocab.py) the heads' logits are
-[K, N, V'] and the loss is read there, as drafting reads them: the cross-entropy of the data's token where it lies in
-V' (a token outside V' is no head's to draft, so it teaches nothing), the KL to the target's distribution restricted to
-V' and renormalised; accuracy still counts every scored position, a token outside V' as a miss at every rank (what
-the tree built from it will meet when drafting). With the frozen LM head shared, the logits on V' cost V'/V of a
-full-vocabulary pass (on SmolLM2, 8,192 of 49,152 rows): the bulk of a training step on a CPU.
+On a draft vocabulary (``vocab``: the V' token ids heads draft from, heads/training/draft_vocab.py) the heads' logits
+are [K, N, V'] and the loss is read there, as drafting reads them: the cross-entropy of the data's token where it lies
+in V' (a token outside V' is no head's to draft, so it teaches nothing), the KL to the target's distribution
+restricted to V' and renormalised; accuracy still counts every scored position, a token outside V' as a miss at every
+rank (what the tree built from it will meet when drafting). With the frozen LM head shared, the logits on V' cost V'/V
+of a full-vocabulary pass (on SmolLM2, 8,192 of 49,152 rows): the bulk of a training step on a CPU.
 
 Shapes: K heads, B batch, T time, V vocabulary, V' draft vocabulary, N gathered positions, R ranks.
 """

@@ -107,7 +107,8 @@ def fit(value: Any, tp: Any, where: str, wording: Wording = WORDING, text_floats
         if isinstance(value, tp):
             return value
         if not isinstance(value, Mapping):
-            raise ValueError(f"{where}: expected a section (a mapping of {where}.* keys), found {_found(value, wording)}")
+            found = _found(value, wording)
+            raise ValueError(f"{where}: expected a section (a mapping of {where}.* keys), found {found}")
         return from_dict(tp, value, where, wording, text_floats)
     if origin in (typing.Union, types.UnionType):
         for option in args:
