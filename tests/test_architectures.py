@@ -309,7 +309,7 @@ def test_train_py_trains_drafts_for_other_architectures(tmp_path, model_type, me
     target = Target(model)
     drafter = registry.build_drafter(registry.parse_draft(str(checkpoint)), target)
     prompt = torch.tensor(tokenizer("Hi there, how are you today?")["input_ids"])
-    out = generate(drafter.verifier() if hasattr(drafter, "verifier") else target, drafter, prompt, 40)
+    out = generate(drafter.verifier() or target, drafter, prompt, 40)
     assert out.tokens == reference(model, prompt, 40)
 
 
