@@ -8,12 +8,12 @@ import argparse
 import logging
 import sys
 
-from heads.base_model import UnsupportedModel
-from heads.config import describe, load_config
-from heads.data import DataError
-from heads.hub import PublishError
-from heads.train_state import CorruptCheckpoint
-from heads.trainer import TrainingDiverged, check_publish, train
+from heads.checkpoints.hub import PublishError
+from heads.training.base_model import UnsupportedModel
+from heads.training.data import DataError
+from heads.training.recipe import describe, load_config
+from heads.training.state import CorruptCheckpoint
+from heads.training.trainer import TrainingDiverged, check_publish, train
 
 
 def main(argv: list[str] | None = None) -> int:

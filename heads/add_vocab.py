@@ -1,5 +1,5 @@
 """Give Medusa heads, Hydra heads, an exit head or a layer-skip draft without one a draft vocabulary
-(heads/draft_vocab.py), counted on their data.
+(heads/training/draft_vocab.py), counted on their data.
 
     python -m heads.add_vocab runs/medusa-smollm2/heads --size 8192 [--out DIR]
 
@@ -13,12 +13,23 @@ checkpoint is rewritten atomically (in place or to --out). Heads trained now sto
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
 
-from heads.cli import check_output, check_source, describe, is_draft_checkpoint, positive_int, report_errors
-from heads.draft_vocab import draft_vocabulary, end_of_turn, token_counts, with_draft_vocab
+from heads.checkpoints.contents import check_output, describe, is_draft_checkpoint, stored_draft_type
+from heads.checkpoints.files import resolve
+from heads.cli import check_source, positive_int, report_errors
+from heads.exit_head.model import ExitHead
+from heads.hydra.model import HydraHeads
+from heads.medusa.config import read_config
+from heads.medusa.model import MedusaHeads
+from heads.training.base_model import load_base
+from heads.training.config import ModelConfig
+from heads.training.data import DataConfig, build_datasets
+from heads.training.draft_vocab import draft_vocabulary, end_of_turn, token_counts, with_draft_vocab
+from selfspec.drafts.layerskip import LayerSkipConfig
 
 LAYER_SKIP_CONVERSATIONS = 2000
 """conversations counted for a layer-skip checkpoint (it has no recipe naming its data)."""
@@ -41,19 +52,10 @@ def main(argv: list[str] | None = None) -> int:
                                                "or a checkpoint of the same kind to replace")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from heads.base_model import load_base
-    from heads.checkpoint import read_config, read_json_object, resolve
-    from heads.config import ModelConfig
-    from heads.data import DataConfig
-    from heads.exit_head import ExitHead
-    from heads.hydra import HydraHeads
-    from heads.medusa import MedusaHeads
-
     check_source(a.source)
     directory = resolve(a.checkpoint)
     kinds = {"medusa": MedusaHeads, "hydra": HydraHeads, "exit-head": ExitHead}
-    kind = read_json_object(directory / "config.json", "the heads' config").get("draft_type") if (
-        directory / "config.json").is_file() else None
+    kind = stored_draft_type(directory, "the heads' config")
     if kind not in (*kinds, "layerskip"):
         why = " (an EAGLE head stores its draft vocabulary when it is trained: eagle.draft_vocab)" if kind == "eagle" else ""
         raise ValueError(f"{a.checkpoint} holds {describe(directory)}; heads.add_vocab takes a selfspec checkpoint of "
@@ -79,10 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.max_conversations is not None:
         data["max_conversations"] = a.max_conversations
     train_rows, tokens, counts = _count(DataConfig(**data), tokenizer, a.size, config.vocab_size)
-    if kind == "medusa":
-        new = with_draft_vocab(heads, tokens, lambda c: MedusaHeads(c, model.get_output_embeddings()))
-    else:
-        new = with_draft_vocab(heads, tokens, lambda c: cls.on_base(c, model))
+    new = with_draft_vocab(heads, tokens, lambda c: cls.on_base(c, model))
     out = new.save_pretrained(a.out or directory)
     _report(out, kind, tokens, counts, train_rows, data.get("source", "sharegpt"))
     return 0
@@ -91,8 +90,6 @@ def main(argv: list[str] | None = None) -> int:
 def _count(data, tokenizer, size: int, vocab_size: int):
     """(the training rows of ``data``, the ``size`` most frequent training tokens with end-of-turn, every token's
     count [V])."""
-    from heads.data import build_datasets
-
     train_rows, _ = build_datasets(data, tokenizer)
     counts = token_counts(train_rows, vocab_size)
     tokens = draft_vocabulary(train_rows, size, vocab_size, end_of_turn(tokenizer), counts=counts)
@@ -107,13 +104,6 @@ def _report(out, kind: str, tokens, counts, rows, source: str) -> None:
 
 def _layer_skip(a, directory) -> int:
     """A layer-skip checkpoint (config.json only): the vocabulary goes into its config as ``draft_vocab``."""
-    import dataclasses
-
-    from heads.base_model import load_base
-    from heads.config import ModelConfig
-    from heads.data import DataConfig
-    from selfspec.drafts.layerskip import LayerSkipConfig
-
     config = LayerSkipConfig.load(directory)
     model, tokenizer = load_base(ModelConfig(name=a.model or config.base_model))
     V = model.get_output_embeddings().weight.shape[0]

@@ -15,8 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from heads.checkpoint import publish_files
-from heads.hub import PublishError, check_repo_id, find_token, publish
+from heads.checkpoints.hub import PublishError, check_repo_id, find_token, publish
+from heads.draft_types import publish_files
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,8 +15,11 @@ import logging
 import sys
 from pathlib import Path
 
-from heads.cli import check_output, dtype_name, is_draft_checkpoint, positive_int, report_errors
-from heads.medusa import MedusaHeads
+from heads.checkpoints.contents import check_output, is_draft_checkpoint
+from heads.checkpoints.files import resolve
+from heads.cli import dtype_name, positive_int, report_errors
+from heads.medusa.config import read_config
+from heads.medusa.model import MedusaHeads
 from heads.tree_search import expected_accept_length, fastest_choices
 from selfspec.tools.costs import verify_costs
 from selfspec.core.models import load_model
@@ -43,8 +46,6 @@ def main(argv: list[str] | None = None) -> int:
                                                "a Medusa heads checkpoint to replace (default: the checkpoint itself)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from heads.checkpoint import read_config, resolve
-
     directory = resolve(a.checkpoint)
     config = read_config(directory, tool=TAKES)
     if not config.head_accuracy:

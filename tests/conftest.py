@@ -172,8 +172,8 @@ def state_after_prefill(model: PreTrainedModel, prompt: torch.Tensor) -> DraftSt
 def decode_with_tiny_draft(checkpoint: Path, max_new_tokens: int = 16):
     """Load a draft checkpoint trained by the tiny recipe (configs/medusa_tiny.yaml) through the registry onto the
     tiny target, decode a chat prompt with it and assert the tokens are plain greedy ``generate``'s; the SpecModel."""
-    from heads.base_model import load_base
-    from heads.config import ModelConfig
+    from heads.training.base_model import load_base
+    from heads.training.config import ModelConfig
     from selfspec import registry
     from selfspec.api import SpecModel
     from selfspec.core.target import Target

@@ -16,8 +16,9 @@ import torch
 from conftest import Recording, random_prompts, reference
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from heads.eagle import EagleConfig, EagleHead
-from heads.eagle_drafter import EagleDrafter
+from heads.eagle.config import EagleConfig
+from heads.eagle.drafter import EagleDrafter
+from heads.eagle.model import EagleHead
 from selfspec import Target, Tree
 from selfspec.core.generate import generate
 from selfspec.core import hf
@@ -245,8 +246,8 @@ def test_a_model_whose_lm_head_reads_a_projected_state_decodes_with_every_draft(
 def test_what_an_exit_head_feeds_the_lm_head_is_what_the_decoder_does_after_its_last_layer(model_type, overrides):
     """heads.exit_head.final_norm (the final norm, and OPT-350m's project_out) applied to the last layer's output is
     the decoder's own final hidden state, exactly."""
-    from heads.base_model import final_hidden
-    from heads.exit_head import final_norm
+    from heads.exit_head.model import final_norm
+    from heads.training.base_model import final_hidden
 
     model = build(model_type, {**SUPPORTED[model_type], **overrides})
     ids = random_prompts(1, VOCAB, seed=1)[0][None]
@@ -290,8 +291,8 @@ def test_train_py_trains_drafts_for_other_architectures(tmp_path, model_type, me
 
     from conftest import train_losses
 
-    from heads.base_model import load_base
-    from heads.config import ModelConfig
+    from heads.training.base_model import load_base
+    from heads.training.config import ModelConfig
     from selfspec import registry
 
     config = {**BASE, **SUPPORTED[model_type], **overrides, "model_type": model_type, "vocab_size": 300,
@@ -332,7 +333,7 @@ def save_vlm(model_type: str, directory) -> str:
     """A tiny random vision-language model and a byte-level chat tokenizer saved to ``directory``."""
     from transformers import AutoModelForImageTextToText
 
-    from heads.base_model import byte_tokenizer
+    from heads.training.base_model import byte_tokenizer
 
     torch.manual_seed(0)
     AutoModelForImageTextToText.from_config(AutoConfig.for_model(model_type, **VLMS[model_type])).save_pretrained(directory)

@@ -14,8 +14,9 @@ import torch
 from conftest import random_prompts, tiny_model
 from fake_clock import FakeClock
 
-from heads.eagle import EagleConfig, EagleHead
-from heads.eagle_drafter import EagleDrafter
+from heads.eagle.config import EagleConfig
+from heads.eagle.drafter import EagleDrafter
+from heads.eagle.model import EagleHead
 from selfspec import registry, tuned
 from selfspec.tools import budget
 import selfspec.core.generate as generate_module
@@ -258,8 +259,9 @@ def test_dynamic_tree_depth_option_parses_and_limits_the_drafts(setup):
 
 def test_medusa_dynamic_trees_report_scores_that_predict_smaller_budgets():
     """Medusa heads with a dynamic tree are tunable too: a budget-N tree is the N best paths of the same candidates."""
-    from heads.drafter import MedusaDrafter
-    from heads.medusa import MedusaConfig, MedusaHeads
+    from heads.medusa.config import MedusaConfig
+    from heads.medusa.drafter import MedusaDrafter
+    from heads.medusa.model import MedusaHeads
 
     model = tiny_model("llama", initializer_range=0.1)
     heads = MedusaHeads(MedusaConfig.for_model(model, num_heads=3), model.get_output_embeddings()).eval()

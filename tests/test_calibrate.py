@@ -9,7 +9,7 @@ import json
 from conftest import reference
 from transformers import AutoTokenizer
 
-from heads.exit_head import ExitHead, ExitHeadConfig
+from heads.exit_head.model import ExitHead, ExitHeadConfig
 from selfspec import registry
 from selfspec.tools import cli
 from selfspec.api import SpecModel

@@ -246,8 +246,9 @@ def _loop_counts(target: Target, make_drafter: Callable, n: int, seed: int, samp
 
 def eagle_drafter(target: Target):
     """An EAGLE head (random weights) on the loop world's model: a dynamic tree of 4 nodes, 2 deep, per step."""
-    from heads.eagle import EagleConfig, EagleHead
-    from heads.eagle_drafter import EagleDrafter
+    from heads.eagle.config import EagleConfig
+    from heads.eagle.drafter import EagleDrafter
+    from heads.eagle.model import EagleHead
 
     model = target.model
     torch.manual_seed(7)
@@ -259,8 +260,8 @@ def eagle_drafter(target: Target):
 def hydra_drafter(target: Target):
     """Hydra heads (random weights) on the loop world's model, drafting a 3-node tree 2 deep whose depth-2 node
     depends on the depth-1 token above it."""
-    from heads.hydra import HydraConfig, HydraHeads
-    from heads.hydra_drafter import HydraDrafter
+    from heads.hydra.drafter import HydraDrafter
+    from heads.hydra.model import HydraConfig, HydraHeads
 
     model = target.model
     heads = HydraHeads(HydraConfig.for_model(model, num_heads=2), model.get_input_embeddings(),

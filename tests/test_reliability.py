@@ -26,10 +26,11 @@ from accelerate import Accelerator
 import tiny_chat_model
 from conftest import VOCAB, random_prompts, tiny_model
 from heads import publish as publish_cli
-from heads import train_state
-from heads.drafter import MedusaDrafter
-from heads.hub import PublishError, publish
-from heads.medusa import MedusaConfig, MedusaHeads
+from heads.checkpoints.hub import PublishError, publish
+from heads.medusa.config import MedusaConfig
+from heads.medusa.drafter import MedusaDrafter
+from heads.medusa.model import MedusaHeads
+from heads.training import state as train_state
 from hub_server import TOKEN, HubServer, use_hub
 from selfspec import NGramDrafter, Sampling, Target, Tree, stream
 from selfspec.tools import cli

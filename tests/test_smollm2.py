@@ -74,7 +74,7 @@ def test_oracle_tree_drafter_matches_generate(smollm2):
 def test_self_speculative_drafters_match_generate(smollm2):
     """Early exit (with its KV reuse, and with a randomly perturbed exit head standing in for a trained one) and layer
     skipping draft from the target's own layers; whatever they draft, the output is the target's."""
-    from heads.exit_head import ExitHead, ExitHeadConfig
+    from heads.exit_head.model import ExitHead, ExitHeadConfig
     from selfspec.core.drafter import verifier_for
     from selfspec.drafts.early_exit import EarlyExitDrafter, EarlyExitTarget
     from selfspec.drafts.layerskip import LayerSkipDrafter

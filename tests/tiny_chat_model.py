@@ -56,8 +56,8 @@ def build(path: Path, seed: int = 0) -> Path:
 
 def build_heads(model_dir: Path, path: Path, num_heads: int = 2) -> Path:
     """Untrained (zero-initialised) Medusa heads for the model in ``model_dir``, saved as a checkpoint at ``path``."""
-    from heads.checkpoint import save_heads
-    from heads.medusa import MedusaConfig, MedusaHeads
+    from heads.medusa.config import MedusaConfig
+    from heads.medusa.model import MedusaHeads, save_heads
 
     model = LlamaForCausalLM.from_pretrained(model_dir)
     config = MedusaConfig.for_model(model, num_heads=num_heads, num_layers=1)

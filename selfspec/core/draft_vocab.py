@@ -1,6 +1,6 @@
 """A draft vocabulary's row map: a draft that proposes only V' of the target's V tokens reads only their rows of the
 target's LM head (FR-Spec, EAGLE-3). Heads trained with one (``heads``) and layer-skip checkpoints that carry one both
-draft through it; which tokens it holds is chosen at training time (``heads.draft_vocab``).
+draft through it; which tokens it holds is chosen at training time (``heads.training.draft_vocab``).
 
 Shapes: V vocabulary, V' draft vocabulary, D hidden size.
 """

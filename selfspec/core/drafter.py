@@ -65,7 +65,7 @@ class DraftState:
     new_hidden: torch.Tensor | None = None
     """[A, D] the target's final hidden states at the A positions committed since the previous draft, tokens[-1-A:-1]
     (the whole prompt at the first draft of a request; ``hidden`` is new_hidden[-1]): what a sequential draft head
-    with its own cache (heads/eagle_drafter.py) extends it with. None when the caller does not track it."""
+    with its own cache (heads/eagle/drafter.py) extends it with. None when the caller does not track it."""
     new_states: LayerStates | None = None
     """the target's hidden states at every layer at the same A positions (``new_states.take(layers)`` [A, L·D]): what
     an EAGLE-3 head fuses. None when the caller or the verifier does not provide them."""

@@ -24,13 +24,14 @@ V vocabulary, V' draft vocabulary (V without one).
 from __future__ import annotations
 
 import json
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
+from huggingface_hub import hf_hub_download
 
-from selfspec.core import hf
+from selfspec.core import hf, typed
 from selfspec.core.accept import Acceptance
 from selfspec.core.draft_vocab import DraftVocab
 from selfspec.core.files import read_json_object
@@ -260,18 +261,17 @@ class LayerSkipConfig:
     draft_type: str = DRAFT_TYPE
 
     def __post_init__(self) -> None:
+        typed.check(self, "", self.wording(type(self).__name__))
         if self.draft_type != DRAFT_TYPE:
             raise ValueError(f"draft_type must be {DRAFT_TYPE!r} for a layer-skip config, found {self.draft_type!r}")
-        if not isinstance(self.num_hidden_layers, int) or self.num_hidden_layers < 2:
+        if self.num_hidden_layers < 2:
             raise ValueError(f"num_hidden_layers must be an integer >= 2, found {self.num_hidden_layers!r}")
         object.__setattr__(self, "skip_layers", check_skip_layers(self.skip_layers, self.num_hidden_layers))
-        if not isinstance(self.draft_depth, int) or self.draft_depth < 1:
+        if self.draft_depth < 1:
             raise ValueError(f"draft_depth must be an integer >= 1, found {self.draft_depth!r}")
         check_stop_below(self.stop_below)
-        vocab = tuple(self.draft_vocab)
-        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in vocab) or len(set(vocab)) != len(vocab):
-            raise ValueError(f"draft_vocab must hold distinct token ids >= 0, found {list(vocab)[:8]}...")
-        object.__setattr__(self, "draft_vocab", vocab)
+        if any(t < 0 for t in self.draft_vocab) or len(set(self.draft_vocab)) != len(self.draft_vocab):
+            raise ValueError(f"draft_vocab must hold distinct token ids >= 0, found {list(self.draft_vocab)[:8]}...")
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -281,26 +281,17 @@ class LayerSkipConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "the config") -> "LayerSkipConfig":
-        """Strict: unknown keys, missing keys and wrong JSON types fail, naming the key, the expected and the found."""
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(data) - set(known))
-        if unknown:
-            raise ValueError(f"{source} has unknown keys {unknown}; a layer-skip config has {sorted(known)}")
-        kinds: dict[str, tuple[type, ...]] = {
-            "base_model": (str,), "num_hidden_layers": (int,), "skip_layers": (list,), "draft_depth": (int,),
-            "stop_below": (float, int), "measured": (dict,), "draft_vocab": (list,), "draft_type": (str,),
-        }
-        for key, value in data.items():
-            if not isinstance(value, kinds[key]) or isinstance(value, bool):
-                want = " or ".join(k.__name__ for k in kinds[key])
-                raise TypeError(f"{source}: {key} must be {want}, found {type(value).__name__} {value!r}")
-        missing = [f.name for f in known.values() if f.name not in data and f.default is MISSING and f.default_factory is MISSING]
-        if missing:
-            raise ValueError(f"{source} lacks keys {missing}")
-        if not all(isinstance(i, int) and not isinstance(i, bool) for i in data["skip_layers"]):
-            raise TypeError(f"{source}: skip_layers must be a list of integers, found {data['skip_layers']!r}")
-        return cls(**{**data, "skip_layers": tuple(data["skip_layers"]), "stop_below": float(data.get("stop_below", 0.0)),
-                      "draft_vocab": tuple(data.get("draft_vocab", ()))})
+        """Strict: unknown keys, missing keys and wrong JSON types fail, naming the key, the expected and the found
+        (selfspec.core.typed)."""
+        return typed.from_dict(cls, data, "", cls.wording(source))
+
+    @staticmethod
+    def wording(source: str) -> typed.Wording:
+        """How a layer-skip config read from ``source`` words its errors (a wrong type is a TypeError)."""
+        source = source.replace("{", "{{").replace("}", "}}")
+        return typed.Wording(unknown=source + " has unknown keys {unknown}; a layer-skip config has {known}",
+                             missing=source + " lacks keys {missing}",
+                             wrong_type=source + ": {where} must be {expected}, found {found}", type_error=TypeError)
 
     def save(self, directory: str | Path) -> Path:
         """Write ``directory/config.json`` (the directory is created); returns the file's path."""
@@ -323,8 +314,6 @@ class LayerSkipConfig:
             if str(path_or_repo_id).startswith((".", "/", "~")) or str(path_or_repo_id).count("/") != 1:
                 raise FileNotFoundError(f"layer-skip checkpoint {path_or_repo_id} does not exist (expected a directory, its "
                                         f"{CONFIG_NAME}, or a Hub repo id 'owner/name')")
-            from huggingface_hub import hf_hub_download
-
             path = Path(hf_hub_download(str(path_or_repo_id), CONFIG_NAME, revision=revision))
 
         return cls.from_dict(read_json_object(path, "the layer-skip config"), source=str(path))

@@ -14,8 +14,10 @@ import yaml
 from conftest import tiny_model
 from safetensors.torch import load_file, save_file
 
-import heads.checkpoint as ckpt
-from heads.medusa import MedusaConfig, MedusaHeads
+import heads.checkpoints.files as ckpt
+from heads.medusa.card import model_card
+from heads.medusa.config import MedusaConfig
+from heads.medusa.model import MedusaHeads
 
 RECIPE = {"data": {"source": "sharegpt", "max_length": 512}, "lr": 1e-3}
 
@@ -208,9 +210,9 @@ def test_base_model_is_named_without_a_local_path(tmp_path):
 
 def test_model_card_names_the_builtin_default_by_its_hub_id():
     config = MedusaConfig(base_model="smollm2-135m-instruct", base_revision=None, hidden_size=576, vocab_size=49152)
-    meta = yaml.safe_load(ckpt.model_card(config, "me/heads").split("---\n")[1])
+    meta = yaml.safe_load(model_card(config, "me/heads").split("---\n")[1])
     assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and "datasets" not in meta
-    assert 'load_model("smollm2-135m-instruct")' in ckpt.model_card(config, "me/heads")
+    assert 'load_model("smollm2-135m-instruct")' in model_card(config, "me/heads")
 
 
 def test_checkpoint_directory_gets_the_default_permissions(llama, tmp_path):
@@ -232,7 +234,7 @@ def test_version_from_a_source_checkout_that_was_not_installed(llama, tmp_path, 
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "version", missing)
-    expected = tomllib.loads((Path(ckpt.__file__).parent.parent / "pyproject.toml").read_text())["project"]["version"]
+    expected = tomllib.loads((Path(ckpt.__file__).parents[2] / "pyproject.toml").read_text())["project"]["version"]
     assert ckpt.selfspec_version() == expected + "+source"
     trained(llama).save_pretrained(tmp_path / "ck")
     assert json.loads((tmp_path / "ck" / "config.json").read_text())["selfspec_version"] == expected + "+source"

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from transformers import SchedulerType
 
-from heads.config import FINAL_DIRS, TrainConfig, apply_overrides, describe, load_config, usable_schedulers
+from heads.training.config import FINAL_DIRS, TrainConfig, usable_schedulers
+from heads.training.recipe import apply_overrides, describe, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,8 +14,8 @@ import huggingface_hub.constants
 import pytest
 from transformers import AutoTokenizer
 
-from heads import sharegpt
-from heads.data import (
+from heads.training import sharegpt
+from heads.training.data import (
     DEFAULT_EXCLUDE, IGNORE, DataConfig, build_datasets, load_excluded_questions, load_source, normalise_messages,
     pack_rows, split_indices, tokenize_conversation,
 )

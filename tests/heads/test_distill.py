@@ -12,8 +12,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from heads.data import DataConfig, build_datasets
-from heads.distill import DistillConfig, distill, main
+from heads.distill import main
+from heads.training.data import DataConfig, build_datasets
+from heads.training.distill import DistillConfig, distill
 from selfspec.core.models import DEFAULT_MODEL, resolve
 from conftest import tiny_model
 
@@ -89,7 +90,7 @@ def test_sampled_resumed_run_equals_uninterrupted_run(model, tok, source, tmp_pa
 def test_a_shards_prompts_are_batched_by_length_turn_by_turn(model, tok):
     """Each generate call gets prompts of neighbouring lengths (the shortest first), every reply still lands in its own
     conversation (equal to answering it alone), and progress counts each reply as its batch is answered."""
-    from heads.distill import regenerate
+    from heads.training.distill import regenerate
 
     convs = [[{"role": "user", "content": "x" * n}, {"role": "assistant", "content": "-"}] for n in (40, 1, 30, 2, 20, 3)]
     convs[1] += [{"role": "user", "content": "and then?"}, {"role": "assistant", "content": "-"}]  # two turns
@@ -119,7 +120,7 @@ def test_a_shards_prompts_are_batched_by_length_turn_by_turn(model, tok):
 
 
 def test_a_conversation_whose_prompt_grows_too_long_ends_there_and_its_turns_count_as_done(model, tok):
-    from heads.distill import regenerate
+    from heads.training.distill import regenerate
 
     conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "-"},
             {"role": "user", "content": "y" * 60}, {"role": "assistant", "content": "-"},
@@ -191,9 +192,9 @@ def test_cli_refuses_bad_numbers_naming_the_flag(argv, message, tmp_path, capsys
 
 
 def test_cli_mistakes_are_one_error_line_before_the_model_loads(tmp_path, capsys, monkeypatch):
-    import selfspec.core.models
+    import heads.distill
 
-    monkeypatch.setattr(selfspec.core.models, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(heads.distill, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     out = ["--model", "x", "--out", str(tmp_path / "out")]
     cases = {
         ("--temperature", "0.5"): "--temperature 0.5: sampling only, but without --do-sample the replies are "

@@ -11,16 +11,17 @@ import pytest
 import torch
 from conftest import random_prompts, reference, state_after_prefill, tiny_model
 
-from heads.base_model import lm_logits
-from heads.config import load_config
-from heads.draft_vocab import with_draft_vocab
+from heads.training.base_model import lm_logits
+from heads.training.draft_vocab import with_draft_vocab
+from heads.training.recipe import load_config
 from selfspec.core.draft_vocab import DraftVocab
-from heads.drafter import MedusaDrafter
-from heads.hydra import HydraConfig, HydraHeads, following
-from heads.hydra_drafter import HydraDrafter
-from heads.losses import IGNORE_INDEX, gather_scored, scored_loss
-from heads.medusa import MedusaConfig, MedusaHeads
-from heads.trainer import heads_loss
+from heads.hydra.drafter import HydraDrafter
+from heads.hydra.model import HydraConfig, HydraHeads, following
+from heads.medusa.config import MedusaConfig
+from heads.medusa.drafter import MedusaDrafter
+from heads.medusa.model import MedusaHeads
+from heads.training.evaluate import heads_loss
+from heads.training.losses import IGNORE_INDEX, gather_scored, scored_loss
 from selfspec import Target
 from selfspec.core.generate import generate
 from selfspec.core.tree import DynamicTree, Tree
@@ -214,8 +215,8 @@ def test_add_vocab_counts_the_recipes_data_and_the_heads_still_decode_losslessly
     from conftest import decode_with_tiny_draft
 
     from heads import add_vocab
-    from heads.base_model import load_base
-    from heads.config import ModelConfig
+    from heads.training.base_model import load_base
+    from heads.training.config import ModelConfig
 
     base, tokenizer = load_base(ModelConfig(name="tiny-random-llama"))
     recipe = {"model": {"name": "tiny-random-llama"},

@@ -18,12 +18,13 @@ from conftest import (decode_with_tiny_draft, random_prompts, reference, state_a
                       train_and_check_resume)
 from transformers import DynamicCache
 
-from heads.config import load_config
-from heads.eagle import EagleConfig, EagleHead, load_drafter, unroll_mask
-from heads.eagle_drafter import EagleDrafter
-from heads.draft_vocab import draft_vocabulary
-from heads.eagle_loss import eagle_loss
-from heads.losses import IGNORE_INDEX
+from heads.eagle.config import EagleConfig
+from heads.eagle.drafter import EagleDrafter, load_drafter
+from heads.eagle.loss import eagle_loss
+from heads.eagle.model import EagleHead, unroll_mask
+from heads.training.draft_vocab import draft_vocabulary
+from heads.training.losses import IGNORE_INDEX
+from heads.training.recipe import load_config
 from selfspec import registry
 from selfspec.core import hf
 from selfspec.core.drafter import DraftState
@@ -207,7 +208,7 @@ def test_eagle3_drafts_through_the_runtime_stay_token_identical_to_generate(arch
 def test_the_final_state_among_the_feature_layers_is_stored_once():
     """transformers' last hidden_states entry (index L) is the final hidden state itself: the hidden cache stores it
     once and expand_feature_states puts it back wherever the head lists L, equal to reading every layer."""
-    from heads.base_model import expand_feature_states, final_and_layer_states, stored_feature_layers
+    from heads.training.base_model import expand_feature_states, final_and_layer_states, stored_feature_layers
 
     model = tiny_model("llama", initializer_range=0.1)
     L = model.config.num_hidden_layers
@@ -226,7 +227,7 @@ def test_the_final_state_among_the_feature_layers_is_stored_once():
 def test_the_drafter_reads_the_states_training_reads():
     """What the trainer feeds an EAGLE-3 head (heads.base_model.final_and_layer_states over a padded batch) equals what
     selfspec.core.generate hands its drafter (every layer's states from the target's prefill), at the head's layers."""
-    from heads.base_model import final_and_layer_states
+    from heads.training.base_model import final_and_layer_states
 
     model = tiny_model("qwen2", initializer_range=0.1)
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))

@@ -17,10 +17,11 @@ import torch
 from conftest import decode_with_tiny_draft, random_prompts, reference, state_after_prefill, tiny_model
 from test_layerskip import VOCAB, four_layer
 
-from heads.base_model import final_hidden, layer_and_final_hidden
-from heads.config import load_config
-from heads.exit_head import ExitHead, ExitHeadConfig, ExitLogits, final_norm, load_drafter
-from heads.losses import gather_scored, head_targets
+from heads.exit_head.drafter import load_drafter
+from heads.exit_head.model import ExitHead, ExitHeadConfig, ExitLogits, final_norm
+from heads.training.base_model import final_hidden, layer_and_final_hidden
+from heads.training.losses import gather_scored, head_targets
+from heads.training.recipe import load_config
 from selfspec.core import hf
 from selfspec.drafts.early_exit import EarlyExitDrafter, EarlyExitTarget
 from selfspec.core.generate import generate
@@ -163,8 +164,8 @@ def test_an_exit_head_with_a_draft_vocabulary_drafts_only_its_tokens_and_stays_l
 
 def test_add_vocab_gives_an_exit_head_trained_without_one_a_draft_vocabulary(tmp_path, capsys):
     from heads import add_vocab
-    from heads.base_model import load_base
-    from heads.config import ModelConfig
+    from heads.training.base_model import load_base
+    from heads.training.config import ModelConfig
 
     base, tokenizer = load_base(ModelConfig(name="tiny-random-llama"))
     recipe = {"model": {"name": "tiny-random-llama"},

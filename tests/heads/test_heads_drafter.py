@@ -6,8 +6,9 @@ import pytest
 import torch
 from conftest import random_prompts, reference, tiny_model
 
-from heads.drafter import MedusaDrafter, load_drafter
-from heads.medusa import MedusaConfig, MedusaHeads
+from heads.medusa.config import MedusaConfig
+from heads.medusa.drafter import MedusaDrafter, load_drafter
+from heads.medusa.model import MedusaHeads
 from heads.tree_search import best_tree
 from selfspec import DraftState, Sampling, Target, Tree
 from selfspec.core.generate import generate

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from heads.base_model import final_hidden, load_base
-from heads.config import ModelConfig
+from heads.training.base_model import final_hidden, load_base
+from heads.training.config import ModelConfig
 from selfspec.core.draft_vocab import DraftVocab
-from heads.hidden_cache import HiddenCache, TargetStates, round_trip, rows_fingerprint
+from heads.training.hidden_cache import HiddenCache, TargetStates, round_trip, rows_fingerprint
 
 REPO = Path(__file__).resolve().parents[2]
 D = 8

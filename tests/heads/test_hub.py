@@ -18,10 +18,11 @@ from tiny_chat_model import build
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from heads import publish as publish_cli
-from heads.checkpoint import push_folder
-from heads.drafter import MedusaDrafter
-from heads.hub import PublishError
-from heads.medusa import MedusaConfig, MedusaHeads
+from heads.checkpoints.hub import PublishError
+from heads.draft_types import push_folder
+from heads.medusa.config import MedusaConfig
+from heads.medusa.drafter import MedusaDrafter
+from heads.medusa.model import MedusaHeads
 from selfspec import Target
 from selfspec.core.generate import generate
 from selfspec.registry import build_drafter, parse_draft
@@ -251,7 +252,7 @@ def test_train_py_publishes_when_the_recipe_names_a_repo(hub, tmp_path):
 
 
 def test_exit_head_push_to_hub_round_trip(chat, hub):
-    from heads.exit_head import ExitHead, ExitHeadConfig
+    from heads.exit_head.model import ExitHead, ExitHeadConfig
 
     model, _ = chat
     head = ExitHead(ExitHeadConfig.for_model(model, 1, base_model="tiny-chat"))
@@ -267,7 +268,9 @@ def test_exit_head_push_to_hub_round_trip(chat, hub):
 
 def test_eagle_head_push_to_hub_round_trip(chat, hub):
     """An EAGLE head published over the Hub API and loaded back by id: the same weights, draft vocabulary and drafts."""
-    from heads.eagle import EagleConfig, EagleHead, load_drafter
+    from heads.eagle.config import EagleConfig
+    from heads.eagle.drafter import load_drafter
+    from heads.eagle.model import EagleHead
     from selfspec.core.target import Target
 
     model, tokenizer = chat
@@ -289,8 +292,9 @@ def test_eagle_head_push_to_hub_round_trip(chat, hub):
 def test_hydra_heads_push_to_hub_round_trip(chat, hub, tmp_path):
     """Hydra heads published over the Hub API (the same commit path as every draft) and loaded back by id, tree and
     all; a saved directory is checked and carded as Hydra heads by push_folder (python -m heads.publish)."""
-    from heads.checkpoint import push_folder
-    from heads.hydra import HydraConfig, HydraHeads, load_drafter
+    from heads.draft_types import push_folder
+    from heads.hydra.drafter import load_drafter
+    from heads.hydra.model import HydraConfig, HydraHeads
     from selfspec.core.target import Target
 
     model, tokenizer = chat

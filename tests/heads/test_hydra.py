@@ -16,9 +16,9 @@ import torch
 from conftest import (decode_with_tiny_draft, random_prompts, reference, state_after_prefill, tiny_model,
                       train_and_check_resume)
 
-from heads.config import load_config
-from heads.hydra import HydraConfig, HydraHeads, following, load_drafter
-from heads.hydra_drafter import HydraDrafter
+from heads.hydra.drafter import HydraDrafter, load_drafter
+from heads.hydra.model import HydraConfig, HydraHeads, following
+from heads.training.recipe import load_config
 from selfspec import registry
 from selfspec.core.generate import generate
 from selfspec.core.target import Target

@@ -20,12 +20,12 @@ from hub_server import TOKEN, HubServer, use_hub
 from safetensors.torch import load_file, save_file
 from tiny_chat_model import build
 
-from heads import export as export_cli
-from heads import import_medusa as import_cli
-from heads.drafter import MedusaDrafter, load_drafter
-from heads.export import export_vllm, heads_from_vllm, read_vllm
-from heads.import_medusa import import_medusa
-from heads.medusa import MedusaConfig, MedusaHeads
+from heads import export as export_cli, import_medusa as import_cli
+from heads.medusa.config import MedusaConfig
+from heads.medusa.drafter import MedusaDrafter, load_drafter
+from heads.medusa.fasterdecoding import import_medusa
+from heads.medusa.model import MedusaHeads
+from heads.medusa.vllm import export_vllm, heads_from_vllm, read_vllm
 from selfspec import Target, Tree
 from selfspec.core.generate import generate
 
@@ -103,7 +103,7 @@ def test_imported_medusa_heads_compute_medusas_logits_and_decode_exactly(llama, 
 
 def test_config_that_disagrees_with_the_tensors_trusts_the_tensors_and_says_so(llama, tmp_path, caplog):
     source = write_medusa(tmp_path / "medusa", medusa_state(llama), "safetensors", {**CONFIG, "medusa_num_heads": 2})
-    with caplog.at_level(logging.WARNING, logger="heads.import_medusa"):
+    with caplog.at_level(logging.WARNING, logger="heads.medusa.fasterdecoding"):
         out = import_medusa(source, tmp_path / "imported")
     said = f"config.json says medusa_num_heads=2 but the weights store {K} heads: trusting the weights ({K} heads)"
     assert said in caplog.text
@@ -111,7 +111,7 @@ def test_config_that_disagrees_with_the_tensors_trusts_the_tensors_and_says_so(l
 
     caplog.clear()
     bare = write_medusa(tmp_path / "bare", medusa_state(llama), "pt", {"base_model_name_or_path": "tiny-llama"})
-    with caplog.at_level(logging.WARNING, logger="heads.import_medusa"):
+    with caplog.at_level(logging.WARNING, logger="heads.medusa.fasterdecoding"):
         import_medusa(bare, tmp_path / "imported-bare")
     assert f"has no medusa_num_heads: using the {K} heads stored in the weights" in caplog.text
     assert f"has no medusa_num_layers: using the {L} layers per head stored in the weights" in caplog.text

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from heads.losses import IGNORE_INDEX, gather_scored, head_weights, medusa_loss, scored_loss
+from heads.training.losses import IGNORE_INDEX, gather_scored, head_weights, medusa_loss, scored_loss
 
 K, B, T, V = 3, 2, 12, 50
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from heads.medusa import MedusaConfig, MedusaHeads
+from heads.medusa.config import MedusaConfig
+from heads.medusa.model import MedusaHeads
 
 
 @pytest.fixture(scope="module")

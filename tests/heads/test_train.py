@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from heads.base_model import load_base
-from heads.config import ModelConfig
-from heads.medusa import MedusaHeads
-from heads.train_state import checkpoints
+from heads.medusa.model import MedusaHeads
+from heads.training.base_model import load_base
+from heads.training.config import ModelConfig
+from heads.training.state import checkpoints
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--config", "configs/medusa_tiny.yaml"]
@@ -195,9 +195,9 @@ def test_two_cpu_processes_train_an_eagle_head_whose_decoder_names_its_embedding
     that were not used in producing loss")."""
     import json
 
-    from heads.base_model import load_base
-    from heads.config import ModelConfig
-    from heads.eagle import EagleHead
+    from heads.eagle.model import EagleHead
+    from heads.training.base_model import load_base
+    from heads.training.config import ModelConfig
     from selfspec import Target, registry
 
     config = dict(model_type="gpt_neo", vocab_size=300, hidden_size=64, num_layers=2, num_heads=4,

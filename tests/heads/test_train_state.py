@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from heads.train_state import CorruptCheckpoint, check_intact, unreadable
+from heads.training.state import CorruptCheckpoint, check_intact, unreadable
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}

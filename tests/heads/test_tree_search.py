@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from heads.medusa import MedusaConfig, MedusaHeads
+from heads.medusa.config import MedusaConfig
+from heads.medusa.model import MedusaHeads
 from heads.tree_search import best_choices, best_tree, expected_accept_length, measure_accuracy, rank_hits
 
 ACC = [[0.7, 0.2], [0.5, 0.25], [0.4, 0.1]]

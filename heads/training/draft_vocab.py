@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from heads.losses import IGNORE_INDEX
+from heads.training.losses import IGNORE_INDEX
 
 
 def token_counts(rows, vocab_size: int) -> np.ndarray:
@@ -68,3 +68,17 @@ def with_draft_vocab(heads: nn.Module, tokens: torch.Tensor, rebuild) -> nn.Modu
     if weight is None:
         return new.eval()
     return new.to(device=weight.device, dtype=weight.dtype).eval()  # as stored: bf16 heads stay bf16
+
+
+def count_vocabulary(vocab, train_rows, tokenizer) -> None:
+    """Fill a head's draft vocabulary (``selfspec.core.draft_vocab.DraftVocab``) with the most frequent training
+    tokens of ``train_rows`` and the end of turn; nothing for heads drafting from every token, or without rows."""
+    if vocab.size is not None and train_rows is not None:
+        vocab.set(draft_vocabulary(train_rows, vocab.size, vocab.vocab_size, end_of_turn(tokenizer)))
+
+
+def draft_vocab_size(size: int, lm_head) -> int | None:
+    """The draft vocabulary size of Medusa / Hydra / exit heads from its recipe key (heads.draft_vocab,
+    exit.draft_vocab): None (every token) for 0 or a vocabulary no larger than it."""
+    V = int(lm_head.weight.shape[0])
+    return size if 0 < size < V else None

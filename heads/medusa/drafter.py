@@ -10,8 +10,8 @@ head d's rank-rd candidate, computed once per step from the target's hidden stat
 Drafts are deterministic (q = None): greedy acceptance is exact, and selfspec's ``sample_accept`` treats each node as
 a point mass, which keeps sampling lossless too.
 
-Shapes: K heads, R ranks used by the tree, N tree nodes, V vocabulary, V' draft vocabulary (heads/draft_vocab.py), D
-hidden size.
+Shapes: K heads, R ranks used by the tree, N tree nodes, V vocabulary, V' draft vocabulary
+(selfspec/core/draft_vocab.py), D hidden size.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from heads.medusa import MedusaHeads
+from heads.medusa.model import MedusaHeads
 from selfspec.core.accept import Acceptance
 from selfspec.core.drafter import Draft, Drafter, DraftState, check_tree
 from selfspec.core.target import Target

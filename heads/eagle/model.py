@@ -8,7 +8,7 @@ state f_j (the LM head's input at j) and the embedding of the token that followe
 
 At draft time the pairs of the committed text use the target's true features (kept in the head's own small KV cache);
 beyond them the head feeds on its own predictions, (f̂_{j+1}, e(x̂_{j+2})) -> f̂_{j+2} -> x̂_{j+3}, and so on
-(heads/eagle_drafter.py). Training unrolls those steps so the head learns from its own mistakes (heads/eagle_loss.py).
+(heads/eagle/drafter.py). Training unrolls those steps so the head learns from its own mistakes (heads/eagle/loss.py).
 
 The decoder layer is the target architecture's own (built with transformers' ``AutoModel.from_config`` from the target's
 config with ``num_layers`` layers and no vocabulary): no modeling file is copied. The embeddings and the LM head are the
@@ -22,10 +22,10 @@ token, high layers what comes next); the pairs the head drafts itself read its o
 committed text is unchanged. Layer indices follow transformers' ``hidden_states``: 0 the embeddings, i the output of
 decoder layer i, the last one the final hidden state (after the final norm).
 
-A checkpoint (``save_pretrained``) is config.json (draft_type "eagle", the base, the decoder's transformers config, the
-draft vocabulary size, drafting defaults, measured agreement) + model.safetensors (fc, the decoder, the draft
-vocabulary's token ids) + README.md, written atomically like every selfspec checkpoint; ``load_drafter`` is its
-``selfspec.drafters`` entry point (``--draft DIR``).
+A checkpoint (``save_pretrained``) is config.json (``EagleConfig``, heads/eagle/config.py: draft_type "eagle", the base,
+the decoder's transformers config, the draft vocabulary size, drafting defaults, measured agreement) + model.safetensors
+(fc, the decoder, the draft vocabulary's token ids) + README.md, written atomically like every selfspec checkpoint;
+heads/eagle/drafter.py's ``load_drafter`` is its ``selfspec.drafters`` entry point (``--draft DIR``).
 
 Shapes: B batch, T time, n = T - 1 pairs, U unrolled steps, D hidden size, L feature layers, F the head's input
 feature width (D, or L·D with feature_layers), V vocabulary, V' draft vocabulary.
@@ -33,124 +33,18 @@ feature width (D, or L·D with feature_layers), V vocabulary, V' draft vocabular
 
 from __future__ import annotations
 
-import copy
-import json
-from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoConfig, AutoModel, PreTrainedModel
+from transformers import AutoConfig, AutoModel, DynamicCache, PreTrainedModel
 
-from heads.checkpoint import DraftCheckpoint
-from heads.config import check_feature_layer_list
-from selfspec.core.draft_vocab import DraftVocab, check_draft_tokens
-from heads.medusa import _type_ok, base_name, base_sizes, strict_keys
+from heads.checkpoints.draft import DraftCheckpoint
+from heads.checkpoints.files import read_typed_checkpoint
+from heads.eagle.config import DRAFT_TYPE, EagleConfig, check_feature_layers
 from selfspec.core import hf
-
-DRAFT_TYPE = "eagle"
-
-
-@dataclass
-class EagleConfig:
-    """Everything needed to rebuild the head on its base model; stored as config.json. Strict."""
-
-    base_model: str
-    base_revision: str | None
-    hidden_size: int
-    vocab_size: int
-    """V of the base's LM head."""
-    decoder_config: dict
-    """the transformers config (``to_dict``) of the draft decoder: the base's architecture, ``num_layers`` layers."""
-    num_layers: int = 1
-    """decoder layers in the head."""
-    draft_vocab_size: int = 8192
-    """V': how many of the base's tokens the head can draft (the most frequent in its training data)."""
-    depth: int = 6
-    """drafting default: tokens drafted along any path of the tree."""
-    topk: int = 8
-    """drafting default: nodes expanded per depth, and children tried per expanded node."""
-    budget: int = 32
-    """drafting default: draft nodes kept (the highest cumulative draft probability; EAGLE-2's rerank)."""
-    feature_layers: list[int] | None = None
-    """EAGLE-3's multi-layer features: the target's hidden states (transformers' ``hidden_states`` indices: 0 the
-    embeddings, i decoder layer i's output) the true pairs read, fused by a linear map; null: the final hidden state."""
-    top1_agreement: list[float] | None = None
-    """measured on held-out data, per unrolled step: how often the head's argmax is the target's own next token
-    (null: not measured)."""
-    recipe: dict | None = None
-    draft_type: str = DRAFT_TYPE
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            if not _type_ok(getattr(self, f.name), str(f.type)):
-                raise ValueError(f"EagleConfig.{f.name}: expected {f.type}, found {getattr(self, f.name)!r:.80}")
-        if self.draft_type != DRAFT_TYPE:
-            raise ValueError(f"EagleConfig.draft_type: expected {DRAFT_TYPE!r}, found {self.draft_type!r}")
-        for name in ("hidden_size", "vocab_size", "num_layers", "depth", "topk", "budget"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EagleConfig.{name}: expected >= 1, found {getattr(self, name)}")
-        if not 1 <= self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"EagleConfig.draft_vocab_size: expected 1..{self.vocab_size} (the base's vocabulary), "
-                             f"found {self.draft_vocab_size}")
-        check_feature_layer_list(self.feature_layers, "EagleConfig.feature_layers")
-        if "model_type" not in self.decoder_config:
-            raise ValueError(f"EagleConfig.decoder_config: expected a transformers config dict with 'model_type', found "
-                             f"keys {sorted(self.decoder_config)[:8]}")
-        json.dumps(self.recipe)  # stored in config.json
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "EagleConfig":
-        """Strict: unknown keys and missing required keys raise, saying which."""
-        required = {"base_model", "base_revision", "hidden_size", "vocab_size", "decoder_config"}
-        return cls(**strict_keys(cls, data, required))
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def for_model(cls, model: PreTrainedModel, base_model: str | None = None, num_layers: int = 1,
-                  **kwargs: Any) -> "EagleConfig":
-        hidden, vocab = base_sizes(model)
-        kwargs.setdefault("base_revision", None)
-        kwargs["draft_vocab_size"] = min(kwargs.get("draft_vocab_size", 8192) or vocab, vocab)
-        check_feature_layers(kwargs.get("feature_layers"), model)
-        return cls(base_model=base_name(model, base_model), hidden_size=hidden, vocab_size=vocab,
-                   decoder_config=decoder_config(model, num_layers), num_layers=num_layers, **kwargs)
-
-
-def decoder_config(model: PreTrainedModel, num_layers: int) -> dict:
-    """The base's text config cut to ``num_layers`` layers and a one-entry vocabulary (the head's decoder reads
-    embeddings it is given; it has no vocabulary of its own), as a dict. Its width is the LM head's (the features it
-    predicts), where the base's layers are wider (OPT-350m: layers 1,024 wide, ``word_embed_proj_dim`` 512)."""
-    cfg = copy.deepcopy(model.config.get_text_config())
-    cfg.num_hidden_layers = num_layers
-    width = base_sizes(model)[0]
-    if width != cfg.hidden_size:
-        if getattr(cfg, "word_embed_proj_dim", None) != width:
-            raise ValueError(f"an EAGLE head on {type(model).__name__}: its LM head reads states {width} wide, its "
-                             f"layers are {cfg.hidden_size} wide, and its config has no word_embed_proj_dim (OPT's) "
-                             "saying so: train Medusa or Hydra heads, or an exit head, for this model")
-        cfg.hidden_size = width  # one width for the head: no project_in / project_out of its own
-    for name, value in (("vocab_size", 1), ("pad_token_id", None), ("bos_token_id", None), ("eos_token_id", None),
-                        ("tie_word_embeddings", False)):
-        if hasattr(cfg, name):
-            setattr(cfg, name, value)
-    # the head attends fully (its cache holds every committed pair; a window would drop some mid-draft)
-    if getattr(cfg, "layer_types", None) is not None:
-        cfg.layer_types = ["full_attention" if t in ("sliding_attention", "chunked_attention") else t
-                           for t in cfg.layer_types[:num_layers]]
-    elif getattr(cfg, "sliding_window", None) is not None:  # Mistral: every layer slides
-        cfg.sliding_window = None
-    if getattr(cfg, "attention_layers", None) is not None:  # GPT-Neo: each layer's attention kind, from attention_types
-        cfg.attention_layers = list(cfg.attention_layers[:num_layers])
-        cfg.attention_types = [[cfg.attention_layers, 1]]
-    out = cfg.to_dict()
-    for name in ("_name_or_path", "architectures", "dtype", "torch_dtype", "transformers_version"):
-        out.pop(name, None)
-    return json.loads(json.dumps(out))  # as config.json will hold it (string keys, lists)
+from selfspec.core.draft_vocab import DraftVocab, check_draft_tokens
 
 
 def build_decoder(config) -> PreTrainedModel:
@@ -167,6 +61,7 @@ class EagleHead(nn.Module, DraftCheckpoint):
     """
 
     WHAT = "EAGLE head"
+    DRAFT_TYPE = DRAFT_TYPE
 
     def __init__(self, config: EagleConfig, embed: nn.Module, lm_head: nn.Module):
         super().__init__()
@@ -236,8 +131,6 @@ class EagleHead(nn.Module, DraftCheckpoint):
         prediction of f_i (made at pair i - 1) and attends to step 0's keys at pairs <= i - u, to step m's key at pair
         i - u + m (m = 1..u-1), and to its own (EAGLE-3's training-time test, as one KV cache growing by n per step).
         """
-        from transformers import DynamicCache
-
         B, T, _ = features.shape
         n = T - 1
         limit = hf.key_limit(self.decoder)
@@ -259,9 +152,10 @@ class EagleHead(nn.Module, DraftCheckpoint):
             feats = torch.cat([true[:, :1], out[:, :-1]], dim=1)  # pair i reads the prediction made at i - 1
         return torch.stack(outs)
 
-    # --------------------------------------------------------------------- storage (heads.checkpoint.DraftCheckpoint)
-    def card(self, location: str) -> str:
-        return eagle_card(self.config, location)
+    # -------------------------------------------------------------- storage (heads.checkpoints.draft.DraftCheckpoint)
+    @classmethod
+    def card_for(cls, config: EagleConfig, location: str) -> str:
+        return eagle_card(config, location)
 
     @classmethod
     def read_checkpoint(cls, directory: Path) -> tuple[EagleConfig, dict[str, torch.Tensor]]:
@@ -271,19 +165,6 @@ class EagleHead(nn.Module, DraftCheckpoint):
     def on_base(cls, config: EagleConfig, base_model: PreTrainedModel) -> "EagleHead":
         check_feature_layers(config.feature_layers, base_model)
         return cls(config, base_model.get_input_embeddings(), base_model.get_output_embeddings())
-
-
-def check_feature_layers(layers: list[int] | None, model: PreTrainedModel) -> None:
-    """Refuse feature layers the model does not have (its hidden states are indexed 0..num_hidden_layers)."""
-    count = int(model.config.get_text_config().num_hidden_layers)
-    if layers and max(layers) > count:
-        raise ValueError(f"EAGLE head feature_layers {layers}: expected hidden-state indices 0..{count} (this base has "
-                         f"{count} decoder layers), found {max(layers)}")
-    layer_width, width = base_sizes(model, at="layers")[0], base_sizes(model)[0]
-    if layers and layer_width != width and any(i != count for i in layers):
-        raise ValueError(f"EAGLE head feature_layers {layers}: this base's layers are {layer_width} wide but its LM "
-                         f"head reads {width} (it projects its final state), so only its final state ({count}) can be "
-                         "a feature; set eagle.feature_layers=null")
 
 
 def unroll_mask(u: int, n: int, lengths: torch.Tensor, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
@@ -306,7 +187,8 @@ def unroll_mask(u: int, n: int, lengths: torch.Tensor, dtype: torch.dtype, devic
 
 
 LEGACY_KEYS = {"draft_tokens": "draft_vocab.tokens"}
-"""Tensor names of EAGLE heads saved before the head used ``heads.draft_vocab.DraftVocab`` -> their names now."""
+"""Tensor names of EAGLE heads saved before the head used ``selfspec.core.draft_vocab.DraftVocab`` -> their names
+now."""
 
 
 def upgrade_state(state: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
@@ -323,8 +205,6 @@ def _upgrade_state_hook(module, state_dict, prefix, *args) -> None:
 
 def read_eagle_checkpoint(directory: Path) -> tuple[EagleConfig, dict[str, torch.Tensor]]:
     """config.json and model.safetensors of an EAGLE-head checkpoint directory, checked against each other. Strict."""
-    from heads.checkpoint import read_typed_checkpoint
-
     def build(config: EagleConfig) -> EagleHead:
         stub = nn.Linear(1, config.vocab_size)  # the base's embeddings and LM head are not part of the checkpoint
         return EagleHead(config, stub, stub)
@@ -362,12 +242,3 @@ model = load("{config.base_model}", draft="{location}")
 print(model.generate("Hello!", max_new_tokens=64).text)
 ```
 """
-
-
-def load_drafter(path_or_repo_id: str | Path, target, revision: str | None = None, tree=None):
-    """The ``eagle`` entry point of ``selfspec.drafters``: the head on ``target`` as an EagleDrafter. tree: None (the
-    checkpoint's depth / topk / budget), ``dynamic:N`` (budget N), or ``chain:K`` (one greedy path of K tokens)."""
-    from heads.eagle_drafter import EagleDrafter
-
-    head = EagleHead.from_pretrained(path_or_repo_id, target.model, revision=revision)
-    return EagleDrafter.with_tree(head, tree)

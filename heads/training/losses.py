@@ -22,14 +22,15 @@ it has none). Two entry points compute the same numbers:
 
 - ``medusa_loss(logits [K, B, T, V], labels [B, T])``: the whole sequence, as MedusaHeads returns it;
 - ``scored_loss(logits [K, N, V], targets [K, N])``: N positions already gathered (the trainer runs the heads only on
-  positions some head is scored on; on chat data that skips the prompts, and it never builds [K, B, T, V]).
+  positions some head is scored on; on chat data that skips the prompts, and it never builds [K, B, T, V]);
+  ``batch_loss`` is it for a batch, or one per row of the batch (held-out counts).
 
-On a draft vocabulary (``vocab``: the V' token ids heads draft from, heads/draft_vocab.py) the heads' logits are
-[K, N, V'] and the loss is read there, as drafting reads them: the cross-entropy of the data's token where it lies in
-V' (a token outside V' is no head's to draft, so it teaches nothing), the KL to the target's distribution restricted to
-V' and renormalised; accuracy still counts every scored position, a token outside V' as a miss at every rank (what
-the tree built from it will meet when drafting). With the frozen LM head shared, the logits on V' cost V'/V of a
-full-vocabulary pass (on SmolLM2, 8,192 of 49,152 rows): the bulk of a training step on a CPU.
+On a draft vocabulary (``vocab``: the V' token ids heads draft from, heads/training/draft_vocab.py) the heads' logits
+are [K, N, V'] and the loss is read there, as drafting reads them: the cross-entropy of the data's token where it lies
+in V' (a token outside V' is no head's to draft, so it teaches nothing), the KL to the target's distribution
+restricted to V' and renormalised; accuracy still counts every scored position, a token outside V' as a miss at every
+rank (what the tree built from it will meet when drafting). With the frozen LM head shared, the logits on V' cost V'/V
+of a full-vocabulary pass (on SmolLM2, 8,192 of 49,152 rows): the bulk of a training step on a CPU.
 
 Shapes: K heads, B batch, T time, V vocabulary, V' draft vocabulary, N gathered positions, R ranks.
 """
@@ -200,3 +201,20 @@ def medusa_loss(
         raise ValueError(f"kind='kl' needs the target's logits [B, T, V] = {[B, T, V]}, found {found}")
     scored, targets, shifted = gather_scored(labels, K, target_logits if kind == "kl" else None)
     return scored_loss(logits[:, scored], targets, decay, kind, shifted, ranks)  # logits [K, N, V]
+
+
+def batch_loss(logits: torch.Tensor, scored: torch.Tensor, targets: torch.Tensor,
+               shifted: list[torch.Tensor] | None, decay: float, kind: str, ranks: int, per_row: bool = False,
+               vocab: torch.Tensor | None = None) -> MedusaLoss | list[MedusaLoss]:
+    """``scored_loss`` of a batch's gathered positions (``gather_scored``: scored [B, T], targets [K, N], shifted K x
+    [N, V]; logits [K, N, V] or [K, N, V'] on ``vocab``), or with ``per_row`` a list with one MedusaLoss per row of the
+    batch (for exact held-out counts across processes)."""
+    if not per_row:
+        return scored_loss(logits, targets, decay, kind, shifted, ranks, vocab)
+    row_of = scored.nonzero()[:, 0]  # [N]
+    outs = []
+    for b in range(scored.shape[0]):
+        m = row_of == b
+        outs.append(scored_loss(logits[:, m], targets[:, m], decay, kind,
+                                None if shifted is None else [p[m] for p in shifted], ranks, vocab))
+    return outs

@@ -1,30 +1,26 @@
-"""The training recipe: typed, strict dataclasses loaded from YAML plus ``key=value`` / ``a.b=value`` overrides.
+"""The training recipe: typed, strict dataclasses, one section per concern, with a one-line docstring per field.
 
-Every field has a type and a one-line docstring. Loading checks every value against its field's type (nested
-dataclasses, ``X | None``, ``Literal[...]``, ``list[X]``, ``dict``): an unknown key fails with the closest known names,
-a wrong type fails with what was expected and what was found. Overrides are parsed as YAML scalars (``3``, ``1e-3``,
-``true``, ``null``, ``[a, b]``), except that a field typed ``str`` keeps the text as written. No exec, no eval.
+heads/training/recipe.py loads it from YAML plus ``key=value`` / ``a.b=value`` overrides, checking every value against
+its field's type with selfspec's one config checker (selfspec/core/typed.py); the ``__post_init__`` checks here refuse
+values of the right type that training would refuse (or misread) only after the model and data had loaded.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import math
-import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence, TypeVar
+from typing import Any, Literal
 
-import yaml
+import torch
+from transformers import SchedulerType, get_scheduler
 
-from heads.data import DataConfig
+from heads.checkpoints.hub import check_repo_id
+from heads.eagle.config import check_feature_layer_list
+from heads.training.data import DataConfig
 
-T = TypeVar("T")
-_SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 FINAL_DIRS = {"medusa": "heads", "hydra": "hydra_heads", "exit_head": "exit_head", "eagle": "eagle_head"}
 """method -> the subdirectory of output_dir the trained draft is saved to."""
 
@@ -59,7 +55,8 @@ class HeadsConfig:
     """LoRA scaling numerator (delta scaled by lora_alpha / lora_rank)."""
     draft_vocab: int = 8192
     """V': at inference Medusa and Hydra heads draft only from the V' tokens most frequent in the training data,
-    reading that many LM-head rows instead of all (heads/draft_vocab.py); 0 or >= the vocabulary: every token."""
+    reading that many LM-head rows instead of all (heads/training/draft_vocab.py); 0 or >= the vocabulary: every
+    token."""
 
 
 @dataclass
@@ -70,8 +67,8 @@ class LossConfig:
     """head k's loss weight is decay**(k-1)."""
     vocab: Literal["draft", "full"] = "draft"
     """Medusa and Hydra heads with a draft vocabulary (heads.draft_vocab): "draft" reads their loss and accuracy on it,
-    as they draft (5-7x less LM-head work per step on a CPU, heads/losses.py); "full": over the whole vocabulary. An
-    EAGLE head always trains on its draft vocabulary, an exit head on the whole one."""
+    as they draft (5-7x less LM-head work per step on a CPU, heads/training/losses.py); "full": over the whole
+    vocabulary. An EAGLE head always trains on its draft vocabulary, an exit head on the whole one."""
 
 
 @dataclass
@@ -125,9 +122,6 @@ def usable_schedulers() -> list[str]:
     """The names in transformers' ``SchedulerType`` whose schedule ``get_scheduler`` builds from a warm-up and a length
     alone and that step without a metric, as the trainer drives them (not reduce_lr_on_plateau, cosine_with_min_lr,
     ...): each is built on a one-parameter optimizer and stepped once."""
-    import torch
-    from transformers import SchedulerType, get_scheduler
-
     usable = []
     for kind in SchedulerType:
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
@@ -209,7 +203,7 @@ class ExitConfig:
     """stop drafting once the draft's top probability falls below this, stored in its checkpoint (0: never)."""
     draft_vocab: int = 8192
     """V': the head drafts from the V' tokens most frequent in the training data, reading that many LM-head rows per
-    drafted token instead of all (heads/draft_vocab.py); 0 or >= the vocabulary: every token."""
+    drafted token instead of all (heads/training/draft_vocab.py); 0 or >= the vocabulary: every token."""
 
 
 @dataclass
@@ -257,18 +251,18 @@ class TrainConfig:
     """the frozen target."""
     method: Literal["medusa", "hydra", "exit_head", "eagle"] = "medusa"
     """what is trained on the frozen target: Medusa heads (section heads), Hydra heads (Medusa heads that also read
-    the tokens drafted before them; section heads, heads/hydra.py), an early-exit head (section exit) or an EAGLE-style
-    sequential head (section eagle)."""
+    the tokens drafted before them; section heads, heads/hydra/model.py), an early-exit head (section exit) or an
+    EAGLE-style sequential head (section eagle)."""
     heads: HeadsConfig = field(default_factory=HeadsConfig)
     """the Medusa or Hydra heads being trained (method medusa / hydra; Hydra heads use the shared LM head)."""
     exit: ExitConfig = field(default_factory=ExitConfig)
-    """the exit head being trained (method exit_head; heads/exit_head.py)."""
+    """the exit head being trained (method exit_head; heads/exit_head/model.py)."""
     eagle: EagleSection = field(default_factory=EagleSection)
-    """the EAGLE-style head being trained (method eagle; heads/eagle.py)."""
+    """the EAGLE-style head being trained (method eagle; heads/eagle/model.py)."""
     data: DataConfig = field(default_factory=DataConfig)
-    """training data (heads/data.py)."""
+    """training data (heads/training/data.py)."""
     loss: LossConfig = field(default_factory=LossConfig)
-    """the Medusa loss (heads/losses.py)."""
+    """the Medusa loss (heads/training/losses.py)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """optimizer, schedule, batch sizes, length of training."""
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -283,11 +277,6 @@ class TrainConfig:
     """the draft tree built from measured accuracy."""
     publish: PublishConfig = field(default_factory=PublishConfig)
     """the Hub repo the final checkpoint goes to (the token: HF_TOKEN or a saved `hf auth login`)."""
-
-    @property
-    def feature_layers(self) -> list[int] | None:
-        """The target layers whose hidden states the trained draft reads besides the final ones (an EAGLE-3 head's)."""
-        return self.eagle.feature_layers if self.method == "eagle" else None
 
     @property
     def final_dir(self) -> Path:
@@ -333,214 +322,10 @@ class TrainConfig:
             raise ValueError(f"exit.stop_below: expected a probability in [0, 1), found {x.stop_below}")
         check_feature_layer_list(e.feature_layers, "eagle.feature_layers")
         if self.publish.repo_id is not None:
-            from heads.hub import check_repo_id
-
             check_repo_id(self.publish.repo_id)  # a bad id fails now, not after hours of training
         if self.eval.ranks < 5:
             raise ValueError(f"eval.ranks: expected >= 5 (top-5 accuracy is reported), found {self.eval.ranks}")
 
 
-# ------------------------------------------------------------------------------------------------ strict loading
-def check_feature_layer_list(layers: list[int] | None, where: str) -> None:
-    """An EAGLE-3 head's feature layers: null, or distinct hidden-state indices >= 0 (the model's own range is checked
-    where the model is known, heads.eagle.check_feature_layers)."""
-    if layers is not None and (not layers or min(layers) < 0 or len(set(layers)) != len(layers)):
-        raise ValueError(f"{where}: expected null or distinct hidden-state indices >= 0, found {layers}")
-
-
-def _type_name(tp: Any) -> str:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is type(None):
-        return "null"
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in args)
-    if origin is Literal:
-        return "one of " + "/".join(repr(a) for a in args)
-    if isinstance(tp, type) and not args:
-        return tp.__name__
-    return str(tp).replace("typing.", "")
-
-
-def _check(value: Any, tp: Any, where: str) -> Any:
-    """value (from YAML) checked against annotation tp -> the value to store (nested dicts become dataclasses)."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is Any:
-        return value
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, Mapping):
-            found = f"{type(value).__name__} {value!r:.80}"
-            raise ValueError(f"{where}: expected a section (a mapping of {where}.* keys), found {found}")
-        return from_dict(tp, value, where)
-    if origin in (typing.Union, types.UnionType):
-        errors = []
-        for option in args:
-            try:
-                return _check(value, option, where)
-            except ValueError as err:
-                errors.append(err)
-        raise ValueError(f"{where}: expected {_type_name(tp)}, found {type(value).__name__} {value!r:.80}")
-    if origin is Literal:
-        if value not in args:
-            raise ValueError(f"{where}: expected one of {list(args)}, found {value!r:.80}")
-        return value
-    if origin in (list, Sequence) or tp is list:
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{where}: expected a list, found {type(value).__name__} {value!r:.80}")
-        item = args[0] if args else Any
-        return [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict or tp is dict:
-        if not isinstance(value, Mapping):
-            raise ValueError(f"{where}: expected a mapping, found {type(value).__name__} {value!r:.80}")
-        return dict(value)
-    if tp is type(None):
-        if value is not None:
-            raise ValueError(f"{where}: expected null, found {value!r:.80}")
-        return None
-    if tp is bool:
-        ok = isinstance(value, bool)
-    elif tp is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif tp is float:
-        if isinstance(value, str) and _SCIENTIFIC.fullmatch(value.strip()):
-            value = float(value)  # PyYAML (YAML 1.1) reads 1e-4 and 3E5 as text
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
-    elif tp is str:
-        ok = isinstance(value, str)
-    else:
-        raise TypeError(f"{where}: config fields of type {_type_name(tp)} are not supported")
-    if not ok:
-        raise ValueError(f"{where}: expected {_type_name(tp)}, found {type(value).__name__} {value!r:.80}")
-    return value
-
-
-def from_dict(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
-    """Build dataclass ``cls`` from a (nested) mapping, strictly: unknown keys and wrong types raise ValueError."""
-    hints = typing.get_type_hints(cls)
-    known = [f.name for f in dataclasses.fields(cls) if f.init]
-    prefix = f"{where}." if where else ""
-    for key in data:
-        if key not in known:
-            close = [prefix + c for c in difflib.get_close_matches(str(key), known, n=3, cutoff=0.6)]
-            close += [p for p in _leaf_paths(cls, prefix) if p.rsplit(".", 1)[-1] == key]  # a key in the wrong section
-            hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-            section = f"in section {where!r}" if where else "at the top level"
-            raise ValueError(f"unknown key {prefix + str(key)!r}{hint} (expected one of {known} {section})")
-    values = {key: _check(value, hints[key], prefix + key) for key, value in data.items()}
-    return cls(**values)
-
-
-def _leaf_paths(cls: type, prefix: str = "") -> list[str]:
-    """Dotted names of every field below dataclass cls."""
-    paths = []
-    for name, tp in typing.get_type_hints(cls).items():
-        paths.append(prefix + name)
-        if dataclasses.is_dataclass(tp):
-            paths.extend(_leaf_paths(tp, f"{prefix}{name}."))
-    return paths
-
-
 def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
-
-
-def _field_type(cls: type, path: list[str]) -> Any:
-    """The annotation at a dotted path through nested dataclasses (None when the path leaves them)."""
-    tp: Any = cls
-    for key in path:
-        candidates = [a for a in (typing.get_args(tp) or (tp,)) if dataclasses.is_dataclass(a)]
-        if not candidates:
-            return None
-        hints = typing.get_type_hints(candidates[0])
-        if key not in hints:
-            return None
-        tp = hints[key]
-    return tp
-
-
-def apply_overrides(data: dict, overrides: Sequence[str], cls: type = None) -> dict:
-    """``a.b=value`` strings applied to a nested dict (a copy). Values are YAML scalars unless the field is a str."""
-    cls = cls or TrainConfig
-    data = yaml.safe_load(yaml.safe_dump(data)) or {}  # a deep copy
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"override {item!r}: expected key=value (e.g. optim.lr=3e-4)")
-        path = key.strip().split(".")
-        tp = _field_type(cls, path)
-        if tp in (str, str | None) and text.strip() not in ("null", "~", ""):
-            value = text  # a str field keeps what was written ("001" stays "001")
-        else:
-            try:
-                value = yaml.safe_load(text) if text.strip() else None
-            except yaml.YAMLError as err:
-                raise ValueError(f"override {item!r}: expected a YAML value (3, 1e-3, true, null, [a, b], ...), found "
-                                 f"{text!r}, which YAML cannot read: {yaml_problem(err)}") from err
-        node = data
-        for i, part in enumerate(path[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ValueError(f"override {item!r}: {'.'.join(path[: i + 1])} is {child!r}, not a section")
-            node = child
-        node[path[-1]] = value
-    return data
-
-
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
-    """The recipe at ``path`` (YAML; None: all defaults) with ``key=value`` overrides applied, checked strictly."""
-    data: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file {path} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ValueError(f"{path}: expected a YAML mapping of recipe sections, found text YAML cannot read: "
-                             f"{yaml_problem(err)}") from err
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a YAML mapping of recipe sections, found {type(data).__name__}")
-    return from_dict(TrainConfig, apply_overrides(data, overrides))
-
-
-def yaml_problem(err: yaml.YAMLError) -> str:
-    """PyYAML's own problem and where it is, on one line (its message spans several, quoting the text)."""
-    if not isinstance(err, yaml.MarkedYAMLError):
-        return " ".join(str(err).split())
-
-    def at(mark: Any) -> str:
-        return f"line {mark.line + 1}, column {mark.column + 1}"
-
-    text = f"{err.problem or 'invalid YAML'}" + (f" at {at(err.problem_mark)}" if err.problem_mark else "")
-    if err.context:
-        text += f" ({err.context}" + (f" that starts at {at(err.context_mark)}" if err.context_mark else "") + ")"
-    return text
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """Field name -> its one-line docstring (read from the source), for --help."""
-    import ast
-    import inspect
-
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = str(nxt.value.value)
-    return docs
-
-
-def describe(cls: type = TrainConfig, prefix: str = "") -> list[str]:
-    """One line per leaf field: dotted name, type, default, docstring (what ``train.py --help`` prints)."""
-    lines = []
-    docs = field_docs(cls)
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            lines.extend(describe(tp, f"{prefix}{f.name}."))
-            continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        lines.append(f"  {prefix}{f.name} ({_type_name(tp)}, default {default!r}): {docs.get(f.name, '')}")
-    return lines

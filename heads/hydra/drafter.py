@@ -20,13 +20,15 @@ Shapes: N tree nodes, Q nodes expanded at a depth, d depth, D hidden size, V voc
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from heads.hydra import HydraHeads
+from heads.hydra.model import HydraHeads
 from selfspec.core.accept import Acceptance
 from selfspec.core.drafter import Draft, Drafter, DraftState, check_tree
+from selfspec.core.target import Target
 from selfspec.core.tree import DynamicTree, Tree
 
 
@@ -59,8 +61,6 @@ class HydraDrafter(Drafter):
                 max(tree.ranks[i] for i in nodes) + 1,
             ))
 
-    @torch.inference_mode()
-
     @property
     def max_depth(self) -> int:
         """head k drafts depth k: no deeper tree than the heads."""
@@ -69,6 +69,7 @@ class HydraDrafter(Drafter):
     def resized(self, depth: int, budget: int) -> "HydraDrafter":
         return HydraDrafter(self.heads, DynamicTree(budget, depth=depth))
 
+    @torch.inference_mode()
     def draft(self, state: DraftState) -> Draft:
         if self.dynamic is not None:
             return self._draft_dynamic(state)
@@ -109,3 +110,14 @@ class HydraDrafter(Drafter):
 
     def update(self, draft: Draft, acceptance: Acceptance) -> None:
         return None
+
+
+def load_drafter(path_or_repo_id: str | Path, target: Target, revision: str | None = None,
+                 tree: Tree | DynamicTree | Sequence[Sequence[int]] | None = None) -> HydraDrafter:
+    """The ``hydra`` entry point of ``selfspec.drafters``: the heads on ``target`` as a HydraDrafter. tree: None (the
+    checkpoint's tree, or a chain of every head's top-1 without one), a static tree / choices, or a DynamicTree
+    (grown each step from the heads' probabilities)."""
+    heads = HydraHeads.from_pretrained(path_or_repo_id, target.model, revision=revision)
+    if tree is None:
+        tree = Tree.from_choices(heads.config.tree) if heads.config.tree else Tree.chain(heads.config.num_heads)
+    return HydraDrafter(heads, tree)

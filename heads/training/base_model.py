@@ -20,8 +20,8 @@ from transformers import (
     AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast,
 )
 
-from heads.config import ModelConfig
-from heads.medusa import base_sizes
+from heads.base import base_sizes
+from heads.training.config import ModelConfig
 from selfspec.core import hf
 from selfspec.core.models import load_model, parse_dtype
 
@@ -133,7 +133,7 @@ def expand_feature_states(states: torch.Tensor, model: PreTrainedModel, layers: 
     if stored == list(layers):
         return states
     # final, then one per stored layer; the widths agree (EAGLE-3 heads take no other feature layers where the LM head's
-    # input is narrower than the layers, heads.eagle.check_feature_layers)
+    # input is narrower than the layers, heads.eagle.config.check_feature_layers)
     blocks = states.split(base_sizes(model)[0], dim=-1)
     by_layer = {layer: blocks[1 + j] for j, layer in enumerate(stored)}
     return torch.cat([blocks[0]] + [by_layer.get(layer, blocks[0]) for layer in layers], dim=-1)
@@ -141,7 +141,7 @@ def expand_feature_states(states: torch.Tensor, model: PreTrainedModel, layers: 
 
 def lm_logits(model: PreTrainedModel, hidden: torch.Tensor, vocab=None) -> torch.Tensor:
     """hidden [B, T, D] -> the target's logits [B, T, V], as its own forward computes them from that hidden state;
-    with vocab (a ``heads.draft_vocab.DraftVocab``) only its columns, [B, T, V'], at V'/V of the cost."""
+    with vocab (a ``selfspec.core.draft_vocab.DraftVocab``) only its columns, [B, T, V'], at V'/V of the cost."""
     lm_head = model.get_output_embeddings()
     if vocab is None:
         logits = lm_head(hidden.to(lm_head.weight.dtype))

@@ -14,38 +14,37 @@ target's own, held by reference and never stored.
 
 A checkpoint (``save_pretrained``) is config.json (draft_type "exit-head", the base, the exit layer, the drafting
 depth and confidence stop, the measured top-1 agreement with the target) + model.safetensors + README.md, written
-atomically like the heads' (``heads.checkpoint``); ``load_drafter`` is its ``selfspec.drafters`` entry point (``--draft DIR``).
+atomically like the heads' (``heads.checkpoints.files``); heads/exit_head/drafter.py's ``load_drafter`` is its
+``selfspec.drafters`` entry point (``--draft DIR``).
 
 Shapes: N positions, D hidden size, V vocabulary.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from heads.checkpoint import DraftCheckpoint
+from heads.base import BaseFields, base_name, base_sizes
+from heads.blocks import ResBlock, frozen_linear
+from heads.checkpoints.draft import DraftCheckpoint
+from heads.checkpoints.files import read_typed_checkpoint
+from selfspec.core import hf, typed
 from selfspec.core.draft_vocab import DraftVocab
-from heads.medusa import ResBlock, _frozen_linear, _type_ok, base_name, base_sizes, strict_keys
-from selfspec.core import hf
-from selfspec.core.tree import DynamicTree, Tree
 
 DRAFT_TYPE = "exit-head"
 
 
 @dataclass
-class ExitHeadConfig:
-    """Everything needed to rebuild the exit head on its base model; stored as config.json. Strict."""
+class ExitHeadConfig(BaseFields):
+    """Everything needed to rebuild the exit head on its base model; stored as config.json. Strict. Its hidden_size
+    is the width of the decoder's layers (what layer E's input is), which can differ from the LM head's."""
 
-    base_model: str
-    base_revision: str | None
-    hidden_size: int
-    vocab_size: int
     num_hidden_layers: int
     """the base's decoder layers (L): the exit layer is only meaningful for this depth."""
     exit_layer: int
@@ -57,8 +56,8 @@ class ExitHeadConfig:
     stop_below: float = 0.0
     """stop drafting once the draft's top probability falls below this (0: never)."""
     draft_vocab_size: int | None = None
-    """V': drafting reads only the LM head's rows of these most frequent training tokens (heads/draft_vocab.py);
-    None: every token (and exit heads trained before draft vocabularies existed)."""
+    """V': drafting reads only the LM head's rows of these most frequent training tokens
+    (heads/training/draft_vocab.py); None: every token (and exit heads trained before draft vocabularies existed)."""
     top1_agreement: float | None = None
     """measured on held-out data: how often the draft's argmax is the target's own (trained with loss kl) or the
     data's next token (loss ce) (null: not measured)."""
@@ -66,9 +65,7 @@ class ExitHeadConfig:
     draft_type: str = DRAFT_TYPE
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            if not _type_ok(getattr(self, f.name), str(f.type)):
-                raise ValueError(f"ExitHeadConfig.{f.name}: expected {f.type}, found {getattr(self, f.name)!r}")
+        typed.check(self)
         if self.draft_type != DRAFT_TYPE:
             raise ValueError(f"ExitHeadConfig.draft_type: expected {DRAFT_TYPE!r}, found {self.draft_type!r}")
         if not 1 <= self.exit_layer <= self.num_hidden_layers - 1:
@@ -84,15 +81,6 @@ class ExitHeadConfig:
             raise ValueError(f"ExitHeadConfig.num_layers: expected >= 0, found {self.num_layers}")
         if not 0.0 <= self.stop_below < 1.0:
             raise ValueError(f"ExitHeadConfig.stop_below: expected a probability in [0, 1), found {self.stop_below}")
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "ExitHeadConfig":
-        """Strict: unknown keys and missing required keys raise, saying which."""
-        required = {"base_model", "base_revision", "hidden_size", "vocab_size", "num_hidden_layers", "exit_layer"}
-        return cls(**strict_keys(cls, data, required))
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     @classmethod
     def for_model(cls, model: PreTrainedModel, exit_layer: int, base_model: str | None = None,
@@ -122,6 +110,7 @@ class ExitHead(nn.Module, DraftCheckpoint):
     """hidden [..., D] (layer E's input) -> [..., D] for the final norm; the identity until trained."""
 
     WHAT = "exit head"
+    DRAFT_TYPE = DRAFT_TYPE
     READS = "layers"  # layer E's input
 
     def __init__(self, config: ExitHeadConfig):
@@ -136,9 +125,10 @@ class ExitHead(nn.Module, DraftCheckpoint):
             x = block(x.to(block.linear.weight.dtype))
         return x
 
-    # --------------------------------------------------------------------- storage (heads.checkpoint.DraftCheckpoint)
-    def card(self, location: str) -> str:
-        return exit_card(self.config, location)
+    # -------------------------------------------------------------- storage (heads.checkpoints.draft.DraftCheckpoint)
+    @classmethod
+    def card_for(cls, config: ExitHeadConfig, location: str) -> str:
+        return exit_card(config, location)
 
     @classmethod
     def read_checkpoint(cls, directory: Path) -> tuple[ExitHeadConfig, dict[str, torch.Tensor]]:
@@ -155,15 +145,13 @@ class ExitHead(nn.Module, DraftCheckpoint):
 
 def read_exit_checkpoint(directory: Path) -> tuple[ExitHeadConfig, dict[str, torch.Tensor]]:
     """config.json and model.safetensors of an exit-head checkpoint directory, checked against each other. Strict."""
-    from heads.checkpoint import read_typed_checkpoint
-
     return read_typed_checkpoint(directory, DRAFT_TYPE, "exit-head", ExitHeadConfig.from_dict, ExitHead)
 
 
 class ExitLogits(nn.Module):
     """What training optimises: hidden [N, D] at layer E -> draft logits [1, N, V] through the exit head and the
     target's own final norm and LM head (both frozen, held by reference: only the exit head is trained or stored).
-    The leading 1 is the "one head" axis of the Medusa loss (``heads.losses``), with a look-ahead of 0."""
+    The leading 1 is the "one head" axis of the Medusa loss (``heads.training.losses``), with a look-ahead of 0."""
 
     def __init__(self, exit_head: ExitHead, norm: nn.Module, lm_head: nn.Module):
         super().__init__()
@@ -172,7 +160,7 @@ class ExitLogits(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         norm, lm_head = self._frozen
-        return _frozen_linear(lm_head, norm(self.exit_head(hidden).to(lm_head.weight.dtype)))[None]
+        return frozen_linear(lm_head, norm(self.exit_head(hidden).to(lm_head.weight.dtype)))[None]
 
 
 def exit_card(config: ExitHeadConfig, location: str) -> str:
@@ -197,16 +185,3 @@ print(model.generate("Hello!", max_new_tokens=64).text)
 ```
 """
 
-
-def load_drafter(path_or_repo_id: str | Path, target, revision: str | None = None,
-                 tree: Tree | DynamicTree | Sequence[Sequence[int]] | None = None):
-    """The ``early-exit`` entry point of ``selfspec.drafters``: the exit head on ``target``, as an EarlyExitDrafter
-    (a chain of the stored depth unless ``tree`` is given)."""
-    from selfspec.drafts.early_exit import EarlyExitDrafter
-
-    head = ExitHead.from_pretrained(path_or_repo_id, target.model, revision=revision)
-    if tree is not None and not isinstance(tree, (Tree, DynamicTree)):
-        tree = Tree.from_choices(tree)
-    c = head.config
-    return EarlyExitDrafter(target, c.exit_layer, depth=c.draft_depth, tree=tree, stop_below=c.stop_below,
-                            exit_head=head)

@@ -40,9 +40,11 @@ from typing import Callable, ContextManager
 import numpy as np
 import torch
 
-from heads.base_model import (expand_feature_states, final_and_layer_states, final_hidden, layer_and_final_hidden,
-                              lm_logits, stored_feature_layers)
-from heads.medusa import base_sizes
+import pyarrow.compute as pc
+
+from heads.base import base_sizes
+from heads.training.base_model import (expand_feature_states, final_and_layer_states, final_hidden,
+                                       layer_and_final_hidden, lm_logits, stored_feature_layers)
 
 log = logging.getLogger(__name__)
 STORAGE = {"float16": (np.float16, torch.float16), "bfloat16": (np.uint16, torch.bfloat16)}
@@ -150,8 +152,6 @@ class HiddenCache:
 # ------------------------------------------------------------------------------------- where hidden states come from
 def rows_fingerprint(rows) -> tuple[dict, list[int]]:
     """The exact token ids of a dataset split, hashed in order (row i of the cache is row i of this split)."""
-    import pyarrow.compute as pc
-
     if rows._indices is not None:
         rows = rows.flatten_indices()
     column = rows.data.column("input_ids").combine_chunks()
@@ -170,23 +170,26 @@ def model_fingerprint(model) -> dict:
     return {"config_sha256": config_sha, "dtype": str(model.dtype), "weights_sum": repr(checksum)}
 
 
-def make_caches(cfg, accelerator, model, splits: dict) -> dict[str, HiddenCache]:
-    """One cache per dataset split when cfg.hidden_cache.enabled (created by the main process, opened by all)."""
+def make_caches(cfg, accelerator, model, splits: dict, layer: int | None = None,
+                feature_layers: list[int] | None = None) -> dict[str, HiddenCache]:
+    """One cache per dataset split when cfg.hidden_cache.enabled (created by the main process, opened by all), of
+    what the trained draft reads (``TargetStates``): the final hidden states, or layer ``layer``'s input (an exit
+    head), with the states of ``feature_layers`` beside them (an EAGLE-3 head)."""
     if not cfg.hidden_cache.enabled:
         return {}
     root = Path(cfg.hidden_cache.dir or Path(cfg.output_dir) / "hidden_cache")
     target = {"name": cfg.model.name, "revision": cfg.model.revision, **model_fingerprint(model),
               "autocast": accelerator.mixed_precision, "attn_implementation": cfg.model.attn_implementation}
-    if cfg.method == "exit_head":  # layer E's input, not the final hidden state
-        target["layer_input"] = cfg.exit.layer
-    layers = cfg.feature_layers
+    if layer is not None:  # layer E's input, not the final hidden state
+        target["layer_input"] = layer
+    layers = feature_layers
     stored = stored_feature_layers(model, layers) if layers else []
     if layers:  # the final hidden states, then those of the EAGLE-3 head's other feature layers
         target["feature_layers"] = list(layers)
         if stored != list(layers):  # the final state listed among them is stored once (a layout of its own)
             target["stored_layers"] = stored
     layer_width, final_width = base_sizes(model, at="layers")[0], base_sizes(model)[0]
-    first = layer_width if cfg.method == "exit_head" else final_width  # layer E's input, or the final states
+    first = layer_width if layer is not None else final_width  # layer E's input, or the final states
     width = first + layer_width * len(stored)
     fingerprints = {}
     for split, rows in splits.items():
@@ -211,7 +214,8 @@ class TargetStates:
     (the config refuses that combination: the logits need the final states too). feature_layers (an EAGLE-3 head):
     [B, T, (1 + L) D], the final hidden states then the states at those ``hidden_states`` indices, concatenated (the
     cache holds the final state once, ``expand_feature_states`` repeats it where it is a feature layer). logit_vocab
-    (a DraftVocab): the KL loss reads the target's logits on that draft vocabulary only: [B, T, V'] (heads/losses.py)."""
+    (a DraftVocab): the KL loss reads the target's logits on that draft vocabulary only: [B, T, V']
+    (heads/training/losses.py)."""
 
     def __init__(self, model, device: torch.device, autocast: Callable[[], ContextManager], loss_kind: str,
                  caches: dict[str, HiddenCache], cache_dtype: str, layer: int | None = None,

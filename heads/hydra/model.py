@@ -7,15 +7,16 @@ sequentially dependent:
     head k at t:  [h_t ; e(x_{t+1}) ; ... ; e(x_{t+k})] ─ fc_k [(k+1)D -> D] ─ residual blocks ─ LM head ─▶ x_{t+1+k}
 
 x_{t+1} is the root (the target's own token at t+1), x_{t+2..t+k} the drafted tokens on the path. The index shift is
-Medusa's (heads/losses.py): head k at t is scored on labels[t+1+k]; in training its inputs are the data's tokens
-t+1..t+k (teacher forcing, ``following``). fc_k starts as [I 0 ... 0] and the blocks as the identity, so an untrained
-Hydra head makes exactly the LM head's guess, like an untrained Medusa head; the residual blocks are Medusa's
-(distinct modules per head and per layer). The base's embeddings and LM head are held by reference: never stored,
-never trained.
+Medusa's (heads/training/losses.py): head k at t is scored on labels[t+1+k]; in training its inputs are the data's
+tokens t+1..t+k (teacher forcing, ``following``). fc_k starts as [I 0 ... 0] and the blocks as the identity, so an
+untrained Hydra head makes exactly the LM head's guess, like an untrained Medusa head; the residual blocks are
+Medusa's (distinct modules per head and per layer). The base's embeddings and LM head are held by reference: never
+stored, never trained.
 
 A checkpoint (``save_pretrained``) is config.json (draft_type "hydra", the base, sizes, the tree built from measured
 accuracy) + model.safetensors (each head's fc and blocks) + README.md, written atomically like every selfspec
-checkpoint; ``load_drafter`` is its ``selfspec.drafters`` entry point (``--draft DIR``); heads/hydra_drafter.py drafts.
+checkpoint; heads/hydra/drafter.py drafts, and its ``load_drafter`` is the ``selfspec.drafters`` entry point
+(``--draft DIR``).
 
 Shapes: K heads, B batch, T time, N positions, D hidden size, V vocabulary.
 """
@@ -23,7 +24,7 @@ Shapes: K heads, B batch, T time, N positions, D hidden size, V vocabulary.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,16 +32,19 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from heads.checkpoint import DraftCheckpoint, read_typed_checkpoint
+from heads.base import BaseFields, check_lm_head
+from heads.blocks import ResBlock, frozen_linear
+from heads.checkpoints.draft import DraftCheckpoint
+from heads.checkpoints.files import read_typed_checkpoint
+from selfspec.core import typed
 from selfspec.core.draft_vocab import DraftVocab
-from heads.medusa import HeadsConfigIO, ResBlock, _frozen_linear, _type_ok, check_lm_head
 from selfspec.core.tree import Tree
 
 DRAFT_TYPE = "hydra"
 
 
 @dataclass
-class HydraConfig(HeadsConfigIO):
+class HydraConfig(BaseFields):
     """Everything needed to rebuild the heads on their base model; stored as config.json. Strict."""
 
     num_heads: int = 4
@@ -53,14 +57,13 @@ class HydraConfig(HeadsConfigIO):
     head_accuracy: list[list[float]] | None = None
     """[K][r]: measured probability that head k's rank-r candidate is the right token, the path above it right."""
     draft_vocab_size: int | None = None
-    """V': the heads draft only from these most frequent training tokens (heads/draft_vocab.py); None: every token."""
+    """V': the heads draft only from these most frequent training tokens (heads/training/draft_vocab.py); None: every
+    token."""
     recipe: dict | None = None
     draft_type: str = DRAFT_TYPE
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            if not _type_ok(getattr(self, f.name), str(f.type)):
-                raise ValueError(f"HydraConfig.{f.name}: expected {f.type}, found {getattr(self, f.name)!r:.80}")
+        typed.check(self)
         if self.draft_type != DRAFT_TYPE:
             raise ValueError(f"HydraConfig.draft_type: expected {DRAFT_TYPE!r}, found {self.draft_type!r}")
         for name in ("hidden_size", "vocab_size", "num_heads"):
@@ -102,6 +105,7 @@ class HydraHead(nn.Module):
 
 class HydraHeads(nn.Module, DraftCheckpoint):
     WHAT = "Hydra heads"
+    DRAFT_TYPE = DRAFT_TYPE
 
     def __init__(self, config: HydraConfig, embed: nn.Module, lm_head: nn.Module):
         """embed, lm_head: the base model's (frozen) input embeddings and LM head, held by reference."""
@@ -122,7 +126,7 @@ class HydraHeads(nn.Module, DraftCheckpoint):
         """hidden [N, D] (h_t), path [N, >= k] (x_{t+1}, x_{t+2}, ...) -> logits [N, V] of head k (1-based: head 1
         reads x_{t+1}, the root, and predicts x_{t+2})."""
         features = self.heads[k - 1].features(hidden, self.embed(path[:, :k]))
-        return _frozen_linear(self._frozen[1], features)
+        return frozen_linear(self._frozen[1], features)
 
     def draft_logits(self, hidden: torch.Tensor, path: torch.Tensor, k: int) -> torch.Tensor:
         """As ``head_logits``, on the draft vocabulary: [N, V'] (``draft_vocab.base_ids`` maps a column to its token)."""
@@ -130,13 +134,15 @@ class HydraHeads(nn.Module, DraftCheckpoint):
 
     def forward(self, hidden: torch.Tensor, following: torch.Tensor, on_draft_vocab: bool = False) -> torch.Tensor:
         """hidden [N, D], following [N, K] (tokens t+1..t+K, from ``following``) -> logits [K, N, V], or [K, N, V'] on
-        the draft vocabulary (``on_draft_vocab``, for heads that have one: what training reads, heads/losses.py)."""
+        the draft vocabulary (``on_draft_vocab``, for heads that have one: what training reads,
+        heads/training/losses.py)."""
         logits = self.draft_logits if on_draft_vocab else self.head_logits
         return torch.stack([logits(hidden, following, k) for k in range(1, len(self.heads) + 1)])
 
-    # --------------------------------------------------------------------- storage (heads.checkpoint.DraftCheckpoint)
-    def card(self, location: str) -> str:
-        return hydra_card(self.config, location)
+    # -------------------------------------------------------------- storage (heads.checkpoints.draft.DraftCheckpoint)
+    @classmethod
+    def card_for(cls, config: HydraConfig, location: str) -> str:
+        return hydra_card(config, location)
 
     @classmethod
     def read_checkpoint(cls, directory: Path) -> tuple[HydraConfig, dict[str, torch.Tensor]]:
@@ -150,7 +156,7 @@ class HydraHeads(nn.Module, DraftCheckpoint):
 def following(input_ids: torch.Tensor, scored: torch.Tensor, num_heads: int) -> torch.Tensor:
     """input_ids [B, T], scored [B, T] bool -> [N, K]: at each scored position (b, t), the tokens t+1 .. t+K that
     Hydra heads 1..K read there (head k reads the first k). Positions past the end repeat the last token: a head whose
-    inputs run past the end would predict past it too, where the targets are -100 (heads/losses.py)."""
+    inputs run past the end would predict past it too, where the targets are -100 (heads/training/losses.py)."""
     b, t = scored.nonzero(as_tuple=True)  # [N], [N]
     T = input_ids.shape[1]
     offsets = torch.arange(1, num_heads + 1, device=input_ids.device)  # [K]
@@ -191,14 +197,3 @@ print(model.generate("Hello!", max_new_tokens=64).text)
 ```
 """
 
-
-def load_drafter(path_or_repo_id: str | Path, target, revision: str | None = None, tree=None):
-    """The ``hydra`` entry point of ``selfspec.drafters``: the heads on ``target`` as a HydraDrafter. tree: None (the
-    checkpoint's tree, or a chain of every head's top-1 without one), a static tree / choices, or a DynamicTree
-    (grown each step from the heads' probabilities)."""
-    from heads.hydra_drafter import HydraDrafter
-
-    heads = HydraHeads.from_pretrained(path_or_repo_id, target.model, revision=revision)
-    if tree is None:
-        tree = Tree.from_choices(heads.config.tree) if heads.config.tree else Tree.chain(heads.config.num_heads)
-    return HydraDrafter(heads, tree)

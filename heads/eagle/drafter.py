@@ -20,13 +20,16 @@ V' draft vocabulary.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from transformers import DynamicCache
 
-from heads.eagle import EagleHead
+from heads.eagle.model import EagleHead
 from selfspec.core import hf
 from selfspec.core.accept import Acceptance
 from selfspec.core.drafter import Draft, Drafter, DraftState
+from selfspec.core.target import Target
 from selfspec.core.tree import DynamicTree, Tree
 
 
@@ -145,3 +148,11 @@ class EagleDrafter(Drafter):
 
     def update(self, draft: Draft, acceptance: Acceptance) -> None:
         return None
+
+
+def load_drafter(path_or_repo_id: str | Path, target: Target, revision: str | None = None,
+                 tree: Tree | DynamicTree | None = None) -> EagleDrafter:
+    """The ``eagle`` entry point of ``selfspec.drafters``: the head on ``target`` as an EagleDrafter. tree: None (the
+    checkpoint's depth / topk / budget), ``dynamic:N`` (budget N), or ``chain:K`` (one greedy path of K tokens)."""
+    head = EagleHead.from_pretrained(path_or_repo_id, target.model, revision=revision)
+    return EagleDrafter.with_tree(head, tree)

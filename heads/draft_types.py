@@ -1,0 +1,62 @@
+"""The drafts a checkpoint directory can hold, by the draft_type its config.json names, and publishing any of them.
+
+Each kind's module class reads its checkpoint strictly and writes its model card (``DraftCheckpoint``,
+heads/checkpoints/draft.py); a layer-skip config ("layerskip", selfspec.drafts.layerskip) has no weights: config.json
+and its card. ``push_folder`` publishes a saved directory in one Hub commit (heads/checkpoints/hub.py), after the
+same strict check; ``python -m heads.publish`` is its command.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from heads.checkpoints.contents import describe, stored_draft_type
+from heads.checkpoints.draft import DraftCheckpoint
+from heads.checkpoints.files import CARD, CONFIG, WEIGHTS
+from heads.checkpoints.hub import Published, check_repo_id, publish
+from heads.eagle.model import EagleHead
+from heads.exit_head.model import ExitHead
+from heads.hydra.model import HydraHeads
+from heads.medusa.model import MedusaHeads
+from selfspec.drafts.layerskip import LayerSkipConfig, layerskip_card
+
+DRAFT_TYPES: dict[str, type[DraftCheckpoint]] = {
+    cls.DRAFT_TYPE: cls for cls in (MedusaHeads, ExitHead, EagleHead, HydraHeads)}
+"""draft_type -> the module class that reads, loads and cards checkpoints of that kind (those with weights)."""
+
+
+def publish_files(directory: Path, repo_id: str) -> dict[str, Path | bytes]:
+    """What a publish of ``directory`` to ``repo_id`` uploads: config.json and model.safetensors as saved (after a
+    strict check), and README.md generated from config.json for ``repo_id`` (so its usage snippet names the repo).
+    Medusa heads, exit heads (draft_type "exit-head"), EAGLE heads ("eagle") and Hydra heads ("hydra") alike; a
+    layer-skip config ("layerskip") has no weights: config.json and its card."""
+    kind = stored_draft_type(directory)
+    if kind == "layerskip":  # a searched skip set: config.json alone (the target's own layers draft), read strictly
+        return {CONFIG: directory / CONFIG, CARD: layerskip_card(LayerSkipConfig.load(directory), repo_id).encode()}
+    if kind not in DRAFT_TYPES:
+        why = ": a policy names its arms by local paths, publish those instead" if kind == "policy" else ""
+        raise ValueError(f"{directory} holds {describe(directory)}; heads.publish publishes selfspec checkpoints of "
+                         f"Medusa, Hydra, EAGLE and exit heads and layer-skip configs (config.json with draft_type "
+                         f"{', '.join([*DRAFT_TYPES, 'layerskip'])}){why}")
+    cls = DRAFT_TYPES[kind]
+    config, _ = cls.read_checkpoint(directory)  # read strictly (config against tensors), then carded for the repo
+    return {CONFIG: directory / CONFIG, WEIGHTS: directory / WEIGHTS, CARD: cls.card_for(config, repo_id).encode()}
+
+
+def push_folder(
+    directory: str | Path, repo_id: str, private: bool = False, revision: str | None = None, token: str | None = None,
+    dry_run: bool = False, commit_message: str = "Upload a draft checkpoint (selfspec)", endpoint: str | None = None,
+) -> list[str] | Published:
+    """Publish a saved checkpoint directory to the Hub in one commit (heads.checkpoints.hub.publish: all files or none).
+
+    dry_run: check the checkpoint and the repo id, return the files that would be uploaded; nothing is sent.
+    Otherwise a ``Published`` record; any failure raises ``heads.checkpoints.hub.PublishError`` saying what the repo
+    holds now. The token comes from ``token`` or the usual places (HF_TOKEN, ``hf auth login``); ``endpoint`` defaults
+    to HF_ENDPOINT / huggingface.co.
+    """
+    check_repo_id(repo_id)
+    files = publish_files(Path(directory).expanduser(), repo_id)
+    if dry_run:
+        return list(files)
+    return publish(files, repo_id, private=private, revision=revision, token=token, commit_message=commit_message,
+                   endpoint=endpoint)
