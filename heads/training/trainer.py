@@ -247,7 +247,7 @@ def train_step(run: Run, batch: dict, stop: StopFlag) -> tuple[MedusaLoss, bool]
     loss, whether a signal arrived on any process)."""
     cfg, progress, accelerator = run.cfg, run.progress, run.accelerator
     # training accuracy is measured on the batches of each logged step only (for an EAGLE head it is a
-    # full-vocabulary pass, ~18% of a step on the 2-core CPU); the loss is logged for every batch
+    # full-vocabulary pass, a sizeable share of a step on a CPU); the loss is logged for every batch
     logged = (progress.step + 1) % cfg.logging.every == 0 or progress.step + 1 == run.total_steps
     with accelerator.accumulate(run.heads):
         out = heads_loss(cfg, run.heads, run.states, batch, "train", ranks=5 if logged else 0)
