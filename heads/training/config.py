@@ -68,7 +68,8 @@ class LossConfig:
     vocab: Literal["draft", "full"] = "draft"
     """Medusa and Hydra heads with a draft vocabulary (heads.draft_vocab): "draft" reads their loss and accuracy on it,
     as they draft (V / V' times less LM-head work per step: 6x for SmolLM2's vocabulary and 8,192 draft tokens);
-    "full": over the whole vocabulary. An EAGLE head always trains on its draft vocabulary, an exit head on the whole one."""
+    "full": over the whole vocabulary. An EAGLE head always trains on its draft vocabulary, an exit head on the whole
+    one."""
 
 
 @dataclass
