@@ -53,6 +53,47 @@ def build_decoder(config) -> PreTrainedModel:
     return hf.sdpa_or_eager(lambda attn: AutoModel.from_config(config, attn_implementation=attn))
 
 
+def read_eagle_checkpoint(directory: Path) -> tuple[EagleConfig, dict[str, torch.Tensor]]:
+    """config.json and model.safetensors of an EAGLE-head checkpoint directory, checked against each other. Strict."""
+    def build(config: EagleConfig) -> EagleHead:
+        stub = nn.Linear(1, config.vocab_size)  # the base's embeddings and LM head are not part of the checkpoint
+        return EagleHead(config, stub, stub)
+
+    config, tensors = read_typed_checkpoint(directory, DRAFT_TYPE, "EAGLE-head", EagleConfig.from_dict, build,
+                                            upgrade=upgrade_state)
+    try:
+        check_draft_tokens(tensors["draft_vocab.tokens"], config.draft_vocab_size, config.vocab_size)
+    except ValueError as err:
+        raise ValueError(f"{directory / 'model.safetensors'}: the draft vocabulary (draft_vocab.tokens): {err}") from None
+    return config, tensors
+
+
+def eagle_card(config: EagleConfig, location: str) -> str:
+    features = ("final hidden states" if not config.feature_layers
+                else f"hidden states of layers {config.feature_layers} (fused, EAGLE-3 style)")
+    agreement = ("not measured" if config.top1_agreement is None
+                 else ", ".join(f"{a:.3f}" for a in config.top1_agreement) + " (steps 1, 2, ...)")
+    return f"""---
+library_name: selfspec
+base_model: {config.base_model}
+tags: [speculative-decoding, eagle, selfspec]
+---
+# EAGLE-style draft head for {config.base_model}
+
+{config.num_layers} decoder layer(s) of the base's architecture over the base's own {features} and token
+embeddings, drafting autoregressively over a {config.draft_vocab_size}-token draft vocabulary (of {config.vocab_size});
+the base verifies every draft tree in one forward, so greedy output is the base's own. Drafting defaults: depth
+{config.depth}, {config.topk} expanded per depth, {config.budget} nodes. Top-1 agreement with the base on held-out data:
+{agreement}.
+
+```python
+from selfspec.api import load
+model = load("{config.base_model}", draft="{location}")
+print(model.generate("Hello!", max_new_tokens=64).text)
+```
+"""
+
+
 class EagleHead(nn.Module, DraftCheckpoint):
     """fc + a ``num_layers``-layer decoder of the base's architecture + the draft vocabulary's token ids.
 
@@ -153,13 +194,8 @@ class EagleHead(nn.Module, DraftCheckpoint):
         return torch.stack(outs)
 
     # -------------------------------------------------------------- storage (heads.checkpoints.draft.DraftCheckpoint)
-    @classmethod
-    def card_for(cls, config: EagleConfig, location: str) -> str:
-        return eagle_card(config, location)
-
-    @classmethod
-    def read_checkpoint(cls, directory: Path) -> tuple[EagleConfig, dict[str, torch.Tensor]]:
-        return read_eagle_checkpoint(directory)
+    card_for = staticmethod(eagle_card)
+    read_checkpoint = staticmethod(read_eagle_checkpoint)
 
     @classmethod
     def on_base(cls, config: EagleConfig, base_model: PreTrainedModel) -> "EagleHead":
@@ -201,44 +237,3 @@ def upgrade_state(state: dict[str, torch.Tensor], prefix: str = "") -> dict[str,
 
 def _upgrade_state_hook(module, state_dict, prefix, *args) -> None:
     upgrade_state(state_dict, prefix)
-
-
-def read_eagle_checkpoint(directory: Path) -> tuple[EagleConfig, dict[str, torch.Tensor]]:
-    """config.json and model.safetensors of an EAGLE-head checkpoint directory, checked against each other. Strict."""
-    def build(config: EagleConfig) -> EagleHead:
-        stub = nn.Linear(1, config.vocab_size)  # the base's embeddings and LM head are not part of the checkpoint
-        return EagleHead(config, stub, stub)
-
-    config, tensors = read_typed_checkpoint(directory, DRAFT_TYPE, "EAGLE-head", EagleConfig.from_dict, build,
-                                            upgrade=upgrade_state)
-    try:
-        check_draft_tokens(tensors["draft_vocab.tokens"], config.draft_vocab_size, config.vocab_size)
-    except ValueError as err:
-        raise ValueError(f"{directory / 'model.safetensors'}: the draft vocabulary (draft_vocab.tokens): {err}") from None
-    return config, tensors
-
-
-def eagle_card(config: EagleConfig, location: str) -> str:
-    features = ("final hidden states" if not config.feature_layers
-                else f"hidden states of layers {config.feature_layers} (fused, EAGLE-3 style)")
-    agreement = ("not measured" if config.top1_agreement is None
-                 else ", ".join(f"{a:.3f}" for a in config.top1_agreement) + " (steps 1, 2, ...)")
-    return f"""---
-library_name: selfspec
-base_model: {config.base_model}
-tags: [speculative-decoding, eagle, selfspec]
----
-# EAGLE-style draft head for {config.base_model}
-
-{config.num_layers} decoder layer(s) of the base's architecture over the base's own {features} and token
-embeddings, drafting autoregressively over a {config.draft_vocab_size}-token draft vocabulary (of {config.vocab_size});
-the base verifies every draft tree in one forward, so greedy output is the base's own. Drafting defaults: depth
-{config.depth}, {config.topk} expanded per depth, {config.budget} nodes. Top-1 agreement with the base on held-out data:
-{agreement}.
-
-```python
-from selfspec.api import load
-model = load("{config.base_model}", draft="{location}")
-print(model.generate("Hello!", max_new_tokens=64).text)
-```
-"""

@@ -106,61 +106,9 @@ def final_norm(model: PreTrainedModel) -> nn.Module:
     return nn.Sequential(norm, project_out) if isinstance(project_out, nn.Module) else norm
 
 
-class ExitHead(nn.Module, DraftCheckpoint):
-    """hidden [..., D] (layer E's input) -> [..., D] for the final norm; the identity until trained."""
-
-    WHAT = "exit head"
-    DRAFT_TYPE = DRAFT_TYPE
-    READS = "layers"  # layer E's input
-
-    def __init__(self, config: ExitHeadConfig):
-        super().__init__()
-        self.config = config
-        self.blocks = nn.ModuleList([ResBlock(config.hidden_size) for _ in range(config.num_layers)])
-        self.draft_vocab = DraftVocab(config.draft_vocab_size, config.vocab_size)  # read by the drafter, not forward
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        x = hidden
-        for block in self.blocks:
-            x = block(x.to(block.linear.weight.dtype))
-        return x
-
-    # -------------------------------------------------------------- storage (heads.checkpoints.draft.DraftCheckpoint)
-    @classmethod
-    def card_for(cls, config: ExitHeadConfig, location: str) -> str:
-        return exit_card(config, location)
-
-    @classmethod
-    def read_checkpoint(cls, directory: Path) -> tuple[ExitHeadConfig, dict[str, torch.Tensor]]:
-        return read_exit_checkpoint(directory)
-
-    @classmethod
-    def on_base(cls, config: ExitHeadConfig, base_model: PreTrainedModel) -> "ExitHead":
-        return cls(config)
-
-    @classmethod
-    def base_checks(cls, config: ExitHeadConfig, base_model: PreTrainedModel) -> tuple[tuple[str, int, int], ...]:
-        return (("number of layers", config.num_hidden_layers, len(hf.decoder_layers(base_model))),)
-
-
 def read_exit_checkpoint(directory: Path) -> tuple[ExitHeadConfig, dict[str, torch.Tensor]]:
     """config.json and model.safetensors of an exit-head checkpoint directory, checked against each other. Strict."""
     return read_typed_checkpoint(directory, DRAFT_TYPE, "exit-head", ExitHeadConfig.from_dict, ExitHead)
-
-
-class ExitLogits(nn.Module):
-    """What training optimises: hidden [N, D] at layer E -> draft logits [1, N, V] through the exit head and the
-    target's own final norm and LM head (both frozen, held by reference: only the exit head is trained or stored).
-    The leading 1 is the "one head" axis of the Medusa loss (``heads.training.losses``), with a look-ahead of 0."""
-
-    def __init__(self, exit_head: ExitHead, norm: nn.Module, lm_head: nn.Module):
-        super().__init__()
-        self.exit_head = exit_head
-        self._frozen = (norm, lm_head)  # a tuple: not registered, never in state_dict or the optimizer
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        norm, lm_head = self._frozen
-        return frozen_linear(lm_head, norm(self.exit_head(hidden).to(lm_head.weight.dtype)))[None]
 
 
 def exit_card(config: ExitHeadConfig, location: str) -> str:
@@ -185,3 +133,49 @@ print(model.generate("Hello!", max_new_tokens=64).text)
 ```
 """
 
+
+class ExitHead(nn.Module, DraftCheckpoint):
+    """hidden [..., D] (layer E's input) -> [..., D] for the final norm; the identity until trained."""
+
+    WHAT = "exit head"
+    DRAFT_TYPE = DRAFT_TYPE
+    READS = "layers"  # layer E's input
+
+    def __init__(self, config: ExitHeadConfig):
+        super().__init__()
+        self.config = config
+        self.blocks = nn.ModuleList([ResBlock(config.hidden_size) for _ in range(config.num_layers)])
+        self.draft_vocab = DraftVocab(config.draft_vocab_size, config.vocab_size)  # read by the drafter, not forward
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden
+        for block in self.blocks:
+            x = block(x.to(block.linear.weight.dtype))
+        return x
+
+    # -------------------------------------------------------------- storage (heads.checkpoints.draft.DraftCheckpoint)
+    card_for = staticmethod(exit_card)
+    read_checkpoint = staticmethod(read_exit_checkpoint)
+
+    @classmethod
+    def on_base(cls, config: ExitHeadConfig, base_model: PreTrainedModel) -> "ExitHead":
+        return cls(config)
+
+    @classmethod
+    def base_checks(cls, config: ExitHeadConfig, base_model: PreTrainedModel) -> tuple[tuple[str, int, int], ...]:
+        return (("number of layers", config.num_hidden_layers, len(hf.decoder_layers(base_model))),)
+
+
+class ExitLogits(nn.Module):
+    """What training optimises: hidden [N, D] at layer E -> draft logits [1, N, V] through the exit head and the
+    target's own final norm and LM head (both frozen, held by reference: only the exit head is trained or stored).
+    The leading 1 is the "one head" axis of the Medusa loss (``heads.training.losses``), with a look-ahead of 0."""
+
+    def __init__(self, exit_head: ExitHead, norm: nn.Module, lm_head: nn.Module):
+        super().__init__()
+        self.exit_head = exit_head
+        self._frozen = (norm, lm_head)  # a tuple: not registered, never in state_dict or the optimizer
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        norm, lm_head = self._frozen
+        return frozen_linear(lm_head, norm(self.exit_head(hidden).to(lm_head.weight.dtype)))[None]

@@ -103,6 +103,41 @@ class HydraHead(nn.Module):
         return x
 
 
+def read_hydra_checkpoint(directory: Path) -> tuple[HydraConfig, dict[str, torch.Tensor]]:
+    """config.json and model.safetensors of a Hydra checkpoint directory, checked against each other. Strict."""
+    def build(config: HydraConfig) -> HydraHeads:
+        stub = nn.Linear(config.hidden_size, config.vocab_size, bias=False)  # the base's pieces are not stored
+        return HydraHeads(config, stub, stub)
+
+    return read_typed_checkpoint(directory, DRAFT_TYPE, "Hydra-heads", HydraConfig.from_dict, build)
+
+
+def hydra_card(config: HydraConfig, location: str) -> str:
+    accuracy = ("not measured" if config.head_accuracy is None
+                else ", ".join(f"{row[0]:.3f}" for row in config.head_accuracy) + " (heads 1, 2, ...)")
+    tree = f"{len(config.tree)} nodes, built from the measured accuracy" if config.tree else "none stored (a chain)"
+    vocab = ("" if config.draft_vocab_size is None else f" Drafts come from the {config.draft_vocab_size} tokens most "
+             f"frequent in the training data.")
+    return f"""---
+library_name: selfspec
+base_model: {config.base_model}
+tags: [speculative-decoding, hydra, selfspec]
+---
+# Hydra heads for {config.base_model}
+
+{config.num_heads} Hydra heads ({config.num_layers} residual block(s) each over the base's final hidden state and the
+embeddings of the tokens drafted before them; the base's LM head, frozen). Head k predicts the token k steps beyond the
+base's next token; the base verifies every draft tree in one forward, so greedy output is the base's own. Top-1
+accuracy on held-out data: {accuracy}. Tree: {tree}.{vocab}
+
+```python
+from selfspec.api import load
+model = load("{config.base_model}", draft="{location}")
+print(model.generate("Hello!", max_new_tokens=64).text)
+```
+"""
+
+
 class HydraHeads(nn.Module, DraftCheckpoint):
     WHAT = "Hydra heads"
     DRAFT_TYPE = DRAFT_TYPE
@@ -140,13 +175,8 @@ class HydraHeads(nn.Module, DraftCheckpoint):
         return torch.stack([logits(hidden, following, k) for k in range(1, len(self.heads) + 1)])
 
     # -------------------------------------------------------------- storage (heads.checkpoints.draft.DraftCheckpoint)
-    @classmethod
-    def card_for(cls, config: HydraConfig, location: str) -> str:
-        return hydra_card(config, location)
-
-    @classmethod
-    def read_checkpoint(cls, directory: Path) -> tuple[HydraConfig, dict[str, torch.Tensor]]:
-        return read_hydra_checkpoint(directory)
+    card_for = staticmethod(hydra_card)
+    read_checkpoint = staticmethod(read_hydra_checkpoint)
 
     @classmethod
     def on_base(cls, config: HydraConfig, base_model: PreTrainedModel) -> "HydraHeads":
@@ -161,39 +191,3 @@ def following(input_ids: torch.Tensor, scored: torch.Tensor, num_heads: int) -> 
     T = input_ids.shape[1]
     offsets = torch.arange(1, num_heads + 1, device=input_ids.device)  # [K]
     return input_ids[b[:, None], (t[:, None] + offsets).clamp(max=T - 1)]  # [N, K]
-
-
-def read_hydra_checkpoint(directory: Path) -> tuple[HydraConfig, dict[str, torch.Tensor]]:
-    """config.json and model.safetensors of a Hydra checkpoint directory, checked against each other. Strict."""
-    def build(config: HydraConfig) -> HydraHeads:
-        stub = nn.Linear(config.hidden_size, config.vocab_size, bias=False)  # the base's pieces are not stored
-        return HydraHeads(config, stub, stub)
-
-    return read_typed_checkpoint(directory, DRAFT_TYPE, "Hydra-heads", HydraConfig.from_dict, build)
-
-
-def hydra_card(config: HydraConfig, location: str) -> str:
-    accuracy = ("not measured" if config.head_accuracy is None
-                else ", ".join(f"{row[0]:.3f}" for row in config.head_accuracy) + " (heads 1, 2, ...)")
-    tree = f"{len(config.tree)} nodes, built from the measured accuracy" if config.tree else "none stored (a chain)"
-    vocab = ("" if config.draft_vocab_size is None else f" Drafts come from the {config.draft_vocab_size} tokens most "
-             f"frequent in the training data.")
-    return f"""---
-library_name: selfspec
-base_model: {config.base_model}
-tags: [speculative-decoding, hydra, selfspec]
----
-# Hydra heads for {config.base_model}
-
-{config.num_heads} Hydra heads ({config.num_layers} residual block(s) each over the base's final hidden state and the
-embeddings of the tokens drafted before them; the base's LM head, frozen). Head k predicts the token k steps beyond the
-base's next token; the base verifies every draft tree in one forward, so greedy output is the base's own. Top-1
-accuracy on held-out data: {accuracy}. Tree: {tree}.{vocab}
-
-```python
-from selfspec.api import load
-model = load("{config.base_model}", draft="{location}")
-print(model.generate("Hello!", max_new_tokens=64).text)
-```
-"""
-

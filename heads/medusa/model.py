@@ -82,6 +82,14 @@ class MedusaHead(nn.Module):
         return x
 
 
+def read_medusa_checkpoint(directory: Path) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
+    """config.json and model.safetensors of a Medusa heads checkpoint directory, checked against each other. Strict."""
+    config = read_config(directory)
+    tensors = read_tensors(directory)
+    check_tensors(config, tensors, str(directory / WEIGHTS))
+    return config, tensors
+
+
 class MedusaHeads(nn.Module, DraftCheckpoint):
     WHAT = "Medusa heads"
     DRAFT_TYPE = "medusa"
@@ -127,13 +135,8 @@ class MedusaHeads(nn.Module, DraftCheckpoint):
         return self.draft_vocab.restrict(torch.stack([self.head_logits(hidden, k) for k in range(num)]))
 
     # -------------------------------------------------------------- storage (heads.checkpoints.draft.DraftCheckpoint)
-    @classmethod
-    def card_for(cls, config: MedusaConfig, location: str) -> str:
-        return model_card(config, location)
-
-    @classmethod
-    def read_checkpoint(cls, directory: Path) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
-        return read_medusa_checkpoint(directory)
+    card_for = staticmethod(model_card)
+    read_checkpoint = staticmethod(read_medusa_checkpoint)
 
     @classmethod
     def on_base(cls, config: MedusaConfig, base_model: PreTrainedModel) -> "MedusaHeads":
@@ -151,7 +154,6 @@ class MedusaHeads(nn.Module, DraftCheckpoint):
         return load_heads(path_or_repo_id, base_model, revision=revision)
 
 
-
 # --------------------------------------------------------------------------------------------------- checkpoints
 def expected_shapes(config: MedusaConfig) -> dict[str, tuple[int, ...]]:
     """The tensors (name -> shape) that heads built from ``config`` hold, computed without allocating them."""
@@ -164,14 +166,6 @@ def save_heads(heads: MedusaHeads, directory: str | Path, repo_id: str | None = 
     """Write config.json, model.safetensors and README.md to ``directory`` atomically; returns the directory."""
     return write_checkpoint(directory, heads.state_dict(), heads.config.to_dict(),
                             model_card(heads.config, repo_id or str(Path(directory).expanduser())))
-
-
-def read_medusa_checkpoint(directory: Path) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
-    """config.json and model.safetensors of a Medusa heads checkpoint directory, checked against each other. Strict."""
-    config = read_config(directory)
-    tensors = read_tensors(directory)
-    check_tensors(config, tensors, str(directory / WEIGHTS))
-    return config, tensors
 
 
 def check_tensors(config: MedusaConfig, tensors: dict[str, torch.Tensor], where: str) -> None:
@@ -213,4 +207,3 @@ def load_heads(path_or_repo_id: str | Path, base_model: PreTrainedModel, revisio
     heads.load_state_dict(tensors, strict=True)
     dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}  # not the draft vocabulary's token ids
     return heads.to(device=lm_head.weight.device, dtype=dtypes.pop() if len(dtypes) == 1 else None).eval()
-
