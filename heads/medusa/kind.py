@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 class MedusaKind(HeadKind):
     project = "medusa"
+    MODULE: type = MedusaHeads
+    """the module class saved at the end (Hydra heads subclass this kind)."""
 
     def build(self, cfg: TrainConfig, model: PreTrainedModel, train_rows=None, tokenizer=None
               ) -> tuple[MedusaHeads, MedusaConfig]:
@@ -53,13 +55,19 @@ class MedusaKind(HeadKind):
         """The heads run on the positions some head is scored on only (hidden [B, T, D] -> logits [K, N, V or V'])."""
         scored, targets, shifted = gather_scored(batch["labels"], cfg.heads.num_heads, target_logits)
         vocab = loss_vocab(cfg, module)
-        logits = module(hidden[scored], **({"on_draft_vocab": True} if vocab is not None else {}))
+        logits = self.logits(cfg, module, hidden[scored], batch, scored, on_draft_vocab=vocab is not None)
         return batch_loss(logits, scored, targets, shifted, cfg.loss.decay, cfg.loss.kind, ranks, per_row,
                           None if vocab is None else vocab.tokens)
 
+    def logits(self, cfg: TrainConfig, module: nn.Module, hidden: torch.Tensor, batch: dict, scored: torch.Tensor,
+               on_draft_vocab: bool) -> torch.Tensor:
+        """hidden [N, D] at the scored positions -> the heads' logits [K, N, V], or [K, N, V'] on the draft
+        vocabulary."""
+        return module(hidden, **({"on_draft_vocab": True} if on_draft_vocab else {}))
+
     def save(self, cfg: TrainConfig, accelerator: Accelerator, module: nn.Module, config: MedusaConfig,
              model: PreTrainedModel, accuracy: list[list[float]] | None) -> Path:
-        return save_with_tree(accelerator, module, config, MedusaHeads, model, accuracy, cfg.tree.budget,
+        return save_with_tree(accelerator, module, config, self.MODULE, model, accuracy, cfg.tree.budget,
                               cfg.final_dir)
 
 
