@@ -1,6 +1,6 @@
 """What ``python infer.py`` and its subcommands take on the command line: the argparse parsers of decoding
-(``build_parser``), ``bench``, ``costs`` and ``serve``, and the flag groups they share (the model, the draft and its tree,
-the stop conditions). ``selfspec.tools.cli`` runs what they parse."""
+(``build_parser``), ``bench``, ``costs`` and ``serve``, and the flag groups they share (the model, the draft and its
+tree, the stop conditions). ``selfspec.tools.cli`` runs what they parse."""
 
 from __future__ import annotations
 
