@@ -18,7 +18,7 @@ from heads.eagle.config import EagleConfig
 from heads.eagle.drafter import EagleDrafter
 from heads.eagle.model import EagleHead
 from selfspec import registry, tuned
-from selfspec.tools import budget
+from selfspec.tools import budget, merge_budget
 import selfspec.core.generate as generate_module
 from selfspec.core.generate import generate
 from selfspec.drafts.layerskip import LayerSkipDrafter
@@ -436,22 +436,24 @@ def test_merged_at_cuts_the_tuned_part_and_keeps_the_other_parts_whole():
     lookup = (frozenset({(5,), (5, 6)}),)  # prompt lookup (the merge's first part) drafted 5 -> 6; the head is second
 
     def at(step, budget_, depth, resting=frozenset()):
-        cut = budget.merged_at(step, budget_, depth, resting)
+        cut = merge_budget.merged_at(step, budget_, depth, resting)
         return cut.gained, cut.nodes
 
-    copying = budget.MergedStep(own=own, others=lookup, accepted=(5, 6, 9), tuned=1)  # it was right: 5, 6, bonus 9
-    assert budget.merged_at(copying, 1, 2) == (3, 4, (2, 0), frozenset())  # both + the bonus; root + 5, 6 + a
-    head_right = budget.MergedStep(own=own, others=lookup, accepted=(1, 3, 7), tuned=1)  # the head was: a, c, bonus 7
-    assert budget.merged_at(head_right, 1, 2) == (2, 4, (0, 1), frozenset())  # a only
+    # it was right: 5, 6, bonus 9
+    copying = merge_budget.MergedStep(own=own, others=lookup, accepted=(5, 6, 9), tuned=1)
+    assert merge_budget.merged_at(copying, 1, 2) == (3, 4, (2, 0), frozenset())  # both + the bonus; root + 5, 6 + a
+    # the head was: a, c, bonus 7
+    head_right = merge_budget.MergedStep(own=own, others=lookup, accepted=(1, 3, 7), tuned=1)
+    assert merge_budget.merged_at(head_right, 1, 2) == (2, 4, (0, 1), frozenset())  # a only
     assert at(head_right, 3, 2) == (3, 6)  # a, c (b too, not accepted)
     assert at(head_right, 3, 1) == (2, 5)  # depth 1: a, b
-    shared = budget.MergedStep(own=own, others=(frozenset({(1,), (1, 3)}),), accepted=(1, 3, 7), tuned=1)
-    assert budget.merged_at(shared, 3, 2).own == (2, 2)  # both drafted the accepted path...
+    shared = merge_budget.MergedStep(own=own, others=(frozenset({(1,), (1, 3)}),), accepted=(1, 3, 7), tuned=1)
+    assert merge_budget.merged_at(shared, 3, 2).own == (2, 2)  # both drafted the accepted path...
     assert at(shared, 3, 2) == (3, 4)  # ...verified once
-    odd = budget.MergedStep(own=(torch.tensor([0.0, -0.1, -2.0, -0.05]), *own[1:]), others=lookup, accepted=(1, 3, 7),
-                            tuned=1)
+    odd = merge_budget.MergedStep(own=(torch.tensor([0.0, -0.1, -2.0, -0.05]), *own[1:]), others=lookup,
+                                  accepted=(1, 3, 7), tuned=1)
     assert at(odd, 1, 2) == (3, 5)  # a child scored above its parent brings the parent into the trie
-    assert budget.merged_at(copying, 64, 2, frozenset({1})) == (3, 3, (2, 0), frozenset({1}))  # the head sat out
+    assert merge_budget.merged_at(copying, 64, 2, frozenset({1})) == (3, 3, (2, 0), frozenset({1}))  # the head sat out
     assert at(head_right, 3, 2, frozenset({0})) == (3, 4)  # prompt lookup sat out: the head's nodes only
 
 
@@ -463,27 +465,28 @@ def test_merged_run_rests_a_part_after_an_earlier_part_had_skip_after_tokens_acc
     lookup = (frozenset({(5,), (5, 6)}),)
 
     def step(accepted, starts=False):
-        return budget.MergedStep(own=own, others=lookup, accepted=accepted, tuned=1, starts=starts, part_ms=(0.5, 4.0))
+        return merge_budget.MergedStep(own=own, others=lookup, accepted=accepted, tuned=1, starts=starts,
+                                       part_ms=(0.5, 4.0))
 
     steps = [step((5, 6, 9), starts=True), step((1, 2)), step((5, 6, 9)), step((5, 9), starts=True), step((5, 6, 9))]
-    rests = [c.resting for c in budget.merged_run(steps, 4, 2, skip_after=2)]
+    rests = [c.resting for c in merge_budget.merged_run(steps, 4, 2, skip_after=2)]
     # lookup had 2 accepted at step 0 -> the head rests at step 1 (and the 1 it would have drafted is not accepted);
     # lookup had 0 at step 1 -> the head drafts at 2; 2 again at step 2, but step 3 starts a request; 1 at 3
     assert rests == [frozenset(), frozenset({1}), frozenset(), frozenset(), frozenset()]
-    assert [c.gained for c in budget.merged_run(steps, 4, 2, skip_after=2)] == [3, 1, 3, 2, 3]
-    assert [c.gained for c in budget.merged_run(steps, 4, 2, skip_after=None)] == [3, 2, 3, 2, 3]
-    assert [c.resting for c in budget.merged_run(steps, 4, 2, skip_after=1)][4] == frozenset({1})
+    assert [c.gained for c in merge_budget.merged_run(steps, 4, 2, skip_after=2)] == [3, 1, 3, 2, 3]
+    assert [c.gained for c in merge_budget.merged_run(steps, 4, 2, skip_after=None)] == [3, 2, 3, 2, 3]
+    assert [c.resting for c in merge_budget.merged_run(steps, 4, 2, skip_after=1)][4] == frozenset({1})
     # the prediction: verify of each replayed tree at its size, plus the rest of a step less the resting part's time
     curve = {1: 10.0, 2: 12.0, 4: 14.0}
-    choice = budget.merged_choice(steps, 4, 2, 2, curve, ratio=0.5, other_ms=6.0)
-    sizes = [c.nodes for c in budget.merged_run(steps, 4, 2, 2)]
+    choice = merge_budget.merged_choice(steps, 4, 2, 2, curve, ratio=0.5, other_ms=6.0)
+    sizes = [c.nodes for c in merge_budget.merged_run(steps, 4, 2, 2)]
     assert sizes == [4, 3, 4, 4, 4]  # root + 5, 6 + the head's 1 (resting at step 1: root + 5, 6)
     assert choice.step_ms == pytest.approx(0.5 * (4 * 14.0 + 13.0) / 5 + 6.0 - 4.0 / 5)
     assert (choice.accepted, choice.nodes, choice.resting) == (12 / 5, 19 / 5, 1 / 5)
     # the head listed first: prompt lookup (now second) rests after the head had tokens accepted
-    first = [budget.MergedStep(own=own, others=lookup, accepted=a, tuned=0, starts=i == 0)
+    first = [merge_budget.MergedStep(own=own, others=lookup, accepted=a, tuned=0, starts=i == 0)
              for i, a in enumerate([(1, 2), (5, 6, 9)])]
-    assert [c.gained for c in budget.merged_run(first, 4, 2, skip_after=1)] == [2, 1]
+    assert [c.gained for c in merge_budget.merged_run(first, 4, 2, skip_after=1)] == [2, 1]
 
 
 def test_recorded_merge_predicts_what_the_merge_with_a_smaller_head_budget_and_a_skip_after_accepts(setup):
@@ -505,9 +508,9 @@ def test_recorded_merge_predicts_what_the_merge_with_a_smaller_head_budget_and_a
     compared = rested = 0
     for small, skip in ((16, 1), (16, 2), (6, 2), (3, None), (1, 1)):
         for p in prompts:
-            recorder = budget._MergedRecorder(parts(16), tuned=1)
+            recorder = merge_budget._MergedRecorder(parts(16), tuned=1)
             recorded = generate(target, recorder, p, max_new_tokens=32)
-            cuts = budget.merged_run(recorder.steps, small, 4, skip)
+            cuts = merge_budget.merged_run(recorder.steps, small, 4, skip)
             real_drafter = MergedDrafter(parts(small), skip_after=skip)
             real, real_rested = [], []
             for n, s in enumerate(stream(target, real_drafter, p, max_new_tokens=32)):

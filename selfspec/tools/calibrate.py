@@ -31,7 +31,7 @@ from selfspec.core.generate import generate
 from selfspec.tools.layerskip_search import CALIBRATION_PROMPTS, Measurement, calibration_inputs, measure, search_skip_layers
 from selfspec.core.models import DEFAULT_MODEL, load_model, parse_dtype
 from selfspec.drafts.ngram import NGramDrafter
-from selfspec.tools import budget
+from selfspec.tools import budget, merge_budget
 from selfspec.tools.options import integer, integers
 from selfspec.core.target import Target
 
@@ -351,9 +351,9 @@ def _tune_one(a: argparse.Namespace, merge: registry.DraftSpec, spec: registry.D
 
 
 def _skip_variants(merge: registry.DraftSpec) -> dict[int | None, registry.DraftSpec]:
-    """The same merge with each skip_after tune-tree tunes (its own first, then ``budget.SKIPS``)."""
+    """The same merge with each skip_after tune-tree tunes (its own first, then ``merge_budget.SKIPS``)."""
     own = merge.config.get("skip_after")
-    return {k: replace(merge, config={} if k is None else {"skip_after": k}) for k in dict.fromkeys([own, *budget.SKIPS])}
+    return {k: replace(merge, config={} if k is None else {"skip_after": k}) for k in dict.fromkeys([own, *merge_budget.SKIPS])}
 
 
 def _tune_merge(a: argparse.Namespace, merge: registry.DraftSpec, spec: registry.DraftSpec, target: Target,
@@ -366,8 +366,8 @@ def _tune_merge(a: argparse.Namespace, merge: registry.DraftSpec, spec: registry
     def make_parts(d: int, n: int) -> list[Drafter]:
         return [drafter.resized(d, n) if k == tuned_at else registry.build(p, target, a.model)
                 for k, p in enumerate(merge.parts)]
-    return budget.tune_merged(target, make_parts, tuned_at, prompts, curve, depths, budgets,
-                              list(_skip_variants(merge)), a.max_new_tokens, progress=not a.no_progress)
+    return merge_budget.tune_merged(target, make_parts, tuned_at, prompts, curve, depths, budgets,
+                                    list(_skip_variants(merge)), a.max_new_tokens, progress=not a.no_progress)
 
 
 def _report_skips(a: argparse.Namespace, merge: registry.DraftSpec, spec: registry.DraftSpec, target: Target,
@@ -379,7 +379,7 @@ def _report_skips(a: argparse.Namespace, merge: registry.DraftSpec, spec: regist
         if k != own:
             tuned.save_tuned(spec.location, target, a.model, tunings[k], a.draft_revision,
                              merged=tuned.merge_stamp(variant, spec))
-    out.write(f"\n{budget.format_skips(tunings, own)}\n")
+    out.write(f"\n{merge_budget.format_skips(tunings, own)}\n")
     fastest = max(tunings, key=lambda k: tunings[k].best.tokens_per_s)
     gain = tunings[fastest].best.tokens_per_s / tunings[own].best.tokens_per_s
     if fastest != own and gain > 1.01:

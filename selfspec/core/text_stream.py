@@ -1,0 +1,136 @@
+"""What a decoding hands back through the Python API (``selfspec.api``): the text as the target accepts it, piece by
+piece (``TextStream`` over the loop's steps, ``IncrementalDecoder`` holding back a piece that ends inside a character),
+and then the whole answer (``Result``) with its statistics (``Stats``: new tokens, wall time, tokens gained per step;
+``StepCounter`` records them for transformers' ``generate``)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+from transformers import PreTrainedTokenizerBase
+from transformers.generation.streamers import BaseStreamer
+
+from selfspec.core.logprobs import TokenLogprob
+
+
+@dataclass(frozen=True)
+class Stats:
+    new_tokens: int
+    seconds: float
+    """wall time of the decoding (prefill included, tokenisation and text decoding excluded)."""
+    accept_lengths: tuple[int, ...]
+    """tokens gained per target forward (the prefill counts as one); they sum to new_tokens."""
+
+    @property
+    def steps(self) -> int:
+        return len(self.accept_lengths)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def mean_accepted(self) -> float:
+        return self.new_tokens / max(self.steps, 1)
+
+    def __str__(self) -> str:
+        return (f"{self.new_tokens} new tokens in {self.seconds:.2f} s ({self.tokens_per_s:.1f} tokens/s), "
+                f"{self.steps} steps, {self.mean_accepted:.2f} mean accepted tokens per step")
+
+
+@dataclass(frozen=True)
+class Result:
+    text: str
+    tokens: list[int]
+    """the new tokens (EOS included when generation stopped at it)."""
+    stats: Stats
+    logprobs: list[TokenLogprob] | None = None
+    """one per new token, when asked for (logprobs=k)."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """one per prompt token after the first, when asked for (prompt_logprobs=k)."""
+
+
+class IncrementalDecoder:
+    """Turns a growing list of token ids into text pieces; holds back a piece that ends inside a multi-byte character."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tokenizer, self.ids, self.emitted = tokenizer, [], ""
+
+    def decode(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def push(self, ids: Sequence[int]) -> str:
+        self.ids.extend(ids)
+        text = self.decode()
+        if text.endswith("\ufffd") or not text.startswith(self.emitted):
+            return ""  # wait for the rest of the character (or for the text to settle)
+        piece, self.emitted = text[len(self.emitted):], text
+        return piece
+
+    def flush(self) -> str:
+        text = self.decode()
+        piece = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        self.emitted = text
+        return piece
+
+
+class TextStream:
+    """Iterate for text pieces as the target accepts them; afterwards ``.text``, ``.tokens`` and ``.stats``."""
+
+    def __init__(self, steps: Iterator, tokenizer: PreTrainedTokenizerBase):
+        self._steps, self._decoder = steps, IncrementalDecoder(tokenizer)
+        self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        """one per token of ``tokens``, when the stream was asked for them."""
+        self.prompt_logprobs: list[TokenLogprob] = []
+        self._lengths: list[int] = []
+        self._seconds = 0.0
+        self.done = False
+
+    def __iter__(self) -> Iterator[str]:
+        while True:
+            t0 = time.perf_counter()
+            step = next(self._steps, None)
+            self._seconds += time.perf_counter() - t0
+            if step is None:
+                break
+            self.tokens.extend(step.tokens)
+            self.logprobs.extend(step.logprobs)
+            self.prompt_logprobs.extend(step.prompt_logprobs)
+            self._lengths.append(len(step.tokens))
+            piece = self._decoder.push(step.tokens)
+            if piece:
+                yield piece
+        self.done = True
+        piece = self._decoder.flush()
+        if piece:
+            yield piece
+
+    @property
+    def text(self) -> str:
+        return self._decoder.emitted
+
+    @property
+    def stats(self) -> Stats:
+        """Statistics of what has been generated so far (all of it once the iteration is over)."""
+        return Stats(new_tokens=len(self.tokens), seconds=self._seconds, accept_lengths=tuple(self._lengths))
+
+
+class StepCounter(BaseStreamer):
+    """A transformers streamer that records how many tokens each ``generate`` step added (the prompt is skipped)."""
+
+    def __init__(self) -> None:
+        self.lengths: list[int] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.lengths.append(int(value.numel()))
+
+    def end(self) -> None:
+        return None

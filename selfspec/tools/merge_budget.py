@@ -1,0 +1,179 @@
+"""The tree budget of one part of a merge (``--draft ngram+HEADS``), tuned with the other parts drafting beside it,
+and the merge's ``skip_after`` (``tune_merged``; the budget alone: ``selfspec.tools.budget``).
+
+Inside a merge the head's budget is tuned with the other parts drafting beside it: at each recorded step, a budget-N
+merged tree is the trie of the other parts' drafts and the head's N best-scored nodes, its accepted length the accepted
+tokens that trie holds, its cost the verify of its own size. The head's best budget there can differ from its best
+alone: prompt lookup's nodes already take verify time, and on the steps where it copies a span they already hold what
+the head would add. The merge's ``skip_after`` is tuned on the same recording (made with every part drafting every
+step): the steps are replayed in order, a part sitting out where the replayed previous step says it would, its nodes
+left out of that step's trie and its drafting time off the step. A replayed step keeps its recorded position in the
+text, so a smaller tree's shorter accepts do not shift the later steps; the prediction is exact step for step until the
+first step that accepts less than the recording did.
+
+Shapes: N_k the tuned part's tree nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+
+from selfspec.core.accept import Acceptance
+from selfspec.core.drafter import Draft, Drafter, DraftState
+from selfspec.drafts.merge import MergedDrafter
+from selfspec.tools.budget import Choice, TokenPath, Tuning, held, interpolate, record_decodes, token_paths
+
+
+@dataclass(frozen=True)
+class MergedStep:
+    """One recorded step of a merged draft, every part drafting: the tuned part's draft, the others', the tokens the
+    step added, and what each part's drafting cost."""
+
+    own: tuple[torch.Tensor, tuple[int, ...], list[TokenPath]]
+    """the tuned part's node scores [N_k], depths and token paths."""
+    others: tuple[frozenset[TokenPath], ...]
+    """every node each other part drafted, in merge order."""
+    accepted: TokenPath
+    """the accepted drafts, then the target's bonus token."""
+    tuned: int = 0
+    """the tuned part's place in the merge (the others fill the other places, in order)."""
+    starts: bool = False
+    """the first drafted step of a request (no part has had tokens accepted yet)."""
+    part_ms: tuple[float, ...] = ()
+    """each part's drafting time this step (its draft and its update), in merge order."""
+
+
+class Cut(NamedTuple):
+    """A recorded merged step replayed with the tuned part at a smaller budget and some parts sitting out."""
+
+    gained: int
+    """tokens the step gains: the accepted drafts the cut trie holds, plus the bonus."""
+    nodes: int
+    """nodes verified, the root included."""
+    own: tuple[int, ...]
+    """each part's own drafts among the accepted ones (0 for a part that sat out), in merge order: what skip_after
+    reads at the next step."""
+    resting: frozenset[int] = frozenset()
+    """the parts that sat out (places in the merge)."""
+
+
+def merged_at(step: MergedStep, budget: int, depth: int, resting: frozenset[int] = frozenset()) -> Cut:
+    """The step had the tuned part drafted only its ``budget`` best-scored nodes of depth <= ``depth`` (ties as in
+    ``accepted_at``) and the parts in ``resting`` (places in the merge) sat out."""
+    scores, depths, paths = step.own
+    nodes = [i for i in range(1, len(depths)) if depths[i] <= depth]
+    own = set()
+    for i in sorted(nodes, key=lambda i: (-float(scores[i]), depths[i], i))[:budget]:
+        own.update(paths[i][:j] for j in range(1, len(paths[i]) + 1))  # a trie holds each node's ancestors
+    others = iter(step.others)
+    parts = [own if k == step.tuned else next(others) for k in range(len(step.others) + 1)]
+    parts = [None if k in resting else p for k, p in enumerate(parts)]
+    trie = set().union(*(p for p in parts if p is not None))
+    drafted = step.accepted[:-1]
+    gained = held(drafted, trie)
+    return Cut(gained + 1, len(trie) + 1, tuple(0 if p is None else held(drafted[:gained], p) for p in parts),
+               resting)
+
+
+
+def merged_run(steps: Sequence[MergedStep], budget: int, depth: int, skip_after: int | None) -> list[Cut]:
+    """The recorded steps replayed in order as a merge with ``skip_after`` (``MergedDrafter``'s rule: a part sits out
+    while an earlier one had at least that many of its own tokens accepted at the previous step, within a request)."""
+    cuts: list[Cut] = []
+    last: tuple[int, ...] = ()
+    for step in steps:
+        if step.starts or not last:
+            last = (0,) * (len(step.others) + 1)
+        resting = frozenset() if skip_after is None else frozenset(
+            k for k in range(len(last)) if any(a >= skip_after for a in last[:k]))
+        cuts.append(merged_at(step, budget, depth, resting))
+        last = cuts[-1].own
+    return cuts
+
+
+class _MergedRecorder:
+    """A merge of ``parts``, every part drafting every step, its part ``tuned`` recorded with its scores; keeps each
+    step as a MergedStep."""
+
+    def __init__(self, parts: Sequence[Drafter], tuned: int):
+        self.merged, self.tuned = MergedDrafter(parts), tuned
+        self.steps: list[MergedStep] = []
+        self._starts = False
+
+    def draft(self, state: DraftState) -> Draft:
+        self._starts = state.starts_request
+        draft = self.merged.draft(state)
+        own = self.merged.part_drafts[self.tuned]
+        if own.scores is None:
+            raise TypeError(f"{type(self.merged.drafters[self.tuned]).__name__} does not report node scores "
+                            "(Draft.scores): budget tuning needs a drafter that grows its tree by score")
+        return draft
+
+    def update(self, draft: Draft, acceptance: Acceptance) -> None:
+        self.merged.update(draft, acceptance)
+        own, parts = self.merged.part_drafts[self.tuned], self.merged.part_drafts
+        self.steps.append(MergedStep(
+            own=(own.scores, tuple(own.tree.depths), token_paths(own)),
+            others=tuple(frozenset(token_paths(d)[1:]) for k, d in enumerate(parts) if k != self.tuned),
+            accepted=tuple(int(draft.tokens[i]) for i in acceptance.path[1:]) + (acceptance.bonus,),
+            tuned=self.tuned, starts=self._starts, part_ms=tuple(1000 * t for t in self.merged.part_seconds)))
+
+
+SKIPS = (1, 2, 3, 4, 6, None)
+"""the skip_after values a merge is tuned for besides its own (None: every part drafts every step)."""
+
+
+def tune_merged(target, make_parts: Callable[[int, int], Sequence[Drafter]], tuned: int,
+                prompts: Sequence[torch.Tensor], curve: dict[int, float], depths: Sequence[int],
+                budgets: Sequence[int], skips: Sequence[int | None] = SKIPS, max_new_tokens: int = 64,
+                progress: bool = False) -> dict[int | None, Tuning]:
+    """``tune`` for part ``tuned`` of a merge (``make_parts(depth, budget)``: the merge's drafters, in order, that part
+    at this depth and budget), the other parts drafting beside it, for every ``skip_after`` in ``skips``: one greedy
+    decode per depth at the largest budget with every part drafting every step; the steps replayed in order for each
+    skip_after (``merged_run``: which parts sit out, from the previous step's replayed verdict), each merged tree cut
+    to each smaller budget, its verify cost at its own size, the drafting time of the parts that sat out taken off.
+    Returns {skip_after: Tuning}."""
+    big = max(budgets)
+    recorded, ratio = record_decodes(target, lambda d: _MergedRecorder(make_parts(d, big), tuned), prompts, curve,
+                                     depths, max_new_tokens, progress)
+    tunings = {}
+    for skip in skips:
+        table = [merged_choice(records, n, d, skip, curve, ratio, other_ms)
+                 for d, records, other_ms in recorded for n in budgets]
+        tunings[skip] = Tuning(best=max(table, key=lambda c: c.tokens_per_s), plain_ms=ratio * curve[1], table=table,
+                               verify_ratio=ratio)
+    return tunings
+
+
+def merged_choice(steps: Sequence[MergedStep], budget: int, depth: int, skip_after: int | None,
+                  curve: dict[int, float], ratio: float, other_ms: float) -> Choice:
+    """The recorded steps of one depth replayed at this budget and skip_after (``merged_run``): mean tokens per step,
+    and a step's predicted ms: the verify of each replayed tree at its own size (the cached curve at this run's level,
+    ``ratio``), plus the recording's median rest of a step (``other_ms``, every part drafting) less the mean drafting
+    time of the parts that sat out."""
+    cuts = merged_run(steps, budget, depth, skip_after)
+    k = max(len(cuts), 1)
+    verify = sum(interpolate(curve, c.nodes) for c in cuts) / k
+    saved = sum(step.part_ms[p] for step, c in zip(steps, cuts) for p in c.resting) / k
+    tuned = steps[0].tuned if steps else 0
+    return Choice(depth=depth, budget=budget, accepted=sum(c.gained for c in cuts) / k,
+                  step_ms=ratio * verify + other_ms - saved, nodes=sum(c.nodes for c in cuts) / k,
+                  resting=sum(tuned in c.resting for c in cuts) / k)
+
+
+def format_skips(tunings: dict[int | None, Tuning], own: int | None) -> str:
+    """One row per skip_after: its best tree and what it is predicted to give."""
+    plain = 1000 / next(iter(tunings.values())).plain_ms
+    lines = ["| skip_after | best tree | merged tree nodes | tuned part sits out | mean accepted | predicted tokens/s | vs "
+             "one-token step |", "|---|---|---:|---:|---:|---:|---:|"]
+    fastest = max(t.best.tokens_per_s for t in tunings.values())
+    for k, t in sorted(tunings.items(), key=lambda kt: (kt[0] is None, kt[0] or 0)):
+        c = t.best
+        name = ("never" if k is None else str(k)) + (" (this merge)" if k == own else "")
+        mark = " **best**" if c.tokens_per_s == fastest else ""
+        lines.append(f"| {name} | dynamic:{c.budget},depth={c.depth} | {c.nodes:.1f} | {c.resting:.0%} | "
+                     f"{c.accepted:.2f} | {c.tokens_per_s:.1f}{mark} | {c.tokens_per_s / plain:.2f}× |")
+    return "\n".join(lines)

@@ -1,0 +1,39 @@
+"""An OpenAI-compatible HTTP endpoint over one SpecModel: ``python infer.py serve``.
+
+    POST /v1/chat/completions   {"messages": [...], "max_tokens": 64, "stream": true, ...}
+    POST /v1/completions        {"prompt": "...", ...}                  (plain text, no chat template)
+    GET  /v1/models             the one model served
+    GET  /health
+    POST /tokenize, /detokenize, GET /tokenizer_info    vLLM's tokenizer endpoints (lm-eval's tokenizer_backend=remote)
+
+Clients of OpenAI's API (its Python client, chat UIs, evaluation harnesses) talk to it unchanged; every answer is
+decoded speculatively and losslessly, and says how (``usage.selfspec``: steps and mean accepted tokens per step).
+
+Requests are decoded one at a time (selfspec decodes at batch size 1); others wait in line. Sampling fields are
+OpenAI's (``temperature``, ``top_p``, ``seed``, ``stop``, ``max_tokens`` / ``max_completion_tokens``) and the common
+extensions of OpenAI-compatible servers (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``); a request
+without ``temperature`` decodes with the server's (``--temperature``, default 0: greedy, token-identical to
+``generate``). As in OpenAI's API a stop string ends the answer and is not part of it.
+
+Log-probabilities as OpenAI reports them (chat: ``logprobs: true`` and ``top_logprobs``; completions: ``logprobs: k``
+and ``echo`` for the prompt's own, what evaluation harnesses score multiple-choice questions with): the target's own,
+before sampling and penalties (``selfspec.core.logprobs``), with each token's own ``bytes`` (a piece of a character split
+across tokens included, ``selfspec.tools.token_bytes``). A completion's ``prompt`` may be text, token ids, or a list of
+either (one choice per prompt, decoded in turn); ``n`` answers each (decoded in turn). ``presence_penalty``,
+``frequency_penalty`` and ``logit_bias`` apply as OpenAI applies them. Fields the server cannot honour (tools,
+structured output, suffixes) and unknown fields are refused with a 400 that names them, as OpenAI refuses unknown
+arguments.
+
+The package, by question: ``protocol`` (a request body -> ``Request``), ``session`` (the one decoding thread and an
+answer's pieces), ``responses`` (OpenAI's response objects and stream chunks), ``tokenizer_endpoints`` (vLLM's) and
+``server`` (the HTTP handler and ``make_server``); ``infer.py serve`` (``selfspec.tools.cli``) starts it.
+"""
+
+from selfspec.tools.serve.protocol import Request, RequestError, parse_request
+from selfspec.tools.serve.responses import chunks, complete
+from selfspec.tools.serve.server import Handler, make_server
+from selfspec.tools.serve.session import Piece, Scored, Session, cut_at_stop, text_starts
+from selfspec.tools.serve.tokenizer_endpoints import detokenize, tokenize, tokenizer_info
+
+__all__ = ["Handler", "Piece", "Request", "RequestError", "Scored", "Session", "chunks", "complete", "cut_at_stop",
+           "detokenize", "make_server", "parse_request", "text_starts", "tokenize", "tokenizer_info"]
