@@ -231,8 +231,8 @@ def split_drafts(text: str) -> tuple[str, ...]:
 
 # ------------------------------------------------------------------------------------------------------ 2. trees
 MAX_TREE_NODES = 1024
-"""the most draft nodes a --tree may verify a step: every step verifies them all, as a prompt that long would cost
-(BENCHMARKS §1: 64 nodes already cost 2.5× a one-token step on a 2-core CPU); the trees that pay hold 4-64."""
+"""the most draft nodes a --tree may verify a step: every step verifies them all, as a prompt that long would cost (a
+verify's cost grows with its nodes: docs/BENCHMARKS.md, "What a step costs"); the trees that pay hold 4-64."""
 
 
 def _count(text: str, what: str) -> int:

@@ -2,8 +2,9 @@
 
 A trained head and prompt lookup fail on different steps: the head guesses generic continuations, the n-gram trie
 copies spans of the prompt and of the answer so far (names, code, quoted text), which the head rarely ranks first.
-Verifying both in one tree accepts what either would have, for one target forward; on this CPU a 24-node verify costs
-little more than a 12-node one (docs/BENCHMARKS.md §1).
+Verifying both in one tree accepts what either would have, for one target forward; where wide verification is cheap
+(bf16 on a CPU with AMX, GPUs) a merged tree costs little more than either part's (docs/BENCHMARKS.md, "What a step
+costs").
 
     1. draft   every drafter drafts from the same state
     2. merge   their trees become one trie: a node is one token under one parent, so a path two drafters share is
