@@ -195,15 +195,18 @@ class SpecModel:
         lengths: list[int] = []
         lps: list[TokenLogprob] = []
         prompt_lps: list[TokenLogprob] = []
+        drafting = 0.0
         t0 = time.perf_counter()
         for step in self._steps(r):
+            drafting += step.draft_s
             tokens.extend(step.tokens)
             lengths.append(len(step.tokens))
             lps.extend(step.logprobs)
             prompt_lps.extend(step.prompt_logprobs)
         seconds = time.perf_counter() - t0
         return Result(text=self.decode(tokens), tokens=tokens,
-                      stats=Stats(new_tokens=len(tokens), seconds=seconds, accept_lengths=tuple(lengths)),
+                      stats=Stats(new_tokens=len(tokens), seconds=seconds, accept_lengths=tuple(lengths),
+                                  draft_seconds=drafting),
                       logprobs=None if r.options.logprobs is None else lps,
                       prompt_logprobs=None if r.options.prompt_logprobs is None else prompt_lps)
 

@@ -553,3 +553,22 @@ def test_a_sampled_run_takes_string_question_ids(model_dir, tmp_path):
             r = m.generate(messages, max_new_tokens=MAX_NEW, temperature=1.5, seed=seeds[(row["question_id"], turn)])
             assert r.text.strip() == answers[row["question_id"]][turn]
             messages.append({"role": "assistant", "content": answers[row["question_id"]][turn]})
+
+
+def test_the_drafters_own_time_per_step_is_recorded_for_selfspecs_methods(run):
+    """Each selfspec method's answers record, per turn, the seconds its drafter spent drafting (Answer.draft_time,
+    the median over repeats as wall_time is); summary rows give it per drafting step (the prefill drafts nothing)
+    exactly as recomputed from the answer files, and transformers' methods, which do not measure it, give none."""
+    summary = json.loads((run / "summary.json").read_text())
+    for r in (r for r in summary["rows"] if r["category"] == "overall"):
+        choices = [row["choices"][0] for row in read_jsonl(run / f"model-{r['method']}-{r['dtype']}.jsonl")]
+        if r["method"] in ("plain", "pld"):
+            assert r["draft_ms"] is None and all("draft_time" not in c for c in choices)
+            continue
+        assert all(len(c["draft_time"]) == len(c["turns"]) for c in choices)
+        steps = sum(s - 1 for c in choices for s in c["decoding_steps"])
+        assert r["draft_ms"] == 1000 * sum(t for c in choices for t in c["draft_time"]) / steps > 0
+    md = (run / "summary.md").read_text()
+    assert "| identical | draft ms/step |" in md and "| plain | float32 |" in md
+    plain_row = next(line for line in md.splitlines() if line.startswith("| plain | float32 |"))
+    assert plain_row.endswith("| — |")

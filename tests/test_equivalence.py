@@ -171,7 +171,8 @@ def test_request_that_fills_the_context():
 
 def test_steps_add_up(case, monkeypatch):
     """Step records: the prefill, then one per verify; tokens add up to the output; Spec-Bench accept_lengths; each
-    step's time split exactly into the target's forward (verify_s) and the rest of the step (other_s), read off a clock
+    step's time split exactly into the target's forward (verify_s) and the rest of the step (other_s, of it draft_s in
+    the drafter), read off a clock
     that moves only in the prefill (3 s), each verify (5 s) and each draft (2 s)."""
     arch, target, prompts, refs = case
     clock = FakeClock()
@@ -188,6 +189,7 @@ def test_steps_add_up(case, monkeypatch):
     assert out.accept_lengths == [1, 5, 5, 5, 4]  # 1 + 5 + 5 + 5 + 4 = 20
     assert all(s.tree_size == 5 for s in out.steps[1:4])
     assert [(s.verify_s, s.other_s) for s in out.steps] == [(3.0, 0.0)] + [(5.0, 2.0)] * 4  # prefill, then 4 verifies
+    assert [s.draft_s for s in out.steps] == [0.0] + [2.0] * 4  # the drafter's own share of other_s
     assert out.seconds == 3.0 + 4 * (5.0 + 2.0)
     assert out.mean_accepted == pytest.approx(4.0)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Literal, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence, TypeVar
 
 import torch
 
@@ -33,6 +33,7 @@ from selfspec.core.stopping import Criterion, first_stop
 from selfspec.core.target import Target
 
 AcceptRule = Literal["exact", "typical"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class Step:
     """seconds in the target's forward."""
     other_s: float
     """seconds in the rest of the step (drafting, acceptance, cache commit)."""
+    draft_s: float = 0.0
+    """seconds of ``other_s`` in the drafter's ``draft`` (0 for the prefill)."""
     logprobs: tuple[TokenLogprob, ...] = ()
     """the target's log-probability of each of ``tokens`` (and its likeliest alternatives), when asked for."""
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
@@ -155,13 +158,11 @@ def stream(target: Target, drafter: Drafter, input_ids: torch.Tensor, max_new_to
         # 2. draft a tree rooted at the last token; never deeper than the tokens still wanted or the context allows
         state = DraftState(tokens=tokens, prompt_length=prompt.shape[0], hidden=hidden, cache=cache, sampling=sampling,
                            new_hidden=new_hidden, new_states=new_states)
-        draft = fit_draft(drafter.draft(state), target, start, max_new_tokens - produced - 1)
+        proposed, draft_s = timed(sync, drafter.draft, state)
+        draft = fit_draft(proposed, target, start, max_new_tokens - produced - 1)
 
         # 3. verify every node in one forward of the target
-        t_verify = time.perf_counter()
-        out = target.verify(draft.tree, draft.tokens, cache)
-        sync()
-        verify_s = time.perf_counter() - t_verify
+        out, verify_s = timed(sync, target.verify, draft.tree, draft.tokens, cache)
 
         # 4. accept: the longest path the target agrees with, plus the target's own next token (each node's scores
         #    processed for the text before it: penalties, a logit bias, no EOS while it is shorter than min_new_tokens)
@@ -187,7 +188,7 @@ def stream(target: Target, drafter: Drafter, input_ids: torch.Tensor, max_new_to
         new_states = None if out.states is None else LayerStates.of(out.states, list(acc.path))
         # new[j] follows path node j (the bonus follows the last): its log-probability is that node's, unprocessed
         yield Step(tokens=tuple(new), tree_size=len(draft.tree), verify_s=verify_s,
-                   other_s=time.perf_counter() - t_step - verify_s,
+                   other_s=time.perf_counter() - t_step - verify_s, draft_s=draft_s,
                    logprobs=scored(out.logits[list(acc.path[: len(new)])], tokens[-len(new):], logprobs))
         if stop is not None or produced >= max_new_tokens:
             return
@@ -197,6 +198,14 @@ def eos_blocked(produced: int, depths: torch.Tensor, min_new_tokens: int) -> tor
     """[N] bool: the nodes (at ``depths`` [N] below a root that follows ``produced`` new tokens) from which no
     end-of-sequence token may follow yet (``min_new_tokens``); None when no node is held back."""
     return None if produced >= min_new_tokens else produced + depths < min_new_tokens
+
+
+def timed(sync: Callable[[], None], fn: Callable[..., T], *args: Any) -> tuple[T, float]:
+    """``fn(*args)`` and the seconds it took, the device synchronised (``sync``) before the clock stops."""
+    t0 = time.perf_counter()
+    out = fn(*args)
+    sync()
+    return out, time.perf_counter() - t0
 
 
 def scored(logits: torch.Tensor, tokens: torch.Tensor, k: int | None) -> tuple[TokenLogprob, ...]:

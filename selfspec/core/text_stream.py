@@ -23,6 +23,15 @@ class Stats:
     """wall time of the decoding (prefill included, tokenisation and text decoding excluded)."""
     accept_lengths: tuple[int, ...]
     """tokens gained per target forward (the prefill counts as one); they sum to new_tokens."""
+    draft_seconds: float | None = None
+    """of ``seconds``, the time in the drafter's ``draft`` (None: not measured, e.g. transformers' generate)."""
+
+    @property
+    def draft_ms_per_step(self) -> float | None:
+        """Drafting time per drafting step (the prefill drafts nothing), in milliseconds; None when not measured."""
+        if self.draft_seconds is None:
+            return None
+        return 1000 * self.draft_seconds / max(self.steps - 1, 1)
 
     @property
     def steps(self) -> int:
@@ -37,8 +46,10 @@ class Stats:
         return self.new_tokens / max(self.steps, 1)
 
     def __str__(self) -> str:
+        drafting = "" if self.draft_seconds is None or self.steps < 2 else \
+            f", {self.draft_ms_per_step:.1f} ms drafting per step"
         return (f"{self.new_tokens} new tokens in {self.seconds:.2f} s ({self.tokens_per_s:.1f} tokens/s), "
-                f"{self.steps} steps, {self.mean_accepted:.2f} mean accepted tokens per step")
+                f"{self.steps} steps, {self.mean_accepted:.2f} mean accepted tokens per step{drafting}")
 
 
 @dataclass(frozen=True)
@@ -87,7 +98,7 @@ class TextStream:
         """one per token of ``tokens``, when the stream was asked for them."""
         self.prompt_logprobs: list[TokenLogprob] = []
         self._lengths: list[int] = []
-        self._seconds = 0.0
+        self._seconds = self._draft_seconds = 0.0
         self.done = False
 
     def __iter__(self) -> Iterator[str]:
@@ -101,6 +112,7 @@ class TextStream:
             self.logprobs.extend(step.logprobs)
             self.prompt_logprobs.extend(step.prompt_logprobs)
             self._lengths.append(len(step.tokens))
+            self._draft_seconds += step.draft_s
             piece = self._decoder.push(step.tokens)
             if piece:
                 yield piece
@@ -116,7 +128,8 @@ class TextStream:
     @property
     def stats(self) -> Stats:
         """Statistics of what has been generated so far (all of it once the iteration is over)."""
-        return Stats(new_tokens=len(self.tokens), seconds=self._seconds, accept_lengths=tuple(self._lengths))
+        return Stats(new_tokens=len(self.tokens), seconds=self._seconds, accept_lengths=tuple(self._lengths),
+                     draft_seconds=self._draft_seconds)
 
 
 class StepCounter(BaseStreamer):

@@ -243,6 +243,8 @@ def answer_question(runner: SpecModel, method: Method, question: Question, optio
         answer.wall_time.append(statistics.median(r.stats.seconds for r in results))
         answer.accept_lengths.extend(first.stats.accept_lengths)
         answer.decoding_steps.append(first.stats.steps)
+        if first.stats.draft_seconds is not None:  # selfspec's loop measures its drafter; transformers' does not
+            answer.draft_time.append(statistics.median(r.stats.draft_seconds for r in results))
         messages.append({"role": "assistant", "content": text})
     return answer
 

@@ -38,6 +38,16 @@ class Answer:
     accept_lengths: list[int] = field(default_factory=list)
     decoding_steps: list[int] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)
+    draft_time: list[float] = field(default_factory=list)
+    """per turn, the seconds of wall_time spent in the drafter's ``draft`` (selfspec's methods; empty for
+    transformers' own)."""
+
+    @property
+    def draft_ms_per_step(self) -> float | None:
+        """Drafting time per drafting step (each turn's prefill drafts nothing), in ms; None where not measured."""
+        if not self.draft_time:
+            return None
+        return 1000 * sum(self.draft_time) / max(sum(s - 1 for s in self.decoding_steps), 1)
 
     @property
     def tokens_per_s(self) -> float:
@@ -47,6 +57,8 @@ class Answer:
         """The Spec-Bench answer line."""
         choice = {"index": 0, "turns": self.turns, "decoding_steps": self.decoding_steps, "new_tokens": self.new_tokens,
                   "wall_time": self.wall_time, "accept_lengths": self.accept_lengths}
+        if self.draft_time:
+            choice["draft_time"] = self.draft_time
         return {"question_id": self.question_id, "category": self.category, "model_id": model_id, "choices": [choice]}
 
 
@@ -131,6 +143,8 @@ class Row:
     identical: int | None
     """questions whose every turn is token-identical to plain decoding's in the same dtype (None: a sampled run,
     whose answers are draws, not comparable token for token)."""
+    draft_ms: float | None = None
+    """the drafter's time per drafting step, in ms, over these questions (None: not measured, transformers' methods)."""
 
 
 @dataclass
@@ -152,6 +166,14 @@ class Summary:
 
 def _speed(answers: Sequence[Answer]) -> float:
     return mean(a.tokens_per_s for a in answers)
+
+
+def _draft_ms(answers: Sequence[Answer]) -> float | None:
+    """Drafting ms per drafting step over ``answers`` (None unless every answer measured it)."""
+    if not answers or not all(a.draft_time for a in answers):
+        return None
+    steps = sum(s - 1 for a in answers for s in a.decoding_steps)
+    return 1000 * sum(t for a in answers for t in a.draft_time) / max(steps, 1)
 
 
 def _differences(answers: Sequence[Answer], base: Sequence[Answer]) -> list[dict[str, Any]]:
@@ -191,20 +213,23 @@ def summarize(runs: dict[tuple[str, str], list[Answer]], plain: str = "plain", m
                 mean_accepted=mean(lengths), tokens_per_s=_speed(mine),
                 speedup=_speed(mine) / _speed(theirs), speedup_vs_fastest_plain=_speed(mine) / _speed(fastest_base),
                 identical=None if diffs is None else sum(diffs[i]["identical"] for i in pick),
+                draft_ms=_draft_ms(mine),
             ))
     accept = {f"{m}/{d}": [n for a in answers for n in a.accept_lengths] for (m, d), answers in runs.items()}
     return Summary(rows=rows, fastest_plain=fastest, differences=differences, accept_lengths=accept, meta=meta or {})
 
 
-HEADER = ["| method | dtype | mean accepted tokens | tokens/s | speed-up | vs fastest plain | identical |",
-          "|---|---|---:|---:|---:|---:|---:|"]
-SAMPLED_HEADER = ["| method | dtype | mean accepted tokens | tokens/s | speed-up | vs fastest plain |",
-                  "|---|---|---:|---:|---:|---:|"]
+HEADER = ["| method | dtype | mean accepted tokens | tokens/s | speed-up | vs fastest plain | identical | draft ms/step |",
+          "|---|---|---:|---:|---:|---:|---:|---:|"]
+SAMPLED_HEADER = ["| method | dtype | mean accepted tokens | tokens/s | speed-up | vs fastest plain | draft ms/step |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
 
 
 def _line(r: Row, identical: bool = True) -> str:
+    draft = "—" if r.draft_ms is None else f"{r.draft_ms:.1f}"
     return (f"| {r.method} | {r.dtype} | {r.mean_accepted:.2f} | {r.tokens_per_s:.1f} | {r.speedup:.2f}x | "
-            f"{r.speedup_vs_fastest_plain:.2f}x |" + (f" {r.identical}/{r.questions} |" if identical else ""))
+            f"{r.speedup_vs_fastest_plain:.2f}x |" + (f" {r.identical}/{r.questions} |" if identical else "")
+            + f" {draft} |")
 
 
 def to_markdown(summary: Summary) -> str:
@@ -215,6 +240,7 @@ def to_markdown(summary: Summary) -> str:
     header = HEADER if greedy else SAMPLED_HEADER
     intro = (f"Speed-ups are over plain `generate` in the same dtype, and over the fastest plain decoding of this run "
              f"({summary.fastest_plain}). ")
+    intro += "Draft ms/step: the drafter's own time per drafting step (selfspec's methods; — for transformers'). "
     if greedy:
         intro += "Greedy. Identical: questions whose every turn is token-identical to plain decoding's."
     else:
