@@ -117,7 +117,7 @@ class BlockDrafter(Drafter):
         allowed = torch.ones(A + M, S + A + M, dtype=torch.bool)
         allowed[:A, S:] = False
         allowed[:A, S:S + A] = torch.ones(A, A, dtype=torch.bool).tril()  # the new pairs: causal, no mask
-        mask = hf.additive_mask(allowed.to(device), pairs.dtype)  # [1, 1, A + M, S + A + M]
+        mask = hf.additive_mask(allowed.to(device), head.fc.weight.dtype)  # [1, 1, A + M, S + A + M]
         out = head.run(inputs, positions, mask, self.cache)[0]  # [A + M, D]
         self.committed = T - 1
         return out[A - 1:]  # [K, D]

@@ -141,7 +141,7 @@ class BlockHead(EagleHead):
         offsets = torch.arange(M, device=features.device)
         positions = torch.cat([torch.arange(n, device=features.device).expand(B, n),
                                (anchors.clamp(min=0)[:, :, None] + 1 + offsets).reshape(B, A * M)], dim=1)  # [B, L]
-        mask = block_mask(n, anchors, lengths, M, pairs.dtype)  # [B, 1, L, L]
+        mask = block_mask(n, anchors, lengths, M, self.fc.weight.dtype)  # [B, 1, L, L]
         out = self.run(torch.cat([pairs, masks], dim=1), positions, mask.to(features.device))  # [B, L, D]
         return out[:, :n], out[:, n:].reshape(B, A, M, D)
 

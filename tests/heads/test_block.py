@@ -268,6 +268,30 @@ def test_a_block_drafter_reading_feature_layers_stays_token_identical(tiny_model
         assert generate(Target(model), drafter, prompt, max_new_tokens=20).tokens == reference(model, prompt, 20)
 
 
+def test_block_drafts_report_scores_that_predict_what_smaller_budgets_accept(model):
+    """What ``tune-tree`` reads (selfspec/tools/budget.py): a budget-N tree is the N best-scored nodes of a bigger
+    budget's tree, so the scores of one recorded draft predict the accepted length at every smaller budget."""
+    from selfspec.tools import budget
+
+    head = make_head(model, block_size=4)
+    with torch.no_grad():  # a head that tends to agree with the target: start from its own features
+        head.fc.weight.zero_()
+        head.fc.weight[:, 32:] = torch.eye(32) * 3
+    target = Target(model)
+    gained = []
+    for small in (1, 3, 6):
+        recorder = budget._Recorder(BlockDrafter(head, DynamicTree(16)))
+        for p in random_prompts(8, VOCAB, seed=12):
+            recorder.steps.clear()
+            generate(target, recorder, p, max_new_tokens=8)
+            scores, depths, path = recorder.steps[0]  # the first drafted step: the same state in both runs
+            assert scores[0] == 0 and (scores[1:] <= 0).all()
+            real = generate(target, BlockDrafter(head, DynamicTree(small)), p, max_new_tokens=8)
+            assert budget.accepted_at(scores, depths, path, small, 4) == len(real.steps[1].tokens)
+            gained.append(len(real.steps[1].tokens))
+    assert max(gained) > 1  # some drafts are accepted: not a check on rejections only
+
+
 # ------------------------------------------------------------------------------------------ checkpoints, trees
 def test_save_load_round_trip_is_strict_and_exact(model, tmp_path):
     head = make_head(model, seed=4, block_size=5, draft_vocab=64, feature_layers=FEATURES)
