@@ -80,7 +80,20 @@ def test_training_pass_at_an_anchor_is_what_drafting_computes(arch, layers):
     """The training pass's outputs at pair j and at anchor j's masks = the block the drafter computes after the prefix
     x_0 .. x_{j+1} (root x_{j+1}), for every anchor, also in a right-padded row and with multi-layer features."""
     model = tiny_model(arch, initializer_range=0.1)
-    head = make_head(model, num_layers=2, feature_layers=layers)
+    check_training_pass(model, make_head(model, num_layers=2, feature_layers=layers), layers)
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss", "falcon", "gpt_neo", "deepseek_v3", "opt"])
+def test_training_pass_is_what_drafting_computes_on_more_architectures(model_type):
+    """The same on decoders whose layers differ most (eager-only attention with soft-capping or sinks, tuple-returning
+    layers, GPT-Neo's per-layer attention kinds, multi-head latent attention, learned positions)."""
+    from test_architectures import SUPPORTED, build
+
+    model = build(model_type, SUPPORTED[model_type])
+    check_training_pass(model, make_head(model, num_layers=2, draft_vocab=64), None)
+
+
+def check_training_pass(model, head: BlockHead, layers) -> None:
     T = 12
     ids = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(1))
     lengths = torch.tensor([T, 9])
@@ -259,6 +272,18 @@ def test_block_drafts_through_the_runtime_stay_token_identical_to_generate(arch,
     merged = MergedDrafter([NGramDrafter(depth=4, max_nodes=6), BlockDrafter(head, DynamicTree(6, depth=3))])
     for prompt in random_prompts(4, VOCAB, seed=8):  # prompt lookup and the block drafter verified as one tree
         assert generate(target, merged, prompt, max_new_tokens=24).tokens == reference(model, prompt, 24)
+
+
+def test_a_block_drafter_that_sits_out_steps_of_a_merged_draft_stays_in_step():
+    """ngram+block with skip_after=1: the drafter rests whenever prompt lookup had a token accepted, and is handed every
+    hidden state committed meanwhile (every layer's, for feature layers), else it would refuse to go on, out of step."""
+    model = tiny_model("llama", initializer_range=0.5)  # repetitive greedy continuations: prompt lookup gets accepted
+    block = BlockDrafter(make_head(model, feature_layers=FEATURES), DynamicTree(6))
+    merged = MergedDrafter([NGramDrafter(depth=4, max_nodes=6), block], skip_after=1)
+    for prompt in random_prompts(6, VOCAB, seed=9):
+        assert generate(Target(model), merged, prompt, max_new_tokens=32).tokens == reference(model, prompt, 32)
+    assert merged.skipped[0] == 0 and merged.skipped[1] >= 5, merged.skipped  # the drafter really sat out steps
+    assert block.committed > 0
 
 
 def test_a_block_drafter_reading_feature_layers_stays_token_identical(tiny_models):
