@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from heads.block.model import BlockHead
 from heads.checkpoints.contents import describe, stored_draft_type
 from heads.checkpoints.draft import DraftCheckpoint
 from heads.checkpoints.files import CARD, CONFIG, WEIGHTS
@@ -21,14 +22,15 @@ from heads.medusa.model import MedusaHeads
 from selfspec.drafts.layerskip import LayerSkipConfig, layerskip_card
 
 DRAFT_TYPES: dict[str, type[DraftCheckpoint]] = {
-    cls.DRAFT_TYPE: cls for cls in (MedusaHeads, ExitHead, EagleHead, HydraHeads)}
+    cls.DRAFT_TYPE: cls for cls in (MedusaHeads, ExitHead, EagleHead, HydraHeads, BlockHead)}
 """draft_type -> the module class that reads, loads and cards checkpoints of that kind (those with weights)."""
 
 
 def publish_files(directory: Path, repo_id: str) -> dict[str, Path | bytes]:
     """What a publish of ``directory`` to ``repo_id`` uploads: config.json and model.safetensors as saved (after a
     strict check), and README.md generated from config.json for ``repo_id`` (so its usage snippet names the repo).
-    Medusa heads, exit heads (draft_type "exit-head"), EAGLE heads ("eagle") and Hydra heads ("hydra") alike; a
+    Medusa heads, exit heads (draft_type "exit-head"), EAGLE heads ("eagle"), Hydra heads ("hydra") and block
+    drafters ("block") alike; a
     layer-skip config ("layerskip") has no weights: config.json and its card."""
     kind = stored_draft_type(directory)
     if kind == "layerskip":  # a searched skip set: config.json alone (the target's own layers draft), read strictly
@@ -36,8 +38,8 @@ def publish_files(directory: Path, repo_id: str) -> dict[str, Path | bytes]:
     if kind not in DRAFT_TYPES:
         why = ": a policy names its arms by local paths, publish those instead" if kind == "policy" else ""
         raise ValueError(f"{directory} holds {describe(directory)}; heads.publish publishes selfspec checkpoints of "
-                         f"Medusa, Hydra, EAGLE and exit heads and layer-skip configs (config.json with draft_type "
-                         f"{', '.join([*DRAFT_TYPES, 'layerskip'])}){why}")
+                         f"Medusa, Hydra, EAGLE and exit heads, block drafters and layer-skip configs (config.json "
+                         f"with draft_type {', '.join([*DRAFT_TYPES, 'layerskip'])}){why}")
     cls = DRAFT_TYPES[kind]
     config, _ = cls.read_checkpoint(directory)  # read strictly (config against tensors), then carded for the repo
     return {CONFIG: directory / CONFIG, WEIGHTS: directory / WEIGHTS, CARD: cls.card_for(config, repo_id).encode()}

@@ -308,7 +308,7 @@ def tree_part(spec: DraftSpec) -> DraftSpec:
     return next((p for p in spec.parts if p.location is not None), spec.parts[0])
 
 
-DYNAMIC_TREE_KINDS = ("medusa", "eagle", "hydra", "early-exit", "exit-head", "layerskip")
+DYNAMIC_TREE_KINDS = ("medusa", "eagle", "hydra", "early-exit", "exit-head", "layerskip", "block")
 """drafters that grow a tree per step from their candidates' probabilities (--tree dynamic:N)."""
 
 

@@ -16,6 +16,9 @@ import torch
 from conftest import Recording, random_prompts, reference
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from heads.block.config import BlockConfig
+from heads.block.drafter import BlockDrafter
+from heads.block.model import BlockHead
 from heads.eagle.config import EagleConfig
 from heads.eagle.drafter import EagleDrafter
 from heads.eagle.model import EagleHead
@@ -95,6 +98,13 @@ def eagle(model) -> EagleDrafter:
     return EagleDrafter(head.eval(), depth=4, topk=3, budget=10)
 
 
+def block(model) -> BlockDrafter:
+    torch.manual_seed(0)
+    head = BlockHead(BlockConfig.for_model(model, block_size=4, draft_vocab_size=64), model.get_input_embeddings(),
+                     model.get_output_embeddings())
+    return BlockDrafter(head.eval(), DynamicTree(10))
+
+
 @pytest.mark.parametrize("model_type", sorted(SUPPORTED))
 def test_every_kind_of_draft_is_lossless_on_more_architectures(model_type):
     check_every_kind_of_draft(build(model_type, SUPPORTED[model_type]), random_prompts(3, VOCAB, seed=5), NEW)
@@ -109,8 +119,9 @@ def test_decoding_beyond_the_sliding_window_is_lossless_on_more_architectures(mo
 
 
 def check_every_kind_of_draft(model, prompts: list[torch.Tensor], new: int) -> None:
-    """Greedy decoding of ``prompts`` with a tree, an EAGLE head, early exit (chain and tree) and layer skipping equals
-    the model's own ``generate``; the tree's branch is accepted and early exit's work is reused (nothing vacuous)."""
+    """Greedy decoding of ``prompts`` with a tree, an EAGLE head, a block drafter, early exit (chain and tree) and layer
+    skipping equals the model's own ``generate``; the tree's branch is accepted and early exit's work is reused (nothing
+    vacuous)."""
     model_type = model.config.model_type
     target = Target(model)
     refs = [reference(model, p, new) for p in prompts]
@@ -119,6 +130,7 @@ def check_every_kind_of_draft(model, prompts: list[torch.Tensor], new: int) -> N
     drafters = {
         "oracle tree": lambda ref: OracleDrafter(Tree.full([2, 2]), VOCAB, ref, branch_rank=1, seed=3),
         "EAGLE head": lambda ref: eagle(model),
+        "block drafter": lambda ref: block(model),
         "early exit (chain)": lambda ref: exit_chain,
         "early exit (dynamic tree)": lambda ref: EarlyExitDrafter(target, 1, tree=DynamicTree(6)),
         "layer skip": lambda ref: LayerSkipDrafter(target, (1,), depth=3),

@@ -257,6 +257,22 @@ def eagle_drafter(target: Target):
     return EagleDrafter(head.eval(), depth=2, topk=2, budget=4)
 
 
+def block_drafter(target: Target):
+    """A block drafter (random weights, masks that matter) on the loop world's model: blocks of 2, a dynamic tree of 4
+    nodes per step by product of per-position probabilities."""
+    from heads.block.config import BlockConfig
+    from heads.block.drafter import BlockDrafter
+    from heads.block.model import BlockHead
+
+    model = target.model
+    torch.manual_seed(9)
+    head = BlockHead(BlockConfig.for_model(model, block_size=2, draft_vocab_size=V_LOOP), model.get_input_embeddings(),
+                     model.get_output_embeddings())
+    with torch.no_grad():
+        head.mask.normal_(std=0.5)
+    return BlockDrafter(head.eval(), DynamicTree(4))
+
+
 def hydra_drafter(target: Target):
     """Hydra heads (random weights) on the loop world's model, drafting a 3-node tree 2 deep whose depth-2 node
     depends on the depth-1 token above it."""
@@ -287,8 +303,8 @@ def policy_drafter(target: Target, arms: list):
     return PolicyDrafter(policy, arms)
 
 
-@pytest.mark.parametrize("drafter", ["sampled-q", "random-deterministic", "eagle", "hydra", "merged", "policy",
-                                     "layerskip-dynamic"])
+@pytest.mark.parametrize("drafter", ["sampled-q", "random-deterministic", "eagle", "block", "hydra", "merged",
+                                     "policy", "layerskip-dynamic"])
 def test_loop_sampling_keeps_the_target_distribution(loop_world, drafter):
     """selfspec.core.generate with a depth-2 tree drafter (4 new tokens: the draft after the first is 2 levels deep):
     the joint of the first three tokens equals plain sampling from the target (process_logits of its logits)."""
@@ -298,6 +314,7 @@ def test_loop_sampling_keeps_the_target_distribution(loop_world, drafter):
         "sampled-q": lambda: SampledTreeDrafter(TREE, q_by_depth, seed=3),
         "random-deterministic": lambda: RandomDrafter(TREE, V_LOOP, seed=3),
         "eagle": lambda: eagle_drafter(target),
+        "block": lambda: block_drafter(target),
         "hydra": lambda: hydra_drafter(target),
         # a sampled draft and a deterministic one as one tree (q dropped: every node a point mass)
         "merged": lambda: MergedDrafter([SampledTreeDrafter(TREE, q_by_depth, seed=3), RandomDrafter(TREE, V_LOOP, seed=4)]),

@@ -60,7 +60,7 @@ def test_checkpoint_errors(tmp_path):
     with pytest.raises(ValueError, match='no "draft_type"'):
         registry.parse_draft(str(no_type))
     (no_type / "config.json").write_text(json.dumps({"draft_type": "warp"}))
-    with pytest.raises(ValueError, match="a 'warp' draft, but no loader is registered.*registered: eagle, exit-head, hydra, layerskip, medusa"):
+    with pytest.raises(ValueError, match="a 'warp' draft, but no loader is registered.*registered: block, eagle, exit-head, hydra, layerskip, medusa"):
         registry.parse_draft(str(no_type))
 
 

@@ -24,6 +24,7 @@ import torch
 from heads.medusa.model import MedusaHeads
 from selfspec.core.accept import Acceptance
 from selfspec.core.drafter import Draft, Drafter, DraftState, check_tree
+from selfspec.core.position_draft import best_first_draft
 from selfspec.core.target import Target
 from selfspec.core.tree import DynamicTree, Tree
 
@@ -36,7 +37,7 @@ class MedusaDrafter(Drafter):
         self.heads = heads.eval()
         self.dynamic = tree if isinstance(tree, DynamicTree) else None
         if self.dynamic is not None:
-            self._trees: dict[tuple[tuple[int, ...], ...], Tree] = {}  # choices -> Tree (masks are built once each)
+            self._trees: dict[tuple[tuple[int, ...], ...], Tree] = {}  # best_first_draft's memo: choices -> Tree
             return
         tree = tree if isinstance(tree, Tree) else Tree.from_choices(tree)
         self.tree = check_tree(tree, max_depth=len(heads.heads), max_topk=heads.config.vocab_size, drafter="Medusa heads")
@@ -66,24 +67,13 @@ class MedusaDrafter(Drafter):
         return Draft(tree=self.tree, tokens=torch.cat([root, nodes.to(root.device)]))
 
     def _draft_dynamic(self, state: DraftState) -> Draft:
-        """1. every head's top-R log-probabilities; 2. the best-first rank paths under the budget; 3. their tokens."""
-        root = state.tokens[-1:]  # [1]
+        """1. every head's top-R log-probabilities; 2. the best-first rank paths under the budget, with their tokens
+        and scores (``best_first_draft``)."""
         used = min(self.dynamic.depth or len(self.heads.heads), len(self.heads.heads))
         logits = self.heads.draft_logits(state.hidden, used).float()  # [K, V'] (K <= the tree's depth)
         top = torch.log_softmax(logits, dim=-1).topk(self.dynamic.max_rank, dim=-1)  # [K, R] values and indices
-        choices = Tree.best_first(top.values.cpu(), self.dynamic.budget)
-        tree = self._trees.get(choices)
-        if tree is None:
-            if len(self._trees) >= 4096:
-                self._trees.clear()
-            tree = self._trees[choices] = Tree.from_choices(choices)
-        depth = torch.tensor([len(c) - 1 for c in choices], device=top.indices.device)  # [N - 1]
-        rank = torch.tensor([c[-1] for c in choices], device=top.indices.device)  # [N - 1]
-        lp = top.values.tolist()
-        scores = torch.tensor([0.0] + [sum(lp[j][r] for j, r in enumerate(c)) for c in choices])  # [N] cumulative
-        # Tree.from_choices orders nodes by (depth, path), the order best_first returns them in
-        nodes = self.heads.draft_vocab.base_ids(top.indices[depth, rank])  # [N - 1] token ids
-        return Draft(tree=tree, tokens=torch.cat([root, nodes.to(root.device)]), scores=scores)
+        return best_first_draft(state.tokens[-1:], top.values, self.heads.draft_vocab.base_ids(top.indices),
+                                self.dynamic.budget, self._trees)
 
     def update(self, draft: Draft, acceptance: Acceptance) -> None:
         return None

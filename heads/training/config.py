@@ -21,7 +21,8 @@ from heads.checkpoints.hub import check_repo_id
 from heads.eagle.config import check_feature_layer_list
 from heads.training.data import DataConfig
 
-FINAL_DIRS = {"medusa": "heads", "hydra": "hydra_heads", "exit_head": "exit_head", "eagle": "eagle_head"}
+FINAL_DIRS = {"medusa": "heads", "hydra": "hydra_heads", "exit_head": "exit_head", "eagle": "eagle_head",
+              "block": "block_head"}
 """method -> the subdirectory of output_dir the trained draft is saved to."""
 
 
@@ -166,8 +167,8 @@ class LoggingConfig:
     """log training metrics every this many optimizer steps: the loss averaged over them, the heads' training top-1 /
     top-5 measured on the last one's batches (measuring is a full-vocabulary pass for an EAGLE head)."""
     project: str | None = None
-    """tracker project / run name (null: the method: "medusa", "hydra", "exit" or "eagle"; TensorBoard writes to
-    <output_dir>/<project>)."""
+    """tracker project / run name (null: the method: "medusa", "hydra", "exit", "eagle" or "block"; TensorBoard writes
+    to <output_dir>/<project>)."""
     progress_bar: bool = True
     """show a tqdm progress bar on the main process."""
 
@@ -232,6 +233,27 @@ class EagleSection:
 
 
 @dataclass
+class BlockSection:
+    num_layers: int = 1
+    """decoder layers (of the target's own architecture) in the block drafter."""
+    block_size: int = 6
+    """K: tokens drafted by one forward: the token after the root (from the last true pair) and K - 1 mask queries."""
+    anchors: int = 64
+    """A: blocks of K - 1 mask queries trained per row, anchored at pairs drawn one per stratum of the row
+    (heads/block/loss.py); each adds K - 1 queries to the row's forward."""
+    draft_vocab: int = 8192
+    """V': the drafter drafts the V' tokens most frequent in the training data (0: the whole vocabulary)."""
+    feature_layers: list[int] | None = None
+    """EAGLE-3's multi-layer features (as eagle.feature_layers): the target's hidden states the true pairs fuse; null:
+    the final hidden state alone."""
+    depth: int | None = None
+    """drafting default stored in the checkpoint: the tree's depth (at most block_size; null: the whole block)."""
+    budget: int = 16
+    """drafting default stored in the checkpoint: draft nodes kept per step (highest product of per-position
+    probabilities)."""
+
+
+@dataclass
 class TreeConfig:
     budget: int = 64
     """draft nodes of the tree built at the end from the measured head accuracy."""
@@ -241,7 +263,8 @@ class TreeConfig:
 class TrainConfig:
     output_dir: str = "runs/medusa"
     """where checkpoints, logs, the hidden cache and the trained draft go; by method, the draft is saved to
-    <output_dir>/heads (medusa), hydra_heads (hydra), exit_head (exit_head) or eagle_head (eagle)."""
+    <output_dir>/heads (medusa), hydra_heads (hydra), exit_head (exit_head), eagle_head (eagle) or block_head
+    (block)."""
     seed: int = 0
     """seed of the heads' initialisation, data order and everything random."""
     mixed_precision: Literal["no", "fp16", "bf16"] | None = None
@@ -250,16 +273,18 @@ class TrainConfig:
     """force CPU (null: CPU when no GPU is present, unless DeepSpeed is in use)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """the frozen target."""
-    method: Literal["medusa", "hydra", "exit_head", "eagle"] = "medusa"
+    method: Literal["medusa", "hydra", "exit_head", "eagle", "block"] = "medusa"
     """what is trained on the frozen target: Medusa heads (section heads), Hydra heads (Medusa heads that also read
-    the tokens drafted before them; section heads, heads/hydra/model.py), an early-exit head (section exit) or an
-    EAGLE-style sequential head (section eagle)."""
+    the tokens drafted before them; section heads, heads/hydra/model.py), an early-exit head (section exit), an
+    EAGLE-style sequential head (section eagle) or a block drafter (section block, heads/block/model.py)."""
     heads: HeadsConfig = field(default_factory=HeadsConfig)
     """the Medusa or Hydra heads being trained (method medusa / hydra; Hydra heads use the shared LM head)."""
     exit: ExitConfig = field(default_factory=ExitConfig)
     """the exit head being trained (method exit_head; heads/exit_head/model.py)."""
     eagle: EagleSection = field(default_factory=EagleSection)
     """the EAGLE-style head being trained (method eagle; heads/eagle/model.py)."""
+    block: BlockSection = field(default_factory=BlockSection)
+    """the block drafter being trained (method block; heads/block/model.py)."""
     data: DataConfig = field(default_factory=DataConfig)
     """training data (heads/training/data.py)."""
     loss: LossConfig = field(default_factory=LossConfig)
@@ -281,11 +306,12 @@ class TrainConfig:
 
     @property
     def final_dir(self) -> Path:
-        """Where the trained draft is saved: <output_dir>/heads, hydra_heads, exit_head or eagle_head (by method)."""
+        """Where the trained draft is saved: <output_dir>/heads, hydra_heads, exit_head, eagle_head or block_head (by
+        method)."""
         return Path(self.output_dir) / FINAL_DIRS[self.method]
 
     def __post_init__(self) -> None:
-        e, x = self.eagle, self.exit
+        e, x, b = self.eagle, self.exit, self.block
         positive = {
             "heads.num_heads": self.heads.num_heads, "heads.lora_rank": self.heads.lora_rank,
             "eval.batch_size": self.eval.batch_size, "eval.ranks": self.eval.ranks,
@@ -293,6 +319,7 @@ class TrainConfig:
             "logging.every": self.logging.every, "tree.budget": self.tree.budget,
             "exit.draft_depth": x.draft_depth, "eagle.num_layers": e.num_layers, "eagle.unroll": e.unroll,
             "eagle.depth": e.depth, "eagle.topk": e.topk, "eagle.budget": e.budget,
+            "block.num_layers": b.num_layers, "block.anchors": b.anchors, "block.budget": b.budget,
         }
         for name, value in positive.items():
             if value < 1:
@@ -300,7 +327,8 @@ class TrainConfig:
         non_negative = {"eval.every": self.eval.every, "checkpoint.every": self.checkpoint.every,
                         "heads.num_layers": self.heads.num_layers, "heads.draft_vocab": self.heads.draft_vocab,
                         "exit.num_layers": x.num_layers, "exit.draft_vocab": x.draft_vocab,
-                        "eagle.draft_vocab": e.draft_vocab, "eagle.feature_weight": e.feature_weight}
+                        "eagle.draft_vocab": e.draft_vocab, "eagle.feature_weight": e.feature_weight,
+                        "block.draft_vocab": b.draft_vocab}
         for name, value in non_negative.items():
             if value < 0:
                 raise ValueError(f"{name}: expected a value >= 0, found {value}")
@@ -322,6 +350,12 @@ class TrainConfig:
         if not 0.0 <= x.stop_below < 1.0:
             raise ValueError(f"exit.stop_below: expected a probability in [0, 1), found {x.stop_below}")
         check_feature_layer_list(e.feature_layers, "eagle.feature_layers")
+        check_feature_layer_list(b.feature_layers, "block.feature_layers")
+        if b.block_size < 2:
+            raise ValueError(f"block.block_size: expected >= 2 (the token after the root and at least one mask query), "
+                             f"found {b.block_size}")
+        if b.depth is not None and not 1 <= b.depth <= b.block_size:
+            raise ValueError(f"block.depth: expected null or 1..{b.block_size} (block.block_size), found {b.depth}")
         if self.publish.repo_id is not None:
             check_repo_id(self.publish.repo_id)  # a bad id fails now, not after hours of training
         if self.eval.ranks < 5:

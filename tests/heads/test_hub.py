@@ -409,5 +409,5 @@ def test_publish_says_what_a_directory_that_is_no_checkpoint_holds(tmp_path, cap
     assert publish_cli.main([str(model_dir), "tester/x", "--dry-run"]) == 2
     assert capsys.readouterr().err == (
         f"cannot publish {model_dir}: {model_dir} holds a transformers model directory; heads.publish publishes selfspec "
-        "checkpoints of Medusa, Hydra, EAGLE and exit heads and layer-skip configs (config.json with draft_type medusa, "
-        "exit-head, eagle, hydra, layerskip)\n")
+        "checkpoints of Medusa, Hydra, EAGLE and exit heads, block drafters and layer-skip configs (config.json with "
+        "draft_type medusa, exit-head, eagle, hydra, block, layerskip)\n")

@@ -1,0 +1,136 @@
+"""The block drafter's training objective: which blocks a row trains (``sample_anchors``) and the loss per block
+offset (``block_loss``), read on the draft vocabulary (selfspec/core/draft_vocab.py).
+
+The index shift, once. Pair j of a row is (f_j, x_{j+1}); its output predicts x_{j+2} (block offset 0, as drafting's
+last true pair predicts the token after the root). Anchor j's mask i (i = 0 .. K-2) sits at position j + 1 + i and
+predicts x_{j+3+i} (block offset 1 + i). A prediction of token x_t is compared with the target's own distribution for
+it, the LM head at f_{t-1}:
+
+    position          j          j+1         j+2         j+3        ...
+    target            f_j ─────▶ f_{j+1} ──▶ p(x_{j+2})  p(x_{j+3}) ...
+    pair j            (f_j, x_{j+1}) ──────▶ q(x_{j+2})                     offset 0
+    anchor j, mask 0                         (mask_0 at j+1) ──▶ q(x_{j+3})  offset 1
+    anchor j, mask i                                  (mask_i at j+1+i) ──▶ q(x_{j+3+i}), offset 1 + i
+
+Offset 0 is scored at every pair whose x_{j+2} is a training token (labels != -100: assistant tokens on chat data);
+offset 1 + i at every sampled anchor whose x_{j+3+i} is one. loss_k = KL(p_target restricted to V' and renormalised ||
+q) (``kind="kl"``) or the cross-entropy of the data's token where it lies in V' (``kind="ce"``), a mean over the
+offset's scored positions; total = sum_k decay**k * loss_k. Accuracy (hits) is agreement with the target's own greedy
+token over the full vocabulary, per offset: what greedy acceptance needs.
+
+Anchors. A row trains A blocks (``block.anchors``), anchored at pairs whose block has at least one training token to
+predict: the candidates are split into A equal strata in text order and one anchor is drawn uniformly in each
+(every part of a row is trained, no two anchors in one stratum), by a generator seeded with (recipe seed, the row's
+dataset index). So a row trains the same blocks in every epoch, on every process count and after a resume, and the
+held-out measure is the same at every evaluation; a row with fewer candidates than A trains them all.
+
+Shapes: B batch, T time, n = T - 1 pairs, A anchors, K block size, M = K - 1, N scored predictions of an offset,
+D hidden size, V vocabulary, V' draft vocabulary, R ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from heads.training.losses import IGNORE_INDEX, MedusaLoss, head_weights
+
+SEED_STRIDE = 1_000_003
+"""the anchor generator's seed is seed * SEED_STRIDE + the row's dataset index (a prime: no two rows of two seeds
+collide below a million rows)."""
+
+
+def sample_anchors(labels: torch.Tensor, block_size: int, count: int, seed: int, index: torch.Tensor) -> torch.Tensor:
+    """labels [B, T], index [B] (each row's dataset index) -> anchors [B, A] (A = ``count``): sorted pair indices j
+    whose block (x_{j+3} .. x_{j+K+1}) holds a training token, one per stratum; -1 where a row has fewer."""
+    B, T = labels.shape
+    M = block_size - 1
+    trained = (labels[:, 3:] != IGNORE_INDEX).int().cpu()  # [B, T - 3] x_t a training token, t >= 3
+    windows = F.pad(trained, (0, block_size)).unfold(1, M, 1)[:, : T - 1]  # [B, n, M] anchor j's targets
+    candidates = windows.any(-1)  # [B, n]
+    anchors = torch.full((B, count), -1, dtype=torch.long)
+    for b in range(B):
+        c = candidates[b].nonzero().flatten()  # [m] in text order
+        m = c.numel()
+        if m <= count:
+            anchors[b, :m] = c
+            continue
+        g = torch.Generator().manual_seed(seed * SEED_STRIDE + int(index[b]))
+        edges = torch.arange(count + 1) * m // count  # strata [edges[a], edges[a + 1])
+        width = edges[1:] - edges[:-1]  # [A] each >= 1 since m > count
+        picks = edges[:-1] + (torch.rand(count, generator=g) * width).long().clamp(max=width - 1)
+        anchors[b] = c[picks]
+    return anchors.to(labels.device)
+
+
+def block_loss(
+    pairs: torch.Tensor, blocks: torch.Tensor, anchors: torch.Tensor, features: torch.Tensor, labels: torch.Tensor,
+    head, kind: str = "kl", decay: float = 0.8, ranks: int = 5,
+) -> MedusaLoss:
+    """pairs [B, n, D] and blocks [B, A, M, D] of ``BlockHead.forward`` at ``anchors`` [B, A]; features [B, T, D] the
+    target's final hidden states; labels [B, T] aligned with the input (-100 = not a training token). One row of the
+    result per block offset k = 0 .. K-1. ranks=0 skips the accuracy (a full-vocabulary pass): hits [K, 0], count 0."""
+    B, n, D = pairs.shape
+    A, M = blocks.shape[1:3]
+    T = n + 1
+    if features.shape[:2] != (B, T) or labels.shape != (B, T) or anchors.shape != (B, A):
+        raise ValueError(f"expected features [B, T, D], labels [B, T] and anchors [B, A] with B, T, A = {B}, {T}, {A}, "
+                         f"found {list(features.shape)}, {list(labels.shape)} and {list(anchors.shape)}")
+    if kind not in ("ce", "kl"):
+        raise ValueError(f"loss kind: expected 'ce' or 'kl', found {kind!r}")
+    losses, hits, counts = [], [], []
+    for k in range(M + 1):
+        out, b, t = _offset(k, pairs, blocks, anchors, labels)  # [N, D], [N], [N]: predictions of x_t in row b
+        loss_k, hit, count = _scored(out, features[b, t - 1].float(), labels[b, t], head, kind, ranks)
+        losses.append(loss_k)
+        hits.append(hit)
+        counts.append(count)
+    per_offset = torch.stack(losses)
+    weights = head_weights(M + 1, decay).to(per_offset.device)
+    return MedusaLoss(total=(weights * per_offset).sum(), per_head=per_offset.detach(), hits=torch.stack(hits),
+                      count=torch.tensor(counts, dtype=torch.long))
+
+
+def _offset(k: int, pairs: torch.Tensor, blocks: torch.Tensor, anchors: torch.Tensor,
+            labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block offset k's scored predictions: their outputs [N, D], rows [N] and predicted positions t [N]."""
+    T = labels.shape[1]
+    if k == 0:  # pair j predicts x_{j+2}
+        scored = torch.zeros_like(labels, dtype=torch.bool)[:, : T - 1]  # [B, n]
+        scored[:, : T - 2] = labels[:, 2:] != IGNORE_INDEX
+        b, j = scored.nonzero(as_tuple=True)
+        return pairs[b, j], b, j + 2
+    t = anchors + 2 + k  # [B, A] mask k - 1 of anchor j predicts x_{j+2+k}
+    scored = (anchors >= 0) & (t < T)
+    scored &= labels.gather(1, t.clamp(max=T - 1)) != IGNORE_INDEX
+    b, a = scored.nonzero(as_tuple=True)
+    return blocks[b, a, k - 1], b, t[b, a]
+
+
+def _scored(out: torch.Tensor, f_prev: torch.Tensor, y: torch.Tensor, head, kind: str,
+            ranks: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """One offset's loss (a mean over its N predictions; 0 with none), hits [R] and count, from the head's outputs
+    [N, D], the target's final states before the predicted tokens f_prev [N, D] and the data's tokens y [N]."""
+    q_log = torch.log_softmax(head.logits(out).float(), dim=-1)  # [N, V']
+    N = out.shape[0]
+    vocab_ids = head.draft_vocab.tokens.to(out.device)  # [V']
+    with torch.no_grad():
+        p_log = torch.log_softmax(head.draft_vocab.linear(head.lm_head, f_prev).float(), dim=-1)  # [N, V']
+    if kind == "kl":
+        loss = (p_log.exp() * (p_log - q_log)).sum() / max(N, 1)
+    else:
+        to_draft = torch.full((head.config.vocab_size,), -1, dtype=torch.long, device=out.device)
+        to_draft[vocab_ids] = torch.arange(vocab_ids.numel(), device=out.device)
+        yd = to_draft[y]  # [N] the data's token in V' (-1: outside it)
+        ok = yd >= 0
+        loss = -q_log[ok].gather(1, yd[ok][:, None]).sum() / max(int(ok.sum()), 1)
+    if not ranks:
+        return loss, torch.zeros(0, dtype=torch.long), 0
+    with torch.no_grad():
+        weight = head.lm_head.weight.detach()  # [V, D]
+        bias = None if getattr(head.lm_head, "bias", None) is None else head.lm_head.bias.detach()
+        target_top = torch.cat([F.linear(chunk.to(weight.dtype), weight, bias).argmax(-1)
+                                for chunk in f_prev.split(512)]) if N else y.new_empty(0)  # [N] the target's token
+        top = vocab_ids[q_log.topk(min(ranks, q_log.shape[-1]), dim=-1).indices]  # [N, R] base token ids
+        hit = (top == target_top[:, None]).sum(0)
+    return loss, F.pad(hit, (0, ranks - hit.numel())).cpu(), N

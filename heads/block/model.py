@@ -1,0 +1,179 @@
+"""A block drafter on a frozen target: the EAGLE head's pairs, then K - 1 mask queries, drafting a whole block of K
+future tokens in one forward (the block-parallel drafting of BlockPilot and DFlash, on the target's own features).
+
+The sequence the head reads is the EAGLE head's (heads/eagle/model.py): pair j is the target's feature at j (its final
+hidden state f_j, or an EAGLE-3 fusion of ``feature_layers``) and the embedding of the token that followed, x_{j+1},
+through fc [2D -> D] and ``num_layers`` decoder layers of the target's own architecture, causal over the pairs. With
+T tokens x_0 .. x_{T-1} (the last one the root, the target's newest token), the output at the last pair (f_{T-2},
+root) predicts x_T. Then K - 1 mask queries follow, mask i at position T - 1 + i, its input a learned vector of its
+own (``mask`` [K - 1, D]); each attends to every true pair and to every mask of its block (bidirectionally), and its
+output, through the frozen LM head on the draft vocabulary, predicts x_{T+1+i}:
+
+    pairs   (f_0, x_1) ... (f_{T-2}, x_{T-1} = root) │ mask_0   mask_1   ...  mask_{K-2}
+    pos     0          ...  T-2                      │ T-1      T        ...  T+K-3
+    attends causal over the pairs                    │ every pair, every mask of the block
+    predicts x_2       ...  x_T                      │ x_{T+1}  x_{T+2}  ...  x_{T+K-1}
+
+so one forward over the newly committed pairs and the K - 1 masks (heads/block/drafter.py) gives K per-position
+distributions, for x_T .. x_{T+K-1} (block offsets 0 .. K-1). Training (``BlockHead.forward``) runs, in one call per
+row, every true pair (causal) and, for A anchor pairs j, a block of K - 1 masks attending to the pairs <= j and to
+their own block (``block_mask``): exactly what drafting sees with pair j the last true one.
+
+The mask inputs are one learned vector per block offset, not one shared vector told apart by its position: the decoder
+then knows each query's offset from its input (a rotary position says it only through attention scores, and a
+learned absolute position would tie the offset to where in the text the block sits), at a cost of (K - 1) x D
+parameters (3,000 for K = 6 on SmolLM2). No refinement passes (the block's guesses fed back in place of the masks):
+one forward per step is the point of the drafter, and a second would need a second training pass to match it.
+
+The decoder, the fusion, fc, the draft vocabulary and the frozen embeddings / LM head held by reference are the EAGLE
+head's (``EagleHead``, which this class extends); its own are the mask vectors, the training forward and the
+checkpoint (config.json ``BlockConfig``, draft_type "block"; model.safetensors: fc, the decoder, the fusion, ``mask``,
+the draft vocabulary's token ids; README.md).
+
+Shapes: B batch, T time, n = T - 1 pairs, A anchors per row, K block size, M = K - 1 mask queries, L the training
+sequence (n + A·M), D hidden size, F the width a true pair reads (D, or L·D with feature layers), V' draft vocabulary.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from heads.block.config import DRAFT_TYPE, BlockConfig
+from heads.checkpoints.files import read_typed_checkpoint
+from heads.eagle.config import check_feature_layers
+from heads.eagle.model import EagleHead
+from selfspec.core import hf
+from selfspec.core.draft_vocab import check_draft_tokens
+
+
+def read_block_checkpoint(directory: Path) -> tuple[BlockConfig, dict[str, torch.Tensor]]:
+    """config.json and model.safetensors of a block-drafter checkpoint directory, checked against each other. Strict."""
+    def build(config: BlockConfig) -> BlockHead:
+        stub = nn.Linear(1, config.vocab_size)  # the base's embeddings and LM head are not part of the checkpoint
+        return BlockHead(config, stub, stub)
+
+    config, tensors = read_typed_checkpoint(directory, DRAFT_TYPE, "EAGLE-style block drafter", BlockConfig.from_dict,
+                                            build)
+    try:
+        check_draft_tokens(tensors["draft_vocab.tokens"], config.draft_vocab_size, config.vocab_size)
+    except ValueError as err:
+        raise ValueError(f"{directory / 'model.safetensors'}: the draft vocabulary (draft_vocab.tokens): {err}") from None
+    return config, tensors
+
+
+def block_card(config: BlockConfig, location: str) -> str:
+    features = ("final hidden states" if not config.feature_layers
+                else f"hidden states of layers {config.feature_layers} (fused, EAGLE-3 style)")
+    agreement = ("not measured" if config.top1_agreement is None
+                 else ", ".join(f"{a:.3f}" for a in config.top1_agreement) + " (block offsets 0, 1, ...)")
+    return f"""---
+library_name: selfspec
+base_model: {config.base_model}
+tags: [speculative-decoding, block-drafting, selfspec]
+---
+# Block drafter for {config.base_model}
+
+{config.num_layers} decoder layer(s) of the base's architecture over the base's own {features} and token
+embeddings, drafting a block of {config.block_size} tokens in one forward ({config.block_size - 1} learned mask
+queries after the last committed token) over a {config.draft_vocab_size}-token draft vocabulary (of
+{config.vocab_size}); the base verifies every draft tree in one forward, so greedy output is the base's own. Drafting
+default: the {config.budget} best nodes by product of per-position probabilities, {config.depth or config.block_size}
+deep. Top-1 agreement with the base on held-out data: {agreement}.
+
+```python
+from selfspec.api import load
+model = load("{config.base_model}", draft="{location}")
+print(model.generate("Hello!", max_new_tokens=64).text)
+```
+"""
+
+
+class BlockHead(EagleHead):
+    """The EAGLE head's pieces (fusion, fc, decoder, draft vocabulary) + ``mask`` [K - 1, D], one learned input per
+    mask query.
+
+    ``forward`` is the training pass (pairs and anchored blocks in one call); ``run`` is one decoder call over given
+    inputs (drafting: the new pairs and a block, over the head's own KV cache); ``logits`` reads the target's LM head
+    on the draft vocabulary.
+    """
+
+    WHAT = "block drafter"
+    DRAFT_TYPE = DRAFT_TYPE
+
+    def __init__(self, config: BlockConfig, embed: nn.Module, lm_head: nn.Module):
+        super().__init__(config, embed, lm_head)
+        dcfg = self.decoder.config
+        self.mask = nn.Parameter(torch.empty(config.block_size - 1, config.hidden_size))  # [M, D]
+        nn.init.normal_(self.mask, std=float(getattr(dcfg, "initializer_range", 0.02)))
+
+    def pair_inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """features [B, N, D] (f_j, or the fused g_j), tokens [B, N] (x_{j+1}) -> the decoder's inputs [B, N, D]."""
+        dtype = self.fc.weight.dtype
+        return self.fc(torch.cat([self.embed(tokens).to(dtype), features.to(dtype)], -1))
+
+    def run(self, inputs: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+            cache=None) -> torch.Tensor:
+        """inputs [B, N, D], position_ids [B, N], mask [B, 1, N, S + N] additive -> outputs [B, N, D] (one decoder
+        forward; appends N entries to ``cache`` when one is given)."""
+        out = self.decoder(inputs_embeds=inputs, position_ids=position_ids, attention_mask=mask, cache=cache,
+                           use_cache=cache is not None, return_dict=True)
+        return out.last_hidden_state
+
+    # ------------------------------------------------------------------------------------------------- training
+    def forward(self, features: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor,
+                anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training pass. features [B, T, F] (the target's features at positions 0..T-1), input_ids [B, T],
+        lengths [B] (right padding), anchors [B, A] (pair indices, -1: none) -> (pairs [B, n, D]: pair j's output,
+        predicting x_{j+2}; blocks [B, A, M, D]: mask i of anchor j's output, predicting x_{j+3+i})."""
+        B, T, _ = features.shape
+        n, A, M, D = T - 1, anchors.shape[1], self.config.block_size - 1, self.config.hidden_size
+        limit = hf.key_limit(self.decoder)
+        if limit is not None and n + A * M > limit:
+            raise ValueError(f"the block drafter's training pass attends over {n} pairs + {A} x {M} mask queries, but "
+                             f"its {self.decoder.config.model_type} layer attends over at most {limit} "
+                             f"(max_position_embeddings): lower data.max_length or block.anchors")
+        pairs = self.pair_inputs(self.true_features(features[:, :n]), input_ids[:, 1:])  # [B, n, D]
+        masks = self.mask.to(pairs.dtype).expand(B, A, M, D).reshape(B, A * M, D)
+        offsets = torch.arange(M, device=features.device)
+        positions = torch.cat([torch.arange(n, device=features.device).expand(B, n),
+                               (anchors.clamp(min=0)[:, :, None] + 1 + offsets).reshape(B, A * M)], dim=1)  # [B, L]
+        mask = block_mask(n, anchors, lengths, M, self.fc.weight.dtype)  # [B, 1, L, L]
+        out = self.run(torch.cat([pairs, masks], dim=1), positions, mask.to(features.device))  # [B, L, D]
+        return out[:, :n], out[:, n:].reshape(B, A, M, D)
+
+    # -------------------------------------------------------------- storage (heads.checkpoints.draft.DraftCheckpoint)
+    card_for = staticmethod(block_card)
+    read_checkpoint = staticmethod(read_block_checkpoint)
+
+    @classmethod
+    def on_base(cls, config: BlockConfig, base_model: PreTrainedModel) -> "BlockHead":
+        check_feature_layers(config.feature_layers, base_model)
+        return cls(config, base_model.get_input_embeddings(), base_model.get_output_embeddings())
+
+
+def block_mask(n: int, anchors: torch.Tensor, lengths: torch.Tensor, M: int, dtype: torch.dtype) -> torch.Tensor:
+    """The training pass's additive mask [B, 1, L, L] (L = n + A·M): the pairs first, then anchor a's M masks.
+
+    A pair query sees the pairs up to itself; a mask query of anchor j sees the pairs <= j and every mask of its own
+    block, nothing of another block. Keys of padding pairs (j >= length - 1) are masked for every query; an absent
+    anchor (-1) sees its own block only and is never scored. Every query sees itself (no empty row).
+    """
+    B, A = anchors.shape
+    L = n + A * M
+    anchors, lengths = anchors.cpu(), lengths.cpu()
+    pair = torch.arange(n)
+    valid_key = pair[None, :] < (lengths[:, None] - 1)  # [B, n] keys of true (not padding) pairs
+    allowed = torch.zeros(B, L, L, dtype=torch.bool)
+    allowed[:, :n, :n] = (pair[None, :] <= pair[:, None])[None] & valid_key[:, None, :]  # pairs: causal
+    sees = (pair[None, None, :] <= anchors[:, :, None]) & valid_key[:, None, :]  # [B, A, n] pairs <= the anchor
+    allowed[:, n:, :n] = sees.repeat_interleave(M, dim=1)  # [B, A·M, n]
+    block = torch.arange(A).repeat_interleave(M)  # [A·M] the anchor each mask query belongs to
+    allowed[:, n:, n:] = (block[:, None] == block[None, :])[None]  # its own block, both ways
+    allowed |= torch.eye(L, dtype=torch.bool)[None]
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
