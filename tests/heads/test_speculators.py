@@ -26,12 +26,20 @@ import pytest
 import torch
 from conftest import random_prompts, reference, state_after_prefill, tiny_model
 from safetensors.torch import load_file, save_file
+from tiny_chat_model import build_tokenizer
 from transformers import DynamicCache, Qwen3Config
 
+from heads import export as export_cli
+from heads.draft_types import push_folder
 from heads.eagle.drafter import EagleDrafter
 from heads.eagle.eagle3 import Eagle3Head
+from heads.eagle.speculators import refuse
 from heads.eagle.speculators_config import Eagle3Config, llama_layers_for
+from selfspec import registry
+from selfspec.base_check import check_drafts
+from selfspec.core.generate import generate
 from selfspec.core.models import cache_dir
+from selfspec.core.target import Target
 from selfspec.core.tree import Tree
 
 SIDE = Path(__file__).with_name("speculators_side.py")
@@ -104,6 +112,7 @@ def target_for(case: dict, directory: Path):
         overrides["layer_types"] = ["full_attention"] * case["layers"]
     model = tiny_model(case["arch"], initializer_range=0.1, **overrides)
     model.save_pretrained(directory)  # the verifier speculators' loader reads (config, embeddings)
+    build_tokenizer().save_pretrained(directory)  # a model directory as users have them (heads.export loads one)
     return model
 
 
@@ -194,3 +203,141 @@ def test_speculators_drafts_the_tokens_selfspec_drafts(compared, name):
     top = theirs["logits"][:, n - 1].argmax(-1)  # [STEPS] draft-vocabulary indices
     target_ids = top if ours["head"].d2t is None else top + theirs["d2t"][top]
     assert target_ids.tolist() == ours["drafted"].tolist()
+
+
+# ------------------------------------------------------------------------------ selfspec's side (no venv needed)
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory):
+    """The llama and qwen2 cases as selfspec makes them: target directory, target, draft directory."""
+    root = tmp_path_factory.mktemp("drafts")
+    out = {}
+    for name in ("llama", "qwen2"):
+        model = target_for(CASES[name], root / name / "target")
+        make_draft(CASES[name], model, root / name / "target").save_pretrained(root / name / "draft")
+        out[name] = (root / name / "target", model, root / name / "draft")
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_round_trip_export_then_draft_decodes_like_generate(drafts, name, tmp_path, capsys):
+    """selfspec's draft -> heads.export --format speculators (renaming the verifier) -> --draft on the export: the
+    registry takes it as an EAGLE draft, the base check reads its verifier, and decoding (the checkpoint's own tree,
+    a dynamic tree, a chain) is plain greedy generate's, token for token (fp32)."""
+    target_dir, model, draft = drafts[name]
+    out = tmp_path / "export"
+    assert export_cli.main([str(draft), str(out), "--format", "speculators", "--model", str(target_dir),
+                            "--verifier", str(target_dir)]) == 0
+    assert "in the speculators format" in capsys.readouterr().out
+    stored = json.loads((out / "config.json").read_text())
+    assert stored["speculators_model_type"] == "eagle3" and stored["norm_before_residual"] is CASES[name]["flags"].get(
+        "norm_before_residual", False)
+    spec = registry.parse_draft(str(out))
+    assert spec.kind == "eagle"
+    check_drafts(str(target_dir), [spec])
+    target = Target(model)
+    for tree in (None, "dynamic:8", "chain:3"):
+        drafter = registry.build_drafter(registry.with_tree(spec, tree) if tree else spec, target,
+                                         registry.parse_tree(tree))
+        for prompt in random_prompts(3, 96, seed=11):
+            assert generate(target, drafter, prompt, max_new_tokens=20).tokens == reference(model, prompt, 20), tree
+
+
+def test_a_speculators_draft_is_published_and_drafts_from_its_hub_id(drafts, monkeypatch, tmp_path):
+    """heads.publish takes the export as it is (with a card saying how vLLM serves it); --draft OWNER/NAME loads it
+    back through the Hub cache and decodes losslessly."""
+    from hub_server import HubServer, use_hub
+
+    target_dir, model, draft = drafts["llama"]
+    with HubServer() as server:
+        use_hub(monkeypatch, server, tmp_path / "hf-home")
+        push_folder(draft, "tester/eagle3")
+        card = server.files("tester/eagle3", "main")["README.md"].decode()
+        assert '"model": "tester/eagle3", "method": "eagle3"' in card
+        spec = registry.parse_draft("tester/eagle3")
+        drafter = registry.build_drafter(spec, Target(model))
+    prompt = random_prompts(1, 96, seed=3)[0]
+    assert generate(Target(model), drafter, prompt, max_new_tokens=16).tokens == reference(model, prompt, 16)
+
+
+def eagle_checkpoint(tmp_path: Path, feature_layers) -> Path:
+    from heads.eagle.config import EagleConfig
+    from heads.eagle.model import EagleHead
+
+    model = tiny_model("llama")
+    head = EagleHead(EagleConfig.for_model(model, draft_vocab_size=64, feature_layers=feature_layers),
+                     model.get_input_embeddings(), model.get_output_embeddings())
+    return head.save_pretrained(tmp_path / f"eagle-{feature_layers}")
+
+
+def test_export_refuses_selfspec_eagle_heads_saying_what_differs(tmp_path, capsys):
+    """selfspec's own EAGLE heads cannot be written in the format without drafting differently: refused from config.json
+    before any model loads, naming each part (EAGLE-1: the missing model first); Medusa heads are pointed to --format
+    vllm. Nothing is written."""
+    for layers, first in ((None, "features: an EAGLE-1 head"), ([0, 1], "input fusion: selfspec maps")):
+        source = eagle_checkpoint(tmp_path, layers)
+        assert export_cli.main([str(source), str(tmp_path / "out"), "--format", "speculators"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {source} cannot be exported in the speculators format: the format cannot express "
+                              f"it, and a checkpoint that loads but drafts differently is not written. What differs:; - "
+                              f"{first}"), err
+        for part in ("input fusion:", "residual:", "fed-back state:"):
+            assert part in err
+        assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match=r"no model of a selfspec 'medusa' draft .*\(--format vllm\)"):
+        refuse({"draft_type": "medusa"}, "runs/medusa")
+
+
+def broken(draft: Path, tmp_path: Path, config=None, tensors=None) -> Path:
+    """A copy of ``draft`` with config.json updated by ``config`` and the tensors by ``tensors`` (None: drop)."""
+    out = tmp_path / f"broken-{len(list(tmp_path.iterdir()))}"
+    shutil.copytree(draft, out)
+    data = {**json.loads((draft / "config.json").read_text()), **(config or {})}
+    (out / "config.json").write_text(json.dumps(data))
+    state = load_file(str(draft / "model.safetensors"))
+    for key, value in (tensors or {}).items():
+        state.pop(key) if value is None else state.__setitem__(key, value)
+    save_file(state, str(out / "model.safetensors"))
+    return out
+
+
+def test_speculators_checkpoints_are_read_strictly(drafts, tmp_path):
+    """What selfspec cannot draft exactly is refused, saying what: another speculators model, layer kinds speculators
+    does not build, a fc of another width, tensors missing or out of shape, a d2t out of speculators' order or
+    disagreeing with t2d, an aux layer whose state the verifier does not give; a draft for another target too."""
+    target_dir, model, draft = drafts["llama"]
+    d2t = load_file(str(draft / "model.safetensors"))["d2t"]
+    layer = json.loads((draft / "config.json").read_text())["transformer_layer_config"]
+    refused = {
+        broken(draft, tmp_path, {"speculators_model_type": "dflash"}): "selfspec loads speculators' 'eagle3' drafts only",
+        broken(draft, tmp_path, {"transformer_layer_config": {**layer, "model_type": "mistral"}}): "llama or qwen3 layers",
+        broken(draft, tmp_path, {"target_hidden_size": 64}): "target_hidden_size 64: the draft is 32 wide",
+        broken(draft, tmp_path, tensors={"layers.0.hidden_norm.weight": None}): r"missing tensors \['layers.0.hidden_no",
+        broken(draft, tmp_path, tensors={"fc.weight": torch.zeros(32, 64)}): r"wrong shapes .*'fc.weight': \(\(32, 96\)",
+        broken(draft, tmp_path, tensors={"d2t": d2t.flip(0)}): "d2t .*: expected 64 distinct token ids|increasing order",
+        broken(draft, tmp_path, tensors={"t2d": torch.ones(96, dtype=torch.bool)}): "t2d and d2t name different",
+        broken(draft, tmp_path, {"eagle_aux_hidden_state_layer_ids": [1, 2, 4]}): "id 4 is the last layer's output "
+                                                                                  "before the final norm",
+    }
+    for directory, message in refused.items():
+        with pytest.raises(ValueError, match=message):
+            Eagle3Head.from_pretrained(directory, model)
+    with pytest.raises(ValueError, match="belongs on"):
+        Eagle3Head.from_pretrained(draft, tiny_model("llama", vocab=128, num_hidden_layers=4))
+    spec = registry.parse_draft(str(broken(draft, tmp_path, {"speculators_config": {
+        **json.loads((draft / "config.json").read_text())["speculators_config"],
+        "verifier": {"name_or_path": "meta-llama/Llama-3.1-8B", "architectures": []}}})))
+    with pytest.raises(ValueError, match="trained for meta-llama/Llama-3.1-8B, but the target is"):
+        check_drafts(str(target_dir), [spec])
+    with pytest.raises(ValueError, match="a speculators 'mtp' checkpoint; selfspec drafts with speculators' eagle3"):
+        registry.parse_draft(str(broken(draft, tmp_path, {"speculators_model_type": "mtp"})))
+
+
+def test_a_draft_without_lm_head_or_t2d_reads_the_targets_rows(drafts, tmp_path):
+    """As speculators' loader does: a checkpoint without lm_head takes the target's LM head rows of its draft
+    vocabulary (in t2d order), one without t2d derives it from d2t."""
+    target_dir, model, draft = drafts["llama"]
+    head = Eagle3Head.from_pretrained(broken(draft, tmp_path, tensors={"lm_head.weight": None, "t2d": None}), model)
+    full = Eagle3Head.from_pretrained(draft, model)
+    tokens = torch.arange(64) + full.d2t
+    assert torch.equal(head.lm_head.weight, model.lm_head.weight[tokens])
+    assert torch.equal(head.t2d, full.t2d)
