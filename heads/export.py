@@ -17,7 +17,7 @@ from pathlib import Path
 from heads.checkpoints.contents import check_output, describe
 from heads.checkpoints.files import CONFIG, resolve
 from heads.cli import report_errors
-from heads.eagle.speculators import export_speculators, refuse
+from heads.eagle.speculators import export_speculators, refuse, vllm_caveats
 from heads.eagle.speculators_config import Eagle3Config
 from heads.medusa.config import read_config
 from heads.medusa.model import load_heads
@@ -93,6 +93,8 @@ def speculators_main(args: argparse.Namespace, source: Path, out_dir: Path) -> i
     out = export_speculators(source, out_dir, model, verifier=args.verifier)
     print(f"exported {args.heads} (EAGLE-3, {config.num_layers} layer(s), draft vocabulary {config.draft_vocab_size}) "
           f"in the speculators format to {out}; checked by loading it back")
+    for note in vllm_caveats(config):
+        print(f"note: speculators loads it as written, but {note}: vLLM would draft differently", file=sys.stderr)
     return 0
 
 

@@ -21,7 +21,7 @@ the same few calls: ``true_features``, ``step``, ``logits``, ``base_ids``.
 The decoder is transformers' model of transformer_layer_config's kind (``AutoModel.from_config``, Llama or Qwen3), its
 first layer wrapped by ``FirstLayer`` (the only code here that speaks to a decoder layer's parts); no modeling file is
 copied. The embeddings are the target's (a plain lookup, as in speculators and vLLM) unless the checkpoint stores
-``embed_tokens.weight``; lm_head is the checkpoint's, or the target's LM head rows of the draft vocabulary where the
+other ones in ``embed_tokens.weight`` (a save writes the target's there, as speculators does); lm_head is the checkpoint's, or the target's LM head rows of the draft vocabulary where the
 checkpoint has none (as speculators' loader fills it). Tensor names are speculators': the module's state_dict is the
 checkpoint.
 
@@ -243,8 +243,13 @@ class Eagle3Head(nn.Module, DraftCheckpoint):
         return cls(config.on_model(base_model), base_model.get_input_embeddings(), own_embedding=own_embedding)
 
     def save_pretrained(self, directory: str | Path, repo_id: str | None = None) -> Path:
-        """config.json and model.safetensors as speculators 0.9 reads them (+ README.md), written atomically."""
-        return write_checkpoint(directory, self.state_dict(), self.config.to_dict(), self.card(repo_id or str(directory)))
+        """config.json and model.safetensors as speculators 0.9 reads them (+ README.md), written atomically. The
+        embeddings are written too (the target's, where the draft has none of its own), as speculators writes them:
+        its loader leaves embed_tokens uninitialised when a checkpoint lacks it (transformers allocates the missing
+        tensor empty, and the verifier's weights replace only NaN ones)."""
+        state = self.state_dict()
+        state.setdefault("embed_tokens.weight", self._frozen[0].weight.detach())
+        return write_checkpoint(directory, state, self.config.to_dict(), self.card(repo_id or str(directory)))
 
     @classmethod
     def from_pretrained(cls, path_or_repo_id: str | Path, base_model: PreTrainedModel,
@@ -254,6 +259,10 @@ class Eagle3Head(nn.Module, DraftCheckpoint):
         directory = resolve(path_or_repo_id, revision)
         config, tensors = read_eagle3_checkpoint(directory)
         check_base_sizes(config, base_model, path_or_repo_id, cls.WHAT)
+        embed = base_model.get_input_embeddings().weight
+        stored = tensors.get("embed_tokens.weight")
+        if stored is not None and torch.equal(stored.to(embed.device, embed.dtype), embed.detach()):
+            del tensors["embed_tokens.weight"]  # the target's own (as exports write them): held by reference
         head = cls.on_base(config, base_model, own_embedding="embed_tokens.weight" in tensors)
         if head.d2t is not None:
             tokens = torch.arange(config.draft_vocab_size) + tensors["d2t"].long()

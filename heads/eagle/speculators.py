@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 
 from heads.eagle.config import EagleConfig
 from heads.eagle.eagle3 import Eagle3Head
-from heads.eagle.speculators_config import is_speculators
+from heads.eagle.speculators_config import Eagle3Config, is_speculators
 
 DIFFERENCES = (
     "input fusion: selfspec maps [embedding, features] through fc [2D -> D, with bias] and then an ordinary decoder "
@@ -54,6 +54,21 @@ def differences(config: dict) -> list[str]:
         found.insert(0, "features: an EAGLE-1 head (feature_layers null) reads the final hidden state alone; "
                         "speculators 0.9 has no EAGLE-1 model (its eagle3 always fuses auxiliary layers)")
     return found
+
+
+def vllm_caveats(config: Eagle3Config) -> list[str]:
+    """What vLLM's EAGLE-3 draft (``Eagle3LlamaForCausalLM``, read at vLLM's main branch) does not do of what
+    speculators 0.9 loads: where a draft uses it, vLLM would load the export but draft differently."""
+    notes = []
+    if config.transformer_layer_config["model_type"] != "llama":
+        notes.append(f"vLLM builds Llama layers for every EAGLE-3 draft; these are "
+                     f"{config.transformer_layer_config['model_type']} layers")
+    if config.num_features != 3:
+        notes.append(f"vLLM's fc reads 3 target states; this draft fuses {config.num_features}")
+    for flag in ("norm_output", "norm_before_fc", "fc_norm"):
+        if getattr(config, flag):
+            notes.append(f"vLLM ignores {flag}=true")
+    return notes
 
 
 def refuse(config: dict, source: str) -> None:
