@@ -21,9 +21,9 @@ the same few calls: ``true_features``, ``step``, ``logits``, ``base_ids``.
 The decoder is transformers' model of transformer_layer_config's kind (``AutoModel.from_config``, Llama or Qwen3), its
 first layer wrapped by ``FirstLayer`` (the only code here that speaks to a decoder layer's parts); no modeling file is
 copied. The embeddings are the target's (a plain lookup, as in speculators and vLLM) unless the checkpoint stores
-other ones in ``embed_tokens.weight`` (a save writes the target's there, as speculators does); lm_head is the checkpoint's, or the target's LM head rows of the draft vocabulary where the
-checkpoint has none (as speculators' loader fills it). Tensor names are speculators': the module's state_dict is the
-checkpoint.
+other ones in ``embed_tokens.weight`` (a save writes the target's there, as speculators does); lm_head is the
+checkpoint's, or the target's LM head rows of the draft vocabulary where the checkpoint has none (as speculators'
+loader fills it). Tensor names are speculators': the module's state_dict is the checkpoint.
 
 Shapes: B batch, N positions, D hidden size, A aux layers, V target vocabulary, V' draft vocabulary.
 """
@@ -162,7 +162,7 @@ class Eagle3Head(nn.Module, DraftCheckpoint):
         layer_config = config.layer_config()
         D, A, V, Vd = config.hidden_size, config.num_features, config.vocab_size, config.draft_vocab_size
         decoder_config = config.layer_config()
-        decoder_config.vocab_size = 1  # the decoder reads the embeddings it is given
+        decoder_config.vocab_size = 1  # the decoder reads the embeddings it is given (no V x D table of its own)
         decoder = build_decoder(decoder_config)
         decoder.embed_tokens = None
         Norm = type(decoder.norm)
@@ -178,7 +178,7 @@ class Eagle3Head(nn.Module, DraftCheckpoint):
         self.lm_head = nn.Linear(D, Vd, bias=False)  # [D] -> [V']
         self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long) if Vd < V else None)  # [V'] offsets
         self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool) if Vd < V else None)  # [V]
-        self._frozen = (embed,)  # the target's input embeddings: not registered, never stored
+        self._frozen = (embed,)  # the target's input embeddings, not registered (save_pretrained writes them)
 
     # ----------------------------------------------------------------------------------- what the drafter calls
     @property
