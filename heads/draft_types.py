@@ -15,6 +15,7 @@ from heads.checkpoints.contents import describe, stored_draft_type
 from heads.checkpoints.draft import DraftCheckpoint
 from heads.checkpoints.files import CARD, CONFIG, WEIGHTS
 from heads.checkpoints.hub import Published, check_repo_id, publish
+from heads.eagle.eagle3 import Eagle3Head
 from heads.eagle.model import EagleHead
 from heads.exit_head.model import ExitHead
 from heads.hydra.model import HydraHeads
@@ -30,11 +31,14 @@ def publish_files(directory: Path, repo_id: str) -> dict[str, Path | bytes]:
     """What a publish of ``directory`` to ``repo_id`` uploads: config.json and model.safetensors as saved (after a
     strict check), and README.md generated from config.json for ``repo_id`` (so its usage snippet names the repo).
     Medusa heads, exit heads (draft_type "exit-head"), EAGLE heads ("eagle"), Hydra heads ("hydra") and block
-    drafters ("block") alike; a
-    layer-skip config ("layerskip") has no weights: config.json and its card."""
+    drafters ("block") alike, and an EAGLE-3 draft in the speculators format (``python -m heads.export --format
+    speculators``); a layer-skip config ("layerskip") has no weights: config.json and its card."""
     kind = stored_draft_type(directory)
     if kind == "layerskip":  # a searched skip set: config.json alone (the target's own layers draft), read strictly
         return {CONFIG: directory / CONFIG, CARD: layerskip_card(LayerSkipConfig.load(directory), repo_id).encode()}
+    if kind is None and describe(directory) == "a speculators eagle3 checkpoint":  # heads.export --format speculators
+        config, _ = Eagle3Head.read_checkpoint(directory)
+        return {CONFIG: directory / CONFIG, WEIGHTS: directory / WEIGHTS, CARD: Eagle3Head.card_for(config, repo_id).encode()}
     if kind not in DRAFT_TYPES:
         why = ": a policy names its arms by local paths, publish those instead" if kind == "policy" else ""
         raise ValueError(f"{directory} holds {describe(directory)}; heads.publish publishes selfspec checkpoints of "

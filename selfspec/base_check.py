@@ -26,6 +26,19 @@ def _same_revision(a: str | None, b: str | None) -> bool:
     return a == b or (hashes and (a.startswith(b) or b.startswith(a)))
 
 
+def trained_for(cfg: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint's config.json says it was made for (base_model, base_revision, hidden_size, vocab_size; any
+    may be None): selfspec's keys, or for a checkpoint of vLLM's speculators library its verifier and the sizes of
+    its transformer_layer_config (vocab_size there is the target's)."""
+    if "draft_type" in cfg or "speculators_model_type" not in cfg:
+        return {k: cfg.get(k) for k in ("base_model", "base_revision", "hidden_size", "vocab_size")}
+    layer = cfg.get("transformer_layer_config") if isinstance(cfg.get("transformer_layer_config"), dict) else {}
+    spec = cfg.get("speculators_config") if isinstance(cfg.get("speculators_config"), dict) else {}
+    verifier = spec.get("verifier") if isinstance(spec.get("verifier"), dict) else {}
+    return {"base_model": verifier.get("name_or_path"), "base_revision": None,
+            "hidden_size": layer.get("hidden_size"), "vocab_size": layer.get("vocab_size")}
+
+
 def check_base(spec: DraftSpec, model_name: str, hidden_sizes: tuple[int, ...], vocab_size: int,
                aliases: tuple[str, ...] = (), allow_other_base: bool = False, revision: str | None = None) -> None:
     """Refuse a checkpoint trained for another model, or for another Hub revision of it. model_name and aliases name
@@ -35,7 +48,7 @@ def check_base(spec: DraftSpec, model_name: str, hidden_sizes: tuple[int, ...], 
         check_base(part, model_name, hidden_sizes, vocab_size, aliases, allow_other_base, revision)
     if spec.location is None:
         return
-    cfg = spec.config
+    cfg = trained_for(spec.config)
     base = cfg.get("base_model")
     for key, found in (("hidden_size", hidden_sizes), ("vocab_size", (vocab_size,))):
         want = cfg.get(key)

@@ -19,6 +19,9 @@ loaded, then built on the loaded target.
 - a local directory or a Hub id whose ``config.json`` says ``"draft_type": X``: loaded by the function registered
   under entry-point group ``selfspec.drafters``, name X, called as ``load(path_or_repo_id, target, revision=, tree=)``.
   selfspec never imports the package that trains drafts; that package registers its loaders in its pyproject.
+  A checkpoint of vLLM's ``speculators`` library names no draft_type but ``"speculators_model_type": T``: its kind is
+  ``SPECULATORS_KINDS[T]`` (``eagle3`` -> ``eagle``: the eagle loader reads both formats), so it drafts, takes trees
+  and is tuned as that kind is
 
 - ``A+B`` (any number of parts)    the drafts of A and B verified as one tree each step (``merge.MergedDrafter``),
   e.g. ``runs/eagle_head+ngram``: a trained head and prompt lookup; ``--tree`` applies to the first checkpoint part
@@ -63,6 +66,9 @@ ACCEPTED = (
     "'early-exit:layer=E' (optional keys depth, stop_below), "
     "or a local directory / Hub id of a draft checkpoint whose config.json has \"draft_type\""
 )
+SPECULATORS_KINDS = {"eagle3": "eagle"}
+"""speculators_model_type (config.json of a vLLM ``speculators`` checkpoint) -> the draft kind whose entry point loads
+it."""
 TreeArg = str | Tree | DynamicTree | None
 """a --tree: its string ('chain:3', 'dynamic:16', 'auto', ...), a Tree or a DynamicTree; None: the draft's own."""
 
@@ -191,9 +197,7 @@ def parse_draft(spec: str, revision: str | None = None, tree: TreeArg = None) ->
         location = spec
     else:
         raise ValueError(f"unknown --draft {spec!r}: expected {ACCEPTED}")
-    draft_type = config.get("draft_type")
-    if not isinstance(draft_type, str):
-        raise ValueError(f"{location}/config.json has no \"draft_type\" string (found {draft_type!r}); expected {ACCEPTED}")
+    draft_type = checkpoint_kind(config, location)
     loaders = drafter_loaders()
     if draft_type not in loaders:
         known = ", ".join(sorted(loaders)) or "none registered: is the package that trains heads installed (pip install -e .)?"
@@ -202,6 +206,22 @@ def parse_draft(spec: str, revision: str | None = None, tree: TreeArg = None) ->
             f"{ENTRY_POINT_GROUP!r} (registered: {known})"
         )
     return DraftSpec(kind=draft_type, location=location, config=config, revision=revision)
+
+
+def checkpoint_kind(config: dict[str, Any], location: str) -> str:
+    """The kind of draft a checkpoint's config.json names: its "draft_type", or for a checkpoint of vLLM's speculators
+    library its speculators_model_type's kind (``SPECULATORS_KINDS``)."""
+    draft_type = config.get("draft_type")
+    if isinstance(draft_type, str):
+        return draft_type
+    speculators = config.get("speculators_model_type")
+    if isinstance(speculators, str):
+        if speculators not in SPECULATORS_KINDS:
+            raise ValueError(f"{location} is a speculators {speculators!r} checkpoint; selfspec drafts with speculators' "
+                             f"{', '.join(SPECULATORS_KINDS)} checkpoints")
+        return SPECULATORS_KINDS[speculators]
+    raise ValueError(f"{location}/config.json has no \"draft_type\" string (found {draft_type!r}) and no "
+                     f"\"speculators_model_type\"; expected {ACCEPTED}")
 
 
 def parse_draft_at(text: str, revision: str | None = None) -> DraftSpec:

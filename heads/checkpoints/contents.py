@@ -31,6 +31,8 @@ def describe(directory: Path) -> str:
     config = _config(directory)
     if isinstance(config.get("draft_type"), str):
         return f"a selfspec {config['draft_type']} checkpoint"
+    if isinstance(config.get("speculators_model_type"), str):
+        return f"a speculators {config['speculators_model_type']} checkpoint"
     if config.get("model_type") == "medusa" and "MedusaModel" in (config.get("architectures") or []):
         return "a vLLM Medusa export"
     if "medusa_num_heads" in config or any(n.startswith("medusa_lm_head.") for n in entries):

@@ -25,16 +25,20 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from heads.checkpoints.files import CONFIG, resolve
+from heads.eagle.eagle3 import Eagle3Head
 from heads.eagle.model import EagleHead
+from heads.eagle.speculators_config import is_speculators
 from selfspec.core import hf
 from selfspec.core.accept import Acceptance
 from selfspec.core.drafter import Draft, Drafter, DraftState
+from selfspec.core.files import read_json_object
 from selfspec.core.target import Target
 from selfspec.core.tree import DynamicTree, Tree
 
 
 class EagleDrafter(Drafter):
-    def __init__(self, head: EagleHead, depth: int, topk: int, budget: int):
+    def __init__(self, head: EagleHead | Eagle3Head, depth: int, topk: int, budget: int):
         for name, value in (("depth", depth), ("topk", topk), ("budget", budget)):
             if value < 1:
                 raise ValueError(f"EAGLE drafting: expected {name} >= 1, found {value}")
@@ -44,7 +48,7 @@ class EagleDrafter(Drafter):
         self.committed = 0  # true pairs in the head's cache
 
     @classmethod
-    def with_tree(cls, head: EagleHead, tree: Tree | DynamicTree | None) -> "EagleDrafter":
+    def with_tree(cls, head: EagleHead | Eagle3Head, tree: Tree | DynamicTree | None) -> "EagleDrafter":
         """tree None: the checkpoint's defaults; DynamicTree(N): N nodes; a chain of K: the greedy path of K tokens."""
         c = head.config
         if tree is None:
@@ -128,12 +132,12 @@ class EagleDrafter(Drafter):
                              "found None")
         return state.new_states.take(layers)  # [A, L·D]
 
-    def _children(self, head: EagleHead, out: torch.Tensor, nodes: list[int], tok, parent, score, depth, feat,
+    def _children(self, head: EagleHead | Eagle3Head, out: torch.Tensor, nodes: list[int], tok, parent, score, depth, feat,
                   d: int) -> list[int]:
         """out [Q, D]: f̂ after each of ``nodes``; adds each node's topk children (depth d) and returns their indices."""
         logp = torch.log_softmax(head.logits(out).float(), dim=-1)  # [Q, V']
         top = logp.topk(self.topk, dim=-1)
-        ids = head.draft_vocab.base_ids(top.indices).tolist()  # [Q][k] base token ids
+        ids = head.base_ids(top.indices).tolist()  # [Q][k] base token ids
         values = top.values.tolist()
         added = []
         for q, node in enumerate(nodes):
@@ -153,6 +157,12 @@ class EagleDrafter(Drafter):
 def load_drafter(path_or_repo_id: str | Path, target: Target, revision: str | None = None,
                  tree: Tree | DynamicTree | None = None) -> EagleDrafter:
     """The ``eagle`` entry point of ``selfspec.drafters``: the head on ``target`` as an EagleDrafter. tree: None (the
-    checkpoint's depth / topk / budget), ``dynamic:N`` (budget N), or ``chain:K`` (one greedy path of K tokens)."""
-    head = EagleHead.from_pretrained(path_or_repo_id, target.model, revision=revision)
+    checkpoint's depth / topk / budget), ``dynamic:N`` (budget N), or ``chain:K`` (one greedy path of K tokens).
+
+    Both EAGLE formats: selfspec's own head (config.json with draft_type "eagle", heads/eagle/model.py), and an
+    EAGLE-3 draft in the format of vLLM's speculators library (config.json with speculators_model_type "eagle3",
+    heads/eagle/eagle3.py; its drafting defaults: depth = its speculative_tokens, 8 per depth, 32 nodes)."""
+    config = read_json_object(resolve(path_or_repo_id, revision) / CONFIG, "the EAGLE draft's config")
+    cls = Eagle3Head if is_speculators(config) else EagleHead
+    head = cls.from_pretrained(path_or_repo_id, target.model, revision=revision)
     return EagleDrafter.with_tree(head, tree)

@@ -152,6 +152,10 @@ class EagleHead(nn.Module, DraftCheckpoint):
         """features [..., D] -> draft-vocabulary logits [..., V'] (through the frozen LM head's rows of V')."""
         return self.draft_vocab.linear(self.lm_head, features)
 
+    def base_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary indices -> the base's token ids."""
+        return self.draft_vocab.base_ids(index)
+
     def step(self, features: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor,
              mask: torch.Tensor | None, cache) -> torch.Tensor:
         """features [B, N, D] (f_j), tokens [B, N] (x_{j+1}), position_ids [B, N], mask [B, 1, N, S + N] additive or

@@ -192,8 +192,10 @@ def resolve(name_or_path: str) -> tuple[str, str | None]:
         return str(path.parent), path.name
     if path.exists() and not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is a local path but has no config.json: expected a transformers model directory")
-    if (path / "config.json").is_file() and '"draft_type"' in (path / "config.json").read_text(errors="replace"):
-        raise ValueError(f"{name_or_path} is a selfspec draft checkpoint, not a model: pass it as the draft (--draft; "
+    text = (path / "config.json").read_text(errors="replace") if (path / "config.json").is_file() else ""
+    if '"draft_type"' in text or '"speculators_model_type"' in text:
+        kind = "selfspec" if '"draft_type"' in text else "speculators"
+        raise ValueError(f"{name_or_path} is a {kind} draft checkpoint, not a model: pass it as the draft (--draft; "
                          f"draft= in Python) and the model it was trained for as --model")
     close = difflib.get_close_matches(name_or_path.lower(), BUILTIN, n=1, cutoff=0.5)
     if not path.exists() and "/" not in name_or_path and close:

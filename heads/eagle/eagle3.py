@@ -1,0 +1,276 @@
+"""An EAGLE-3 draft in the architecture of vLLM's ``speculators`` library (0.9): what selfspec loads from a
+speculators checkpoint (``--draft DIR`` or a Hub id) and writes back in that format, drafted by heads/eagle/drafter.py.
+
+speculators' ``Eagle3DraftModel`` at inference (and vLLM's ``Eagle3LlamaForCausalLM``), step by step:
+
+    g_j  = fc([norm?(h_j^(l1)), norm?(h_j^(l2)), ...])        [A·D -> D, no bias]  the target's aux states at j
+    pair j: x = [e(x_{j+1}), g_j]                             [2D]: the embedding FIRST, then the features
+    first layer: r = g (or hidden_norm(g): norm_before_residual)
+                 a = attn([input_layernorm(e), hidden_norm(g)])   q/k/v read 2D; the rest of the layer as usual
+                 o = r + a;  o = o + mlp(post_attention_layernorm(o))
+    more layers: ordinary decoder layers of width D
+    f̂_{j+1} = the last layer's output (pre-norm); q(x_{j+2}) = lm_head(norm(f̂))   [V'] the draft's OWN lm_head
+    next pair:  (f̂_{j+1}, e(x̂_{j+2})), or (norm(f̂), ...) with norm_output (speculators' "Eagle 3.1")
+    draft index k -> target token k + d2t[k]
+
+selfspec's own EAGLE head (heads/eagle/model.py) computes something else: fc([e, f]) [2D -> D, with bias] before an
+ordinary decoder layer, whose final-norm output is both read by the LM head and fed back; one cannot be written as the
+other (heads/eagle/speculators.py refuses the export, saying so). Both are drafted by the same ``EagleDrafter``, through
+the same few calls: ``true_features``, ``step``, ``logits``, ``base_ids``.
+
+The decoder is transformers' model of transformer_layer_config's kind (``AutoModel.from_config``, Llama or Qwen3), its
+first layer wrapped by ``FirstLayer`` (the only code here that speaks to a decoder layer's parts); no modeling file is
+copied. The embeddings are the target's (a plain lookup, as in speculators and vLLM) unless the checkpoint stores
+other ones in ``embed_tokens.weight`` (a save writes the target's there, as speculators does); lm_head is the
+checkpoint's, or the target's LM head rows of the draft vocabulary where the checkpoint has none (as speculators'
+loader fills it). Tensor names are speculators': the module's state_dict is the checkpoint.
+
+Shapes: B batch, N positions, D hidden size, A aux layers, V target vocabulary, V' draft vocabulary.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+
+from heads.checkpoints.draft import DraftCheckpoint
+from heads.checkpoints.files import CONFIG, WEIGHTS, check_base_sizes, read_tensors, resolve, write_checkpoint
+from heads.eagle.model import build_decoder
+from heads.eagle.speculators_config import Eagle3Config
+from selfspec.core.draft_vocab import check_draft_tokens
+from selfspec.core.files import read_json_object
+
+TRAINING_ONLY = ("verifier_lm_head.weight", "verifier_norm.weight")
+"""tensors some speculators checkpoints carry for training (the target's own head and norm): ignored."""
+OPTIONAL = ("lm_head.weight", "t2d")
+"""tensors a checkpoint may leave out: lm_head is then the target's rows of the draft vocabulary, t2d follows d2t."""
+
+
+class FirstLayer(nn.Module):
+    """speculators' EAGLE-3 first layer (``Eagle3FirstLayerMixin``) over a transformers decoder layer's own parts: it
+    reads [embedding, features] [B, N, 2D], normalises each half by its own norm, attends with q/k/v over the 2D, and
+    keeps the features (or their norm) as the residual."""
+
+    def __init__(self, layer: nn.Module, config, norm_before_residual: bool):
+        super().__init__()
+        D = config.hidden_size
+        self.self_attn, self.mlp = layer.self_attn, layer.mlp
+        self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
+        self.hidden_norm = type(layer.input_layernorm)(D, eps=config.rms_norm_eps)
+        bias = bool(getattr(config, "attention_bias", False))
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(self.self_attn, name, nn.Linear(2 * D, getattr(self.self_attn, name).out_features, bias=bias))
+        self.norm_before_residual = norm_before_residual
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
+                use_cache: bool = False, position_embeddings=None, **kwargs) -> torch.Tensor:
+        embeds, features = hidden_states.chunk(2, dim=-1)  # [B, N, D] each
+        normed = self.hidden_norm(features)
+        residual = normed if self.norm_before_residual else features
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, N, 2D]
+        x, _ = self.self_attn(hidden_states=x, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                              use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+        x = residual + x
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def read_eagle3_checkpoint(directory: Path) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
+    """config.json and model.safetensors of a speculators EAGLE-3 checkpoint, checked against each other: every tensor
+    the config implies present with its shape (``OPTIONAL`` ones may be absent), no others (``TRAINING_ONLY`` ones are
+    dropped), d2t / t2d a consistent draft vocabulary. Strict."""
+    data = read_json_object(directory / CONFIG, "the speculators EAGLE-3 config")
+    data.pop("selfspec_version", None)
+    try:
+        config = Eagle3Config.from_json(data)
+    except ValueError as err:
+        raise ValueError(f"{directory / CONFIG}: {err}") from err
+    if not (directory / WEIGHTS).is_file() and (directory / f"{WEIGHTS}.index.json").is_file():
+        raise ValueError(f"{directory} holds a sharded checkpoint ({WEIGHTS}.index.json); selfspec reads one "
+                         f"{WEIGHTS}")
+    tensors = {k: v for k, v in read_tensors(directory).items() if k not in TRAINING_ONLY}
+    with torch.device("meta"):
+        stub = nn.Embedding(config.vocab_size, config.hidden_size)
+        expected = Eagle3Head(config, stub, own_embedding="embed_tokens.weight" in tensors).state_dict()
+    expected = {name: tuple(t.shape) for name, t in expected.items()}
+    found = {name: tuple(t.shape) for name, t in tensors.items()}
+    missing = sorted(set(expected) - set(found) - set(OPTIONAL))
+    wrong = {k: (expected[k], found[k]) for k in sorted(set(expected) & set(found)) if expected[k] != found[k]}
+    if missing or set(found) - set(expected) or wrong:
+        raise ValueError(f"{directory / WEIGHTS} disagrees with config.json: missing tensors {missing[:4]}, unexpected "
+                         f"{sorted(set(found) - set(expected))[:4]}, wrong shapes (expected, found) "
+                         f"{dict(list(wrong.items())[:4])}")
+    if "d2t" in tensors:
+        _check_vocab_maps(tensors, config, directory / WEIGHTS)
+    return config, tensors
+
+
+def _check_vocab_maps(tensors: dict[str, torch.Tensor], config: Eagle3Config, file: Path) -> None:
+    """d2t (offsets: target id = k + d2t[k]) must name distinct, increasing target ids (speculators' t2d order), and
+    t2d, where stored, exactly those."""
+    tokens = torch.arange(config.draft_vocab_size) + tensors["d2t"].long()
+    try:
+        check_draft_tokens(tokens, config.draft_vocab_size, config.vocab_size)
+    except ValueError as err:
+        raise ValueError(f"{file}: d2t (draft index -> target id offsets): {err}") from None
+    if not bool((tokens[1:] > tokens[:-1]).all()):
+        raise ValueError(f"{file}: d2t names target ids out of increasing order; speculators pairs lm_head rows with t2d "
+                         "in increasing order")
+    if "t2d" in tensors and not torch.equal(tensors["t2d"].bool(), vocab_mask(tokens, config.vocab_size)):
+        raise ValueError(f"{file}: t2d and d2t name different draft vocabularies")
+
+
+def vocab_mask(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """t2d: [V] bool, True at the draft vocabulary's target ids."""
+    mask = torch.zeros(vocab_size, dtype=torch.bool)
+    mask[tokens.cpu()] = True
+    return mask
+
+
+def eagle3_card(config: Eagle3Config, location: str) -> str:
+    return f"""---
+library_name: speculators
+base_model: {config.verifier}
+tags: [speculative-decoding, eagle3, speculators, selfspec]
+---
+# EAGLE-3 draft for {config.verifier} (speculators format)
+
+{config.num_layers} decoder layer(s) ({config.transformer_layer_config['model_type']}) over the target's hidden
+states at layers {config.eagle_aux_hidden_state_layer_ids or 'speculators default'} and its token embeddings, drafting
+over a {config.draft_vocab_size}-token draft vocabulary (of {config.vocab_size}), {config.speculative_tokens} tokens per
+step. The format of vLLM's speculators library (0.9): vLLM and speculators load it as it is.
+
+```bash
+vllm serve {config.verifier} --speculative-config '{{"model": "{location}", "method": "eagle3", "num_speculative_tokens": {config.speculative_tokens}}}'
+python infer.py --model {config.verifier} --draft {location}
+```
+"""
+
+
+class Eagle3Head(nn.Module, DraftCheckpoint):
+    """speculators' EAGLE-3 draft (see the module docstring): fc, the decoder layers, the final norm, its own lm_head
+    and the draft vocabulary's maps; the target's embeddings held by reference unless the checkpoint has its own."""
+
+    WHAT = "speculators EAGLE-3 draft"
+
+    def __init__(self, config: Eagle3Config, embed: nn.Module, own_embedding: bool = False):
+        super().__init__()
+        self.config = config
+        layer_config = config.layer_config()
+        D, A, V, Vd = config.hidden_size, config.num_features, config.vocab_size, config.draft_vocab_size
+        decoder_config = config.layer_config()
+        decoder_config.vocab_size = 1  # the decoder reads the embeddings it is given (no V x D table of its own)
+        decoder = build_decoder(decoder_config)
+        decoder.embed_tokens = None
+        Norm = type(decoder.norm)
+        self.embed_tokens = nn.Embedding(V, D) if own_embedding else None
+        self.input_norm = Norm(A * D, eps=layer_config.rms_norm_eps) if config.norm_before_fc else None
+        self.fc_norm = nn.ModuleList([Norm(D, eps=layer_config.rms_norm_eps) for _ in range(A)]) if config.fc_norm else None
+        self.fc = nn.Linear(A * D, D, bias=False)  # [A·D] -> [D]
+        decoder.layers[0] = FirstLayer(decoder.layers[0], layer_config, config.norm_before_residual)
+        self.layers = decoder.layers  # registered here, so the tensor names are speculators' (layers.0.hidden_norm...)
+        self.norm, decoder.norm = decoder.norm, nn.Identity()  # the decoder returns the pre-norm state
+        self.rotary_emb = decoder.rotary_emb  # moves with the head (no tensors of its own in the checkpoint)
+        self._decoder = (decoder,)  # a tuple: its modules are registered above, under speculators' names
+        self.lm_head = nn.Linear(D, Vd, bias=False)  # [D] -> [V']
+        self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long) if Vd < V else None)  # [V'] offsets
+        self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool) if Vd < V else None)  # [V]
+        self._frozen = (embed,)  # the target's input embeddings, not registered (save_pretrained writes them)
+
+    # ----------------------------------------------------------------------------------- what the drafter calls
+    @property
+    def decoder(self) -> nn.Module:
+        """transformers' decoder model these layers run in (its config sizes the drafter's KV cache)."""
+        return self._decoder[0]
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [...] -> [..., D]: the checkpoint's embeddings, or the target's (a plain lookup, no scale)."""
+        weight = self.embed_tokens.weight if self.embed_tokens is not None else self._frozen[0].weight
+        return F.embedding(tokens, weight.detach())
+
+    @property
+    def feature_width(self) -> int:
+        return self.config.hidden_size * self.config.num_features
+
+    def true_features(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's aux states [..., A·D] (in eagle_aux_hidden_state_layer_ids order) -> g [..., D]."""
+        if features.shape[-1] != self.feature_width:
+            raise ValueError(f"speculators EAGLE-3 draft: expected target features of width {self.feature_width} "
+                             f"({self.config.num_features} layers x {self.config.hidden_size}), found {features.shape[-1]}")
+        x = features.to(self.fc.weight.dtype)
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        if self.fc_norm is not None:
+            x = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, x.chunk(len(self.fc_norm), dim=-1))], -1)
+        return self.fc(x)
+
+    def step(self, features: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor,
+             mask: torch.Tensor | None, cache) -> torch.Tensor:
+        """features [B, N, D], tokens [B, N], position_ids [B, N], mask [B, 1, N, S + N] additive or None (causal) ->
+        what the next pair reads [B, N, D] (pre-norm, or normed with norm_output); appends N entries to ``cache``."""
+        dtype = self.fc.weight.dtype
+        x = torch.cat([self.embed(tokens).to(dtype), features.to(dtype)], dim=-1)  # [B, N, 2D]: embedding first
+        out = self.decoder(inputs_embeds=x, position_ids=position_ids, attention_mask=mask, cache=cache,
+                           use_cache=cache is not None, return_dict=True).last_hidden_state
+        return self.norm(out) if self.config.norm_output else out
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """What ``step`` returned [..., D] -> draft-vocabulary logits [..., V'] (its own lm_head, after the norm)."""
+        x = features if self.config.norm_output else self.norm(features)
+        return self.lm_head(x.to(self.lm_head.weight.dtype))
+
+    def base_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary indices -> target token ids (k + d2t[k])."""
+        return index if self.d2t is None else index + self.d2t.to(index.device)[index]
+
+    # ---------------------------------------------------------------------------------------------------- storage
+    card_for = staticmethod(eagle3_card)
+    read_checkpoint = staticmethod(read_eagle3_checkpoint)
+
+    def set_draft_vocab(self, tokens) -> None:
+        """The draft vocabulary: V' distinct target ids, stored sorted as d2t offsets and the t2d mask."""
+        tokens = check_draft_tokens(tokens, self.config.draft_vocab_size, self.config.vocab_size).sort().values
+        if self.d2t is None:
+            return
+        self.d2t.copy_(tokens - torch.arange(len(tokens)))
+        self.t2d.copy_(vocab_mask(tokens, self.config.vocab_size))
+
+    @classmethod
+    def on_base(cls, config: Eagle3Config, base_model: PreTrainedModel, own_embedding: bool = False) -> "Eagle3Head":
+        return cls(config.on_model(base_model), base_model.get_input_embeddings(), own_embedding=own_embedding)
+
+    def save_pretrained(self, directory: str | Path, repo_id: str | None = None) -> Path:
+        """config.json and model.safetensors as speculators 0.9 reads them (+ README.md), written atomically. The
+        embeddings are written too (the target's, where the draft has none of its own), as speculators writes them:
+        its loader leaves embed_tokens uninitialised when a checkpoint lacks it (transformers allocates the missing
+        tensor empty, and the verifier's weights replace only NaN ones)."""
+        state = self.state_dict()
+        state.setdefault("embed_tokens.weight", self._frozen[0].weight.detach())
+        return write_checkpoint(directory, state, self.config.to_dict(), self.card(repo_id or str(directory)))
+
+    @classmethod
+    def from_pretrained(cls, path_or_repo_id: str | Path, base_model: PreTrainedModel,
+                        revision: str | None = None) -> "Eagle3Head":
+        """A speculators EAGLE-3 checkpoint (local directory or Hub id) on ``base_model``, strictly; refuses a target
+        of another width or vocabulary, and aux layers whose states the verifier does not give."""
+        directory = resolve(path_or_repo_id, revision)
+        config, tensors = read_eagle3_checkpoint(directory)
+        check_base_sizes(config, base_model, path_or_repo_id, cls.WHAT)
+        embed = base_model.get_input_embeddings().weight
+        stored = tensors.get("embed_tokens.weight")
+        if stored is not None and torch.equal(stored.to(embed.device, embed.dtype), embed.detach()):
+            del tensors["embed_tokens.weight"]  # the target's own (as exports write them): held by reference
+        head = cls.on_base(config, base_model, own_embedding="embed_tokens.weight" in tensors)
+        if head.d2t is not None:
+            tokens = torch.arange(config.draft_vocab_size) + tensors["d2t"].long()
+            tensors.setdefault("t2d", vocab_mask(tokens, config.vocab_size))
+        else:
+            tokens = torch.arange(config.vocab_size)
+        if "lm_head.weight" not in tensors:  # speculators' loader: the target's LM head rows, in t2d order
+            tensors["lm_head.weight"] = base_model.get_output_embeddings().weight.detach()[tokens].float().cpu()
+        head.load_state_dict(tensors, strict=True)
+        weight = base_model.get_output_embeddings().weight
+        return head.to(device=weight.device, dtype=weight.dtype).eval()

@@ -1,0 +1,360 @@
+"""EAGLE-3 drafts in the format of vLLM's speculators library (heads/eagle/eagle3.py, heads/eagle/speculators.py),
+proved by the other side: speculators==0.9.0's own loader and draft model, run in a venv of its own (its pins,
+transformers <= 5.19 and datasets <= 5.1, conflict with selfspec's), read what selfspec exports and compute the same
+draft logits and tokens as selfspec's drafter on the same target features.
+
+The venv is created once per machine under selfspec's cache (``SPECULATORS_VENV``; ~2 minutes the first time, from
+the local package registries) and reused; the cross-check then costs one subprocess (~15 s, most of it importing
+speculators) for all cases. Where the venv cannot be created (pip fails), those tests skip with pip's own words; a
+venv that installs but cannot import speculators fails.
+
+Tolerance (fp32): draft logits agree to 1e-4 (absolute and relative; measured differences are ~1e-6, rounding from
+speculators' positions starting at 1 where selfspec's start at 0, which RoPE cancels only up to rounding), and their
+top tokens and the drafted chain agree exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import random_prompts, reference, state_after_prefill, tiny_model
+from safetensors.torch import load_file, save_file
+from tiny_chat_model import build_tokenizer
+from transformers import DynamicCache, Qwen3Config
+
+from heads import export as export_cli
+from heads.draft_types import push_folder
+from heads.eagle.drafter import EagleDrafter
+from heads.eagle.eagle3 import Eagle3Head
+from heads.eagle.speculators import refuse
+from heads.eagle.speculators_config import Eagle3Config, llama_layers_for
+from selfspec import registry
+from selfspec.base_check import check_drafts
+from selfspec.core.generate import generate
+from selfspec.core.models import cache_dir
+from selfspec.core.models import resolve as resolve_model
+from selfspec.core.target import Target
+from selfspec.core.tree import Tree
+
+SIDE = Path(__file__).with_name("speculators_side.py")
+PINS = ("torch==2.13.0", "speculators==0.9.0")
+SPECULATORS_VENV = cache_dir() / "speculators-0.9.0-venv"
+STEPS = 3  # drafted tokens compared per chain (speculators' ttt_steps)
+ATOL = RTOL = 1e-4
+
+
+def speculators_python() -> Path:
+    """The python of a venv with speculators==0.9.0, created on first use (in a temporary directory renamed into place,
+    so a half-made venv is never reused). torchvision and torchaudio, which pip pulls in for speculators but
+    speculators never imports, are removed: the registry's wheels are built for CUDA torch, and with the CPU torch
+    torchvision's operators fail to register, which breaks transformers' import of its image utilities."""
+    python = SPECULATORS_VENV / "bin" / "python"
+    if (SPECULATORS_VENV / "READY").is_file():
+        return python
+    base = shutil.which("python3.11") or sys.executable
+    tmp = SPECULATORS_VENV.with_name(f"{SPECULATORS_VENV.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    steps = {f"{Path(base).name} -m venv": [base, "-m", "venv", str(tmp)],
+             f"pip install {' '.join(PINS)}": [str(tmp / "bin" / "python"), "-m", "pip", "install", "-q",
+                                               "--disable-pip-version-check", *PINS]}
+    for what, step in steps.items():
+        done = subprocess.run(step, capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            lines = [line for line in done.stderr.splitlines() if "is ignored: it is neither" not in line]
+            pytest.skip(f"cannot create the speculators venv ({what}): " + " | ".join(lines[-6:]))
+    subprocess.run([str(tmp / "bin" / "python"), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio"],
+                   capture_output=True, timeout=300)
+    check = subprocess.run([str(tmp / "bin" / "python"), "-c", "import speculators.models.eagle3"],
+                           capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, f"speculators installed but does not import: {check.stderr[-2000:]}"
+    (tmp / "READY").write_text(" ".join(PINS) + "\n")
+    try:
+        os.rename(tmp, SPECULATORS_VENV)
+    except OSError:  # another session made it meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
+    return python
+
+
+# ----------------------------------------------------------------------------------------------------- the cases
+def qwen3_layers(num_layers: int = 1) -> dict:
+    """transformer_layer_config of Qwen3 layers (per-head q/k norms), the other layer kind speculators builds."""
+    config = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    out = config.to_dict()
+    for name in ("architectures", "dtype", "transformers_version", "output_hidden_states", "return_dict"):
+        out.pop(name, None)
+    return out
+
+
+CASES = {
+    # a Llama target, Llama layers, every flag at its default, 3 aux layers (what vLLM's fc takes)
+    "llama": dict(arch="llama", layers=4, aux=[1, 2, 3], flags={}, draft_vocab=64, own_embedding=False),
+    # a Qwen2 target (attention biases), 2 draft layers, aux layers out of order, the three norm options
+    "qwen2": dict(arch="qwen2", layers=4, aux=[3, 1, 2], draft_layers=2, draft_vocab=64, own_embedding=False,
+                  flags=dict(norm_before_residual=True, norm_output=True, fc_norm=True)),
+    # speculators' default aux layers ([2, L // 2, L - 3]), Qwen3 layers, one norm over the fused states, the whole
+    # vocabulary (no d2t / t2d) and the draft's own embeddings
+    "qwen3-layers": dict(arch="llama", layers=8, aux=None, flags=dict(norm_before_fc=True), draft_vocab=96,
+                         own_embedding=True, layer_kind="qwen3"),
+}
+
+
+def target_for(case: dict, directory: Path):
+    overrides = {"num_hidden_layers": case["layers"]}
+    if case["arch"] == "qwen2":
+        overrides["layer_types"] = ["full_attention"] * case["layers"]
+    model = tiny_model(case["arch"], initializer_range=0.1, **overrides)
+    model.save_pretrained(directory)  # the verifier speculators' loader reads (config, embeddings)
+    build_tokenizer().save_pretrained(directory)  # a model directory as users have them (heads.export loads one)
+    return model
+
+
+def make_draft(case: dict, model, verifier: Path, seed: int = 0) -> Eagle3Head:
+    """A random EAGLE-3 draft in speculators' architecture on ``model``, built by selfspec."""
+    layers = (qwen3_layers(case.get("draft_layers", 1)) if case.get("layer_kind") == "qwen3"
+              else llama_layers_for(model, case.get("draft_layers", 1)))
+    config = Eagle3Config(transformer_layer_config=layers, draft_vocab_size=case["draft_vocab"], verifier=str(verifier),
+                          verifier_architectures=list(model.config.architectures or []),
+                          eagle_aux_hidden_state_layer_ids=case["aux"], speculative_tokens=STEPS, **case["flags"])
+    torch.manual_seed(seed)
+    head = Eagle3Head.on_base(config, model, own_embedding=case["own_embedding"])
+    with torch.no_grad():  # weights of the draft's own scale (nn.Linear's default init is too flat to test with)
+        for name, p in head.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    head.set_draft_vocab(torch.randperm(96, generator=torch.Generator().manual_seed(seed))[: case["draft_vocab"]])
+    return head.eval()
+
+
+def selfspec_side(head: Eagle3Head, model, prompt: torch.Tensor) -> dict:
+    """What selfspec's drafter computes on ``prompt``: the aux states of its n = T-1 committed positions, the chain it
+    drafts (chain:STEPS), and the draft logits [STEPS, n, V'] of every pair's chain, step u of the chain at pair i
+    fed the tokens the speculators side is fed (the data's, then the drafted chain: ``ids``)."""
+    state = state_after_prefill(model, prompt)
+    features = state.new_states.take(head.config.feature_layers)  # [n, A·D]
+    drafted = EagleDrafter.with_tree(head, Tree.chain(STEPS)).draft(state).tokens[1:]  # [STEPS] base ids
+    n = prompt.shape[0] - 1
+    ids = torch.cat([prompt[1:], drafted[:-1]])  # [n + STEPS - 1]: pair i's step u reads ids[i + u]
+    logits = torch.full((STEPS, n, head.config.draft_vocab_size), float("nan"))
+    with torch.inference_mode():
+        g = head.true_features(features)[None]  # [1, n, D]
+        for i in range(n):
+            cache = DynamicCache(config=head.decoder.config)
+            f = head.step(g[:, : i + 1], ids[None, : i + 1], torch.arange(i + 1)[None], None, cache)[:, -1:]
+            for u in range(STEPS):
+                logits[u, i] = head.logits(f)[0, -1]
+                if u + 1 < STEPS:
+                    f = head.step(f, ids[None, i + u + 1: i + u + 2], torch.tensor([[i + u + 1]]), None, cache)
+    hidden = torch.cat([features, features.new_zeros(STEPS - 1, features.shape[1])])[None]  # [1, n + STEPS - 1, A·D]
+    return {"features": hidden, "ids": ids[None], "drafted": drafted, "logits": logits}
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+    """Every case exported by selfspec, then loaded and run by speculators in its venv (one subprocess)."""
+    python = speculators_python()
+    root = tmp_path_factory.mktemp("speculators")
+    ours, job = {}, []
+    prompt = random_prompts(1, 96, seed=7, min_len=12, max_len=12)[0]
+    for name, case in CASES.items():
+        model = target_for(case, root / name / "target")
+        head = make_draft(case, model, root / name / "target")
+        head.save_pretrained(root / name / "draft")
+        ours[name] = dict(selfspec_side(head, model, prompt), head=head)
+        save_file({"hidden_states": ours[name]["features"].contiguous(), "input_ids": ours[name]["ids"].contiguous()},
+                  str(root / name / "inputs.safetensors"))
+        job.append({"checkpoint": str(root / name / "draft"), "inputs": str(root / name / "inputs.safetensors"),
+                    "ttt_steps": STEPS, "out": str(root / name / "out.safetensors")})
+    (root / "job.json").write_text(json.dumps(job))
+    done = subprocess.run([str(python), str(SIDE), str(root / "job.json")], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    return {name: (ours[name], load_file(str(root / name / "out.safetensors"))) for name in CASES}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_speculators_computes_the_draft_logits_selfspec_computes(compared, name):
+    """speculators' loader and model on selfspec's export: the same draft logits at every pair and chain step, the
+    same top tokens, the same draft vocabulary."""
+    ours, theirs = compared[name]
+    n = ours["logits"].shape[1]
+    for u in range(STEPS):
+        got = theirs["logits"][u, :n]  # step u at pair i (speculators keeps the pair's index across steps)
+        torch.testing.assert_close(got, ours["logits"][u], atol=ATOL, rtol=RTOL, msg=lambda m: f"step {u}: {m}")
+        print(f"{name} step {u}: max |logit difference| {float((got - ours['logits'][u]).abs().max()):.2e}")
+        assert torch.equal(got.argmax(-1), ours["logits"][u].argmax(-1)), f"step {u}: top tokens differ"
+    head = ours["head"]
+    if head.d2t is not None:
+        assert torch.equal(theirs["d2t"], head.d2t)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_speculators_drafts_the_tokens_selfspec_drafts(compared, name):
+    """The chain selfspec's EagleDrafter drafts after the prompt is speculators' greedy chain at the last pair (fed
+    the same tokens), mapped to target ids through the d2t speculators loaded."""
+    ours, theirs = compared[name]
+    n = ours["logits"].shape[1]
+    top = theirs["logits"][:, n - 1].argmax(-1)  # [STEPS] draft-vocabulary indices
+    target_ids = top if ours["head"].d2t is None else top + theirs["d2t"][top]
+    assert target_ids.tolist() == ours["drafted"].tolist()
+
+
+# ------------------------------------------------------------------------------ selfspec's side (no venv needed)
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory):
+    """The llama and qwen2 cases as selfspec makes them: target directory, target, draft directory."""
+    root = tmp_path_factory.mktemp("drafts")
+    out = {}
+    for name in ("llama", "qwen2"):
+        model = target_for(CASES[name], root / name / "target")
+        make_draft(CASES[name], model, root / name / "target").save_pretrained(root / name / "draft")
+        out[name] = (root / name / "target", model, root / name / "draft")
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_round_trip_export_then_draft_decodes_like_generate(drafts, name, tmp_path, capsys):
+    """selfspec's draft -> heads.export --format speculators (renaming the verifier) -> --draft on the export: the
+    registry takes it as an EAGLE draft, the base check reads its verifier, and decoding (the checkpoint's own tree,
+    a dynamic tree, a chain) is plain greedy generate's, token for token (fp32)."""
+    target_dir, model, draft = drafts[name]
+    out = tmp_path / "export"
+    assert export_cli.main([str(draft), str(out), "--format", "speculators", "--model", str(target_dir),
+                            "--verifier", str(target_dir)]) == 0
+    printed = capsys.readouterr()
+    assert "in the speculators format" in printed.out
+    notes = ["vLLM ignores norm_output=true", "vLLM ignores fc_norm=true"] if name == "qwen2" else []
+    assert [line.split("but ")[1].split(":")[0] for line in printed.err.splitlines() if line.startswith("note:")] == notes
+    stored = json.loads((out / "config.json").read_text())
+    assert stored["speculators_model_type"] == "eagle3" and stored["norm_before_residual"] is CASES[name]["flags"].get(
+        "norm_before_residual", False)
+    spec = registry.parse_draft(str(out))
+    assert spec.kind == "eagle"
+    check_drafts(str(target_dir), [spec])
+    target = Target(model)
+    for tree in (None, "dynamic:8", "chain:3"):
+        drafter = registry.build_drafter(registry.with_tree(spec, tree) if tree else spec, target,
+                                         registry.parse_tree(tree))
+        for prompt in random_prompts(3, 96, seed=11):
+            assert generate(target, drafter, prompt, max_new_tokens=20).tokens == reference(model, prompt, 20), tree
+
+
+def test_a_speculators_draft_is_published_and_drafts_from_its_hub_id(drafts, monkeypatch, tmp_path):
+    """heads.publish takes the export as it is (with a card saying how vLLM serves it); --draft OWNER/NAME loads it
+    back through the Hub cache and decodes losslessly."""
+    from hub_server import HubServer, use_hub
+
+    target_dir, model, draft = drafts["llama"]
+    with HubServer() as server:
+        use_hub(monkeypatch, server, tmp_path / "hf-home")
+        push_folder(draft, "tester/eagle3")
+        card = server.files("tester/eagle3", "main")["README.md"].decode()
+        assert '"model": "tester/eagle3", "method": "eagle3"' in card
+        spec = registry.parse_draft("tester/eagle3")
+        drafter = registry.build_drafter(spec, Target(model))
+    prompt = random_prompts(1, 96, seed=3)[0]
+    assert generate(Target(model), drafter, prompt, max_new_tokens=16).tokens == reference(model, prompt, 16)
+
+
+def eagle_checkpoint(tmp_path: Path, feature_layers) -> Path:
+    from heads.eagle.config import EagleConfig
+    from heads.eagle.model import EagleHead
+
+    model = tiny_model("llama")
+    head = EagleHead(EagleConfig.for_model(model, draft_vocab_size=64, feature_layers=feature_layers),
+                     model.get_input_embeddings(), model.get_output_embeddings())
+    return head.save_pretrained(tmp_path / f"eagle-{feature_layers}")
+
+
+def test_export_refuses_selfspec_eagle_heads_saying_what_differs(tmp_path, capsys):
+    """selfspec's own EAGLE heads cannot be written in the format without drafting differently: refused from config.json
+    before any model loads, naming each part (EAGLE-1: the missing model first); Medusa heads are pointed to --format
+    vllm. Nothing is written."""
+    for layers, first in ((None, "features: an EAGLE-1 head"), ([0, 1], "input fusion: selfspec maps")):
+        source = eagle_checkpoint(tmp_path, layers)
+        assert export_cli.main([str(source), str(tmp_path / "out"), "--format", "speculators"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {source} cannot be exported in the speculators format: the format cannot express "
+                              f"it, and a checkpoint that loads but drafts differently is not written. What differs:; - "
+                              f"{first}"), err
+        for part in ("input fusion:", "residual:", "fed-back state:"):
+            assert part in err
+        assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match=r"no model of a selfspec 'medusa' draft .*\(--format vllm\)"):
+        refuse({"draft_type": "medusa"}, "runs/medusa")
+
+
+def broken(draft: Path, tmp_path: Path, config=None, tensors=None) -> Path:
+    """A copy of ``draft`` with config.json updated by ``config`` and the tensors by ``tensors`` (None: drop)."""
+    out = tmp_path / f"broken-{len(list(tmp_path.iterdir()))}"
+    shutil.copytree(draft, out)
+    data = {**json.loads((draft / "config.json").read_text()), **(config or {})}
+    (out / "config.json").write_text(json.dumps(data))
+    state = load_file(str(draft / "model.safetensors"))
+    for key, value in (tensors or {}).items():
+        state.pop(key) if value is None else state.__setitem__(key, value)
+    save_file(state, str(out / "model.safetensors"))
+    return out
+
+
+def test_speculators_checkpoints_are_read_strictly(drafts, tmp_path):
+    """What selfspec cannot draft exactly is refused, saying what: another speculators model, layer kinds speculators
+    does not build, a fc of another width, tensors missing or out of shape, a d2t out of speculators' order or
+    disagreeing with t2d, an aux layer whose state the verifier does not give; a draft for another target too."""
+    target_dir, model, draft = drafts["llama"]
+    d2t = load_file(str(draft / "model.safetensors"))["d2t"]
+    layer = json.loads((draft / "config.json").read_text())["transformer_layer_config"]
+    refused = {
+        broken(draft, tmp_path, {"speculators_model_type": "dflash"}): "selfspec loads speculators' 'eagle3' drafts only",
+        broken(draft, tmp_path, {"transformer_layer_config": {**layer, "model_type": "mistral"}}): "llama or qwen3 layers",
+        broken(draft, tmp_path, {"target_hidden_size": 64}): "target_hidden_size 64: the draft is 32 wide",
+        broken(draft, tmp_path, tensors={"layers.0.hidden_norm.weight": None}): r"missing tensors \['layers.0.hidden_no",
+        broken(draft, tmp_path, tensors={"fc.weight": torch.zeros(32, 64)}): r"wrong shapes .*'fc.weight': \(\(32, 96\)",
+        broken(draft, tmp_path, tensors={"d2t": d2t.flip(0)}): "d2t .*: expected 64 distinct token ids|increasing order",
+        broken(draft, tmp_path, tensors={"t2d": torch.ones(96, dtype=torch.bool)}): "t2d and d2t name different",
+        broken(draft, tmp_path, {"eagle_aux_hidden_state_layer_ids": [1, 2, 4]}): "id 4 is the last layer's output "
+                                                                                  "before the final norm",
+    }
+    for directory, message in refused.items():
+        with pytest.raises(ValueError, match=message):
+            Eagle3Head.from_pretrained(directory, model)
+    with pytest.raises(ValueError, match="belongs on"):
+        Eagle3Head.from_pretrained(draft, tiny_model("llama", vocab=128, num_hidden_layers=4))
+    spec = registry.parse_draft(str(broken(draft, tmp_path, {"speculators_config": {
+        **json.loads((draft / "config.json").read_text())["speculators_config"],
+        "verifier": {"name_or_path": "meta-llama/Llama-3.1-8B", "architectures": []}}})))
+    with pytest.raises(ValueError, match="trained for meta-llama/Llama-3.1-8B, but the target is"):
+        check_drafts(str(target_dir), [spec])
+    with pytest.raises(ValueError, match="a speculators 'mtp' checkpoint; selfspec drafts with speculators' eagle3"):
+        registry.parse_draft(str(broken(draft, tmp_path, {"speculators_model_type": "mtp"})))
+    with pytest.raises(ValueError, match="is a speculators draft checkpoint, not a model: pass it as the draft"):
+        resolve_model(str(draft))
+
+
+def test_a_draft_without_lm_head_or_t2d_reads_the_targets_rows(drafts, tmp_path):
+    """As speculators' loader does: a checkpoint without lm_head takes the target's LM head rows of its draft
+    vocabulary (in t2d order), one without t2d derives it from d2t."""
+    target_dir, model, draft = drafts["llama"]
+    head = Eagle3Head.from_pretrained(broken(draft, tmp_path, tensors={"lm_head.weight": None, "t2d": None}), model)
+    full = Eagle3Head.from_pretrained(draft, model)
+    tokens = torch.arange(64) + full.d2t
+    assert torch.equal(head.lm_head.weight, model.lm_head.weight[tokens])
+    assert torch.equal(head.t2d, full.t2d)
+
+
+def test_exports_carry_the_targets_embeddings_which_load_back_by_reference(drafts):
+    """speculators' loader leaves embed_tokens uninitialised when a checkpoint lacks it, so a save writes the target's
+    (as speculators' own saves do); selfspec reads them back as the target's, holding no copy."""
+    target_dir, model, draft = drafts["llama"]
+    assert torch.equal(load_file(str(draft / "model.safetensors"))["embed_tokens.weight"], model.model.embed_tokens.weight)
+    head = Eagle3Head.from_pretrained(draft, model)
+    assert head.embed_tokens is None and "embed_tokens.weight" not in head.state_dict()
