@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -27,16 +28,35 @@ log = logging.getLogger(__name__)
 
 
 class EagleKind(HeadKind):
+    """The EAGLE head; the block drafter (heads/block/kind.py) is this kind with its own section, module, card,
+    prediction count and batch loss."""
+
     project = "eagle"
+    MODULE: type = EagleHead
+    CONFIG: type = EagleConfig
+    WHAT = "the EAGLE head"
+    PER = "step"
+    """what each row of the measured agreement is per (an unrolled drafting step)."""
+
+    def section(self, cfg: TrainConfig) -> Any:
+        """The recipe section of this kind."""
+        return cfg.eagle
+
+    def config_options(self, section: Any) -> dict[str, Any]:
+        """The config fields of this kind beyond what every EAGLE-style head has."""
+        return {"topk": section.topk}
+
+    def card(self, config: Any, location: str) -> str:
+        return eagle_card(config, location)
 
     def build(self, cfg: TrainConfig, model: PreTrainedModel, train_rows=None, tokenizer=None
               ) -> tuple[EagleHead, EagleConfig]:
-        e = cfg.eagle
-        config = EagleConfig.for_model(
-            model, base_model=cfg.model.name, base_revision=cfg.model.revision, num_layers=e.num_layers,
-            draft_vocab_size=e.draft_vocab, feature_layers=e.feature_layers, depth=e.depth, topk=e.topk,
-            budget=e.budget, recipe=to_dict(cfg))
-        head = EagleHead(config, model.get_input_embeddings(), model.get_output_embeddings())
+        s = self.section(cfg)
+        config = self.CONFIG.for_model(
+            model, base_model=cfg.model.name, base_revision=cfg.model.revision, num_layers=s.num_layers,
+            draft_vocab_size=s.draft_vocab, feature_layers=s.feature_layers, depth=s.depth, budget=s.budget,
+            recipe=to_dict(cfg), **self.config_options(s))
+        head = self.MODULE(config, model.get_input_embeddings(), model.get_output_embeddings())
         count_vocabulary(head.draft_vocab, train_rows, tokenizer)
         return head, config
 
@@ -44,16 +64,21 @@ class EagleKind(HeadKind):
         return cfg.eagle.unroll
 
     def hidden_pass(self, cfg: TrainConfig, module: nn.Module) -> HiddenPass:
-        return HiddenPass(feature_layers=cfg.eagle.feature_layers)
+        return HiddenPass(feature_layers=self.section(cfg).feature_layers)
 
     def loss(self, cfg: TrainConfig, module: nn.Module, hidden: torch.Tensor, target_logits: torch.Tensor | None,
              batch: dict, ranks: int, per_row: bool = False) -> MedusaLoss | list[MedusaLoss]:
-        """The unrolled loss of a batch (one forward of the wrapped head), or one per row. hidden [B, T, D] (the final
-        hidden states), or [B, T, (1 + L) D] with feature layers (the final ones first, see TargetStates)."""
+        """The loss of a batch (one forward of the wrapped head), or one per row. hidden [B, T, D] (the final hidden
+        states), or [B, T, (1 + L) D] with feature layers (the final ones first, see TargetStates)."""
         inner = unwrapped(module)  # DDP / DeepSpeed wrap the head
         D = inner.config.hidden_size
         final = hidden[..., :D]  # [B, T, D] what the loss reads
         features = hidden[..., D:] if inner.config.feature_layers else final  # [B, T, F] what the head reads
+        return self.batch_loss(cfg, module, inner, final, features, batch, ranks, per_row)
+
+    def batch_loss(self, cfg: TrainConfig, module: nn.Module, inner: nn.Module, final: torch.Tensor,
+                   features: torch.Tensor, batch: dict, ranks: int, per_row: bool) -> MedusaLoss | list[MedusaLoss]:
+        """The unrolled loss (``EagleHead.forward`` over ``eagle.unroll`` steps), or one per row."""
         outs = module(features, batch["input_ids"], batch["lengths"], cfg.eagle.unroll)  # [U, B, n, D]
         args = dict(kind=cfg.loss.kind, decay=cfg.loss.decay, feature_weight=cfg.eagle.feature_weight, ranks=ranks)
         if not per_row:
@@ -61,9 +86,10 @@ class EagleKind(HeadKind):
         return [eagle_loss(outs[:, b:b + 1], final[b:b + 1], batch["labels"][b:b + 1], inner, inner.lm_head, **args)
                 for b in range(final.shape[0])]
 
-    def save(self, cfg: TrainConfig, accelerator: Accelerator, module: nn.Module, config: EagleConfig,
+    def save(self, cfg: TrainConfig, accelerator: Accelerator, module: nn.Module, config: Any,
              model: PreTrainedModel, accuracy: list[list[float]] | None) -> Path:
-        """The trained head with its measured per-step agreement -> its checkpoint, on the main process only."""
+        """The trained head with its measured agreement per step (per block offset) -> its checkpoint, on the main
+        process only."""
         directory = cfg.final_dir
 
         def write(state: dict[str, torch.Tensor]) -> None:
@@ -73,8 +99,9 @@ class EagleKind(HeadKind):
             # them into would be built empty under DeepSpeed ZeRO-3, whose transformers integration partitions every
             # new model (zero.Init); the checkpoint is checked against its config when it is read
             write_checkpoint(directory, {k: v.float() if v.is_floating_point() else v for k, v in state.items()},
-                             final.to_dict(), eagle_card(final, str(directory)))
-            log.info("saved the EAGLE head to %s (top-1 agreement with the target per step: %s)", directory, agreement)
+                             final.to_dict(), self.card(final, str(directory)))
+            log.info("saved %s to %s (top-1 agreement with the target per %s: %s)", self.WHAT, directory, self.PER,
+                     agreement)
 
         save_on_main(accelerator, module, write)
         return directory
