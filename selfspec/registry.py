@@ -277,13 +277,13 @@ def parse_tree(spec: str | None) -> Tree | DynamicTree | None:
         return None
     if spec == "auto":
         raise ValueError("--tree auto is resolved with the draft and the target (registry.resolve_tree), not alone")
-    forms = ("expected 'chain:K', 'full:3,2,1', 'dynamic:N' or 'dynamic:N,depth=D' (N nodes grown each step by draft "
-             "probability), 'auto' (the budget tuned for this machine by infer.py tune-tree), "
+    forms = ("expected 'chain:K', 'full:3,2,1', 'dynamic:N', 'dynamic:N,depth=D' or 'dynamic:N,depth=D,min_prob=P' (N "
+             "nodes grown each step by draft probability, none below P), 'auto' (the budget tuned for this machine by "
+             "infer.py tune-tree), "
              "JSON choices like '[[0],[0,0],[1]]', or a .json file of choices")
     try:
         if spec.startswith("dynamic:"):
-            budget, given, depth = spec[len("dynamic:"):].partition(",depth=")
-            return DynamicTree(_nodes(_count(budget, "N")), depth=_count(depth, "D") if given else None)
+            return _dynamic_tree(spec[len("dynamic:"):])
         if spec.startswith("chain:"):
             return Tree.chain(_nodes(_count(spec[len("chain:"):], "K")))
         if spec.startswith("full:"):
@@ -305,6 +305,23 @@ def parse_tree(spec: str | None) -> Tree | DynamicTree | None:
     except (json.JSONDecodeError, ValueError) as err:
         raise ValueError(f"bad --tree {spec!r}: {err}; {forms}") from err
     raise ValueError(f"unknown --tree {spec!r}: {forms}")
+
+
+def _dynamic_tree(text: str) -> DynamicTree:
+    """'N[,depth=D][,min_prob=P]' -> DynamicTree."""
+    budget, *options = text.split(",")
+    given: dict[str, str] = {}
+    for option in options:
+        key, eq, value = option.partition("=")
+        if not eq or key not in ("depth", "min_prob") or key in given:
+            raise ValueError(f"dynamic tree option {option!r}: expected depth=D or min_prob=P, each at most once")
+        given[key] = value
+    try:
+        min_prob = float(given.get("min_prob", 0.0))
+    except ValueError:
+        raise ValueError(f"min_prob: expected a probability such as 0.05, found {given['min_prob']!r}") from None
+    return DynamicTree(_nodes(_count(budget, "N")), depth=_count(given["depth"], "D") if "depth" in given else None,
+                       min_prob=min_prob)
 
 
 def resolve_tree(tree: TreeArg, spec: DraftSpec, target: Target, model_id: str) -> Tree | DynamicTree | None:
@@ -343,6 +360,9 @@ def check_tree_applies(spec: DraftSpec, tree: Tree | DynamicTree | None) -> None
     if spec.parts:
         return check_tree_applies(tree_part(spec), tree)
     if spec.kind == "ngram" and isinstance(tree, DynamicTree):
+        if tree.min_prob > 0:
+            raise ValueError(f"--tree {tree.spec}: prompt lookup's drafts have no probabilities for min_prob to cut "
+                             "by; size its trie with depth and max_nodes alone")
         if clash := sorted(_ngram_size(tree).keys() & spec.config.keys()):
             raise ValueError(f"--tree {tree.spec} sizes prompt lookup's trie, and --draft {spec.text} sets "
                              f"{' and '.join(clash)} too: give the size once")

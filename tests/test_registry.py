@@ -118,6 +118,10 @@ def test_parse_tree(tmp_path):
         DynamicTree(8, max_rank=4).spec
     assert len(registry.parse_tree("full:32,31")) == 1 + registry.MAX_TREE_NODES  # 32 + 32 x 31 draft nodes: the most
     assert registry.parse_tree(f"dynamic:{registry.MAX_TREE_NODES}").budget == registry.MAX_TREE_NODES
+    # the adaptive length: a probability under which no node is drafted, in any order with depth, spelled back
+    assert registry.parse_tree("dynamic:16,min_prob=0.05,depth=4") == DynamicTree(16, depth=4, min_prob=0.05)
+    assert DynamicTree(16, depth=4, min_prob=0.05).spec == "dynamic:16,depth=4,min_prob=0.05"
+    assert registry.parse_tree(DynamicTree(16, min_prob=0.2).spec) == DynamicTree(16, min_prob=0.2)
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -129,6 +133,11 @@ def test_parse_tree(tmp_path):
     ("full:100,100", "bad --tree 'full:100,100': 10,100 draft nodes, more than the 1024 a step may verify"),
     ("full:10000,10000,10000", "1,000,100,010,000 draft nodes, more than the 1024"),  # refused before it is built
     ("dynamic:5000", "bad --tree 'dynamic:5000': 5,000 draft nodes, more than the 1024"),
+    ("dynamic:8,min_prob=1", "bad --tree 'dynamic:8,min_prob=1': a dynamic tree's min_prob is a probability below 1: "
+                             "expected 0 <= min_prob < 1, found 1.0"),
+    ("dynamic:8,min_prob=x", "min_prob: expected a probability such as 0.05, found 'x'"),
+    ("dynamic:8,width=2", "dynamic tree option 'width=2': expected depth=D or min_prob=P, each at most once"),
+    ("dynamic:8,depth=2,depth=3", "dynamic tree option 'depth=3': expected depth=D or min_prob=P, each at most once"),
 ])
 def test_bad_tree_sizes_say_which_number_is_wrong(spec, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -185,6 +194,8 @@ def test_tree_with_ngram_or_none_is_refused(model_dir):
     with pytest.raises(ValueError, match="--tree dynamic:8 sizes prompt lookup's trie, and --draft ngram:max_nodes=4 "
                                          "sets max_nodes too: give the size once"):
         api.load(str(model_dir), draft="ngram:max_nodes=4", tree="dynamic:8")
+    with pytest.raises(ValueError, match="prompt lookup's drafts have no probabilities for min_prob to cut by"):
+        api.load(str(model_dir), draft="ngram", tree="dynamic:8,min_prob=0.1")
     grown = api.load(str(model_dir), draft="early-exit:layer=1", tree="dynamic:8").drafter  # depth: the drafter's 4
     assert (grown.dynamic, grown.tree) == (DynamicTree(8, depth=4), None)
 

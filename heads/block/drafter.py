@@ -21,6 +21,7 @@ size, V' draft vocabulary, R ranks.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -74,7 +75,7 @@ class BlockDrafter(Drafter):
         return self.head.config.block_size
 
     def resized(self, depth: int, budget: int) -> "BlockDrafter":
-        return BlockDrafter(self.head, DynamicTree(budget, depth=depth))
+        return BlockDrafter(self.head, replace(self.dynamic or DynamicTree(budget), budget=budget, depth=depth))
 
     @torch.inference_mode()
     def draft(self, state: DraftState) -> Draft:
@@ -85,7 +86,7 @@ class BlockDrafter(Drafter):
         tokens = self.head.draft_vocab.base_ids(top.indices)  # [depth, R] base token ids
         root = state.tokens[-1:]
         if self.dynamic is not None:
-            return best_first_draft(root, top.values, tokens, self.dynamic.budget, self._trees)
+            return best_first_draft(root, top.values, tokens, self.dynamic.budget, self._trees, self.dynamic.min_logp)
         position, rank = self._slot
         nodes = tokens[position.to(tokens.device), rank.to(tokens.device)]  # [N - 1]
         return Draft(tree=self.tree, tokens=torch.cat([root, nodes.to(device=root.device, dtype=root.dtype)]))

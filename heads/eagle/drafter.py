@@ -38,12 +38,14 @@ from selfspec.core.tree import DynamicTree, Tree
 
 
 class EagleDrafter(Drafter):
-    def __init__(self, head: EagleHead | Eagle3Head, depth: int, topk: int, budget: int):
+    def __init__(self, head: EagleHead | Eagle3Head, depth: int, topk: int, budget: int, min_prob: float = 0.0):
         for name, value in (("depth", depth), ("topk", topk), ("budget", budget)):
             if value < 1:
                 raise ValueError(f"EAGLE drafting: expected {name} >= 1, found {value}")
         self.head = head.eval()
         self.depth, self.topk, self.budget = depth, min(topk, head.config.draft_vocab_size), budget
+        self.min_logp = DynamicTree(budget, min_prob=min_prob).min_logp  # min_prob checked there
+        self.min_prob = min_prob
         self.cache: DynamicCache | None = None
         self.committed = 0  # true pairs in the head's cache
 
@@ -54,14 +56,14 @@ class EagleDrafter(Drafter):
         if tree is None:
             return cls(head, c.depth, c.topk, c.budget)
         if isinstance(tree, DynamicTree):
-            return cls(head, tree.depth or c.depth, c.topk, tree.budget)
+            return cls(head, tree.depth or c.depth, c.topk, tree.budget, tree.min_prob)
         if isinstance(tree, Tree) and tree.is_chain and tree.depth >= 1:
             return cls(head, tree.depth, 1, tree.depth)
         raise ValueError(f"an EAGLE head grows its own tree each step: use --tree dynamic:N (N nodes, depth "
                          f"{c.depth}) or chain:K (its greedy path of K tokens), found a static tree of {len(tree)} nodes")
 
     def resized(self, depth: int, budget: int) -> "EagleDrafter":
-        return EagleDrafter(self.head, depth, self.topk, budget)
+        return EagleDrafter(self.head, depth, self.topk, budget, self.min_prob)
 
     @torch.inference_mode()
     def draft(self, state: DraftState) -> Draft:
@@ -115,7 +117,7 @@ class EagleDrafter(Drafter):
 
         # 3. rerank: the budget best nodes, parents before children (a child never scores above its parent)
         # 4. the tree: by depth, siblings best first
-        tree, kept = Tree.best_scored(parent, score, depth, self.budget)
+        tree, kept = Tree.best_scored(parent, score, depth, self.budget, self.min_logp)
         draft_tokens = torch.tensor([tok[0]] + [tok[i] for i in kept], dtype=tokens.dtype, device=device)
         scores = torch.tensor([0.0] + [score[i] for i in kept])
         return Draft(tree=tree, tokens=draft_tokens, scores=scores)

@@ -20,6 +20,7 @@ Shapes: N tree nodes, Q nodes expanded at a depth, d depth, D hidden size, V voc
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -67,7 +68,7 @@ class HydraDrafter(Drafter):
         return self.heads.config.num_heads
 
     def resized(self, depth: int, budget: int) -> "HydraDrafter":
-        return HydraDrafter(self.heads, DynamicTree(budget, depth=depth))
+        return HydraDrafter(self.heads, replace(self.dynamic or DynamicTree(budget), budget=budget, depth=depth))
 
     @torch.inference_mode()
     def draft(self, state: DraftState) -> Draft:
@@ -104,7 +105,7 @@ class HydraDrafter(Drafter):
                     score.append(score[node] + value)
                     depth.append(d)
                     path.append(path[node] + [token])
-        tree, kept = Tree.best_scored(parent, score, depth, self.dynamic.budget)
+        tree, kept = Tree.best_scored(parent, score, depth, self.dynamic.budget, self.dynamic.min_logp)
         tokens = torch.tensor([tok[0]] + [tok[i] for i in kept], dtype=state.tokens.dtype, device=root.device)
         return Draft(tree=tree, tokens=tokens, scores=torch.tensor([0.0] + [score[i] for i in kept]))
 

@@ -16,6 +16,7 @@ Shapes: K heads, R ranks used by the tree, N tree nodes, V vocabulary, V' draft 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -51,7 +52,7 @@ class MedusaDrafter(Drafter):
         return self.heads.config.num_heads
 
     def resized(self, depth: int, budget: int) -> "MedusaDrafter":
-        return MedusaDrafter(self.heads, DynamicTree(budget, depth=depth))
+        return MedusaDrafter(self.heads, replace(self.dynamic or DynamicTree(budget), budget=budget, depth=depth))
 
     @torch.inference_mode()
     def draft(self, state: DraftState) -> Draft:
@@ -73,7 +74,7 @@ class MedusaDrafter(Drafter):
         logits = self.heads.draft_logits(state.hidden, used).float()  # [K, V'] (K <= the tree's depth)
         top = torch.log_softmax(logits, dim=-1).topk(self.dynamic.max_rank, dim=-1)  # [K, R] values and indices
         return best_first_draft(state.tokens[-1:], top.values, self.heads.draft_vocab.base_ids(top.indices),
-                                self.dynamic.budget, self._trees)
+                                self.dynamic.budget, self._trees, self.dynamic.min_logp)
 
     def update(self, draft: Draft, acceptance: Acceptance) -> None:
         return None

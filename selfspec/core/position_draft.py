@@ -13,6 +13,8 @@ Shapes: K positions, R ranks per position, N tree nodes (the root included).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from selfspec.core.drafter import Draft
@@ -23,15 +25,19 @@ MAX_MEMO = 4096
 
 
 def best_first_draft(root: torch.Tensor, logp: torch.Tensor, tokens: torch.Tensor, budget: int,
-                     memo: dict[tuple[tuple[int, ...], ...], Tree] | None = None) -> Draft:
+                     memo: dict[tuple[tuple[int, ...], ...], Tree] | None = None,
+                     min_logp: float = -math.inf) -> Draft:
     """root [1] (the target's newest token), logp [K, R] and tokens [K, R] (position d's top-R candidates, best first)
-    -> the Draft of the ``budget`` rank paths of highest cumulative log-probability, with their scores. ``memo``: a
-    dict the caller keeps across steps, choices -> Tree (a tree's masks are then built once)."""
+    -> the Draft of the ``budget`` rank paths of highest cumulative log-probability, none below ``min_logp`` (the
+    root alone when no path reaches it), with their scores. ``memo``: a dict the caller keeps across steps, choices ->
+    Tree (a tree's masks are then built once)."""
     if logp.shape != tokens.shape or logp.dim() != 2:
         raise ValueError(f"expected logp and tokens of one shape [K, R], found {tuple(logp.shape)} and "
                          f"{tuple(tokens.shape)}")
     lp = logp.detach().float().cpu()
-    choices = Tree.best_first(lp, budget)
+    choices = Tree.best_first(lp, budget, min_logp)
+    if not choices:
+        return Draft(tree=Tree.chain(0), tokens=root.clone(), scores=torch.zeros(1))
     tree = None if memo is None else memo.get(choices)
     if tree is None:
         tree = Tree.from_choices(choices)

@@ -14,6 +14,7 @@ root, two candidates at depth 1 and one child under the first.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterable, Sequence
@@ -81,12 +82,13 @@ class Tree:
         return cls(parents=tuple(parents), ranks=tuple(ranks))
 
     @classmethod
-    def best_first(cls, logp: torch.Tensor, budget: int) -> tuple[tuple[int, ...], ...]:
+    def best_first(cls, logp: torch.Tensor, budget: int,
+                   min_logp: float = -math.inf) -> tuple[tuple[int, ...], ...]:
         """The ``budget`` rank paths with the highest cumulative draft probability (EAGLE-2's dynamic tree), for a
         drafter whose depth-d candidates do not depend on the path above them (Medusa heads): logp [K, R] holds the
         log-probabilities of each depth's top-R candidates, best first. Returns the choices, parents first; a path's
         score is the sum of its ranks' log-probabilities, so every prefix of a chosen path scores at least as high
-        and is chosen too."""
+        and is chosen too. Paths scoring below ``min_logp`` are left out (none at all when the best one does)."""
         K, R = logp.shape
         if budget < 1:
             raise ValueError(f"a dynamic tree needs a node budget >= 1, found {budget}")
@@ -94,7 +96,7 @@ class Tree:
         heap = [(-lp[0][r], (r,)) for r in range(R)]
         heapq.heapify(heap)
         chosen: list[tuple[int, ...]] = []
-        while heap and len(chosen) < budget:
+        while heap and len(chosen) < budget and -heap[0][0] >= min_logp:
             neg, path = heapq.heappop(heap)
             chosen.append(path)
             if len(path) < K:
@@ -104,15 +106,17 @@ class Tree:
 
     @classmethod
     def best_scored(cls, parent: Sequence[int], score: Sequence[float], depth: Sequence[int],
-                    budget: int) -> tuple["Tree", list[int]]:
+                    budget: int, min_logp: float = -math.inf) -> tuple["Tree", list[int]]:
         """EAGLE-2's rerank, for candidates grown by a drafter whose guesses depend on the path above them (EAGLE and
         Hydra heads): node i (0 the root) has ``parent[i]``, cumulative draft log-probability ``score[i]`` and
         ``depth[i]``. Keeps the ``budget`` best-scored nodes whose parent is kept (a child never scores above its
         parent), lays them out by depth, siblings best first, and returns the tree and the kept nodes in its order
-        (tree node j + 1 is candidate kept[j])."""
+        (tree node j + 1 is candidate kept[j]). Nodes scoring below ``min_logp`` are left out."""
         kept: list[int] = []
         keep = {0}
         for i in sorted(range(1, len(parent)), key=lambda i: (-score[i], depth[i], i)):
+            if score[i] < min_logp:
+                break
             if parent[i] in keep:
                 kept.append(i)
                 keep.add(i)
@@ -252,16 +256,28 @@ class TokenTrie:
 class DynamicTree:
     """Not one tree but a rule for one per step: the ``budget`` draft nodes of highest cumulative draft probability,
     from each depth's top ``max_rank`` candidates (``Tree.best_first``), at most ``depth`` deep (None: as deep as the
-    drafter drafts). ``--tree dynamic:64`` or ``dynamic:24,depth=4``."""
+    drafter drafts), and none whose cumulative draft probability is below ``min_prob`` — the adaptive length: a
+    confident draft sends a long, narrow tree, an unsure one a short tree or none, so the verifier's width follows
+    the draft's own confidence step by step. ``--tree dynamic:64``, ``dynamic:24,depth=4`` or
+    ``dynamic:24,depth=4,min_prob=0.05``."""
 
     budget: int
     max_rank: int = 8
     depth: int | None = None
+    min_prob: float = 0.0
 
     def __post_init__(self) -> None:
         if self.budget < 1 or self.max_rank < 1 or (self.depth is not None and self.depth < 1):
             raise ValueError(f"a dynamic tree needs budget >= 1, max_rank >= 1 and depth >= 1 (or none), found "
                              f"{self.budget}, {self.max_rank}, {self.depth}")
+        if not 0.0 <= self.min_prob < 1.0:
+            raise ValueError(f"a dynamic tree's min_prob is a probability below 1: expected 0 <= min_prob < 1, found "
+                             f"{self.min_prob}")
+
+    @property
+    def min_logp(self) -> float:
+        """log(min_prob): the lowest cumulative draft log-probability a node may have (-inf: no cut)."""
+        return math.log(self.min_prob) if self.min_prob > 0 else -math.inf
 
     @property
     def spec(self) -> str:
@@ -270,4 +286,5 @@ class DynamicTree:
         if self.max_rank != DynamicTree.max_rank:
             raise ValueError(f"a dynamic tree with max_rank={self.max_rank} has no --tree form (--tree dynamic:N takes "
                              f"the top {DynamicTree.max_rank} candidates per depth)")
-        return f"dynamic:{self.budget}" + (f",depth={self.depth}" if self.depth is not None else "")
+        return (f"dynamic:{self.budget}" + (f",depth={self.depth}" if self.depth is not None else "")
+                + (f",min_prob={self.min_prob:g}" if self.min_prob > 0 else ""))

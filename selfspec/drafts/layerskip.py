@@ -24,6 +24,7 @@ V vocabulary, V' draft vocabulary (V without one).
 from __future__ import annotations
 
 import json
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -67,7 +68,7 @@ def draft_tree(tree: Tree | DynamicTree | None, depth: int) -> Tree | DynamicTre
         return tree
     if depth < 1:
         raise ValueError(f"depth (draft tokens per step) must be >= 1, found {depth}")
-    return Tree.chain(depth) if tree is None else DynamicTree(tree.budget, tree.max_rank, depth)
+    return Tree.chain(depth) if tree is None else dataclasses.replace(tree, depth=depth)
 
 
 class PartialModelDrafter(Drafter):
@@ -104,8 +105,9 @@ class PartialModelDrafter(Drafter):
 
     def resized(self, depth: int, budget: int) -> "PartialModelDrafter":
         """The same layers (and draft vocabulary) growing a dynamic tree of ``budget`` nodes, ``depth`` deep."""
-        return PartialModelDrafter(self.target, self.replace, DynamicTree(budget, depth=depth), self.stop_below,
-                                   self.vocab)
+        return PartialModelDrafter(self.target, self.replace,
+                                   dataclasses.replace(self.dynamic or DynamicTree(budget), budget=budget, depth=depth),
+                                   self.stop_below, self.vocab)
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
         """tokens [E], positions [E], mask [1, 1, E, S + F + E] -> draft logits [E, V'] (the cache grows by E);
@@ -205,7 +207,7 @@ class PartialModelDrafter(Drafter):
                     score.append(score[c] + values[row][r])
                     depth.append(d + 1)
             frontier = sorted(layer, key=lambda c: -score[c])[:k]
-        tree, kept = Tree.best_scored(parent, score, depth, dyn.budget)
+        tree, kept = Tree.best_scored(parent, score, depth, dyn.budget, dyn.min_logp)
         tokens = torch.tensor([tok[0]] + [tok[c] for c in kept], dtype=state.tokens.dtype, device=device)  # [N]
         return Draft(tree=tree, tokens=tokens, scores=torch.tensor([0.0] + [score[c] for c in kept])), fed
 

@@ -9,6 +9,7 @@ losslessness; what training buys is measured on SmolLM2 in docs/BENCHMARKS.md.""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -220,6 +221,32 @@ def test_chain_and_tree_drafts_are_the_blocks_ranked_candidates(model):
         assert float(tree.scores[node]) == pytest.approx(sum(float(top[d, r]) for d, r in enumerate(path)), abs=1e-5)
     static = BlockDrafter(head, Tree.from_choices([[0], [1], [0, 0], [0, 1]])).draft(state_after_prefill(model, prompt))
     assert static.tokens.tolist() == [int(prompt[-1]), ranked[0][0], ranked[0][1], ranked[1][0], ranked[1][1]]
+
+
+def test_the_adaptive_length_drafts_the_nodes_above_its_probability_and_nothing_when_none_is(model, tiny_models):
+    """min_prob: the budget's best nodes, none whose path probability is below it; an unsure block drafts the root
+    alone, and decoding stays token-identical to generate through steps that draft nothing."""
+    head = make_head(model, seed=3, block_size=5, draft_vocab=64)
+    prompt = random_prompts(1, VOCAB, seed=6, min_len=9, max_len=9)[0]
+    full = BlockDrafter(head, DynamicTree(40, depth=5)).draft(state_after_prefill(model, prompt))
+    for p in (0.002, 0.01, 0.05):
+        cut = BlockDrafter(head, DynamicTree(40, depth=5, min_prob=p)).draft(state_after_prefill(model, prompt))
+        above = [i for i in range(1, len(full.tree)) if float(full.scores[i]) >= math.log(p)]
+        assert 0 < len(above) < len(full.tree) - 1, p  # the cut really falls inside this tree
+        assert cut.tree == Tree.from_choices([full.tree.choices[i - 1] for i in above])
+        assert cut.tokens.tolist() == [full.tokens.tolist()[0]] + [full.tokens.tolist()[i] for i in above]
+    best = float(full.scores[1:].max())
+    none = BlockDrafter(head, DynamicTree(40, min_prob=min(0.99, math.exp(best) * 1.01)))
+    assert len(none.draft(state_after_prefill(model, prompt)).tree) == 1
+    assert none.resized(3, 8).dynamic == DynamicTree(8, depth=3, min_prob=none.dynamic.min_prob)  # tuning keeps it
+    llama = tiny_models["llama"]
+    target, drafter = Target(llama), BlockDrafter(make_head(llama, block_size=4), DynamicTree(10, min_prob=0.02))
+    sizes = []
+    for prompt in random_prompts(4, VOCAB, seed=7):
+        out = generate(target, drafter, prompt, max_new_tokens=20)
+        assert out.tokens == reference(llama, prompt, 20)
+        sizes += [s.tree_size for s in out.steps[1:]]
+    assert min(sizes) == 1 and max(sizes) > 1, sizes  # some steps drafted nothing (the root alone), some drafted
 
 
 class OracleBlock(BlockDrafter):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import random_prompts, reference, tiny_model
@@ -142,6 +144,21 @@ def test_best_first_picks_the_paths_of_highest_cumulative_probability():
         assert len(chosen) == min(budget, 3 + 9 + 27) and all(c[:-1] in chosen for c in chosen if len(c) > 1)
     with pytest.raises(ValueError, match="node budget >= 1"):
         Tree.best_first(logp, 0)
+    # min_logp: the adaptive cut, every path above it and none below, whatever the budget left
+    assert Tree.best_first(logp, 20, min_logp=math.log(0.19)) == ((0,), (1,), (0, 0), (0, 0, 0))
+    assert Tree.best_first(logp, 2, min_logp=math.log(0.19)) == ((0,), (0, 0))
+    assert Tree.best_first(logp, 20, min_logp=math.log(0.75)) == ()  # nothing worth verifying: the root alone
+
+
+def test_best_scored_leaves_out_nodes_below_the_cut():
+    #             root  a    b    a.a   a.b   b.a
+    parent = [-1, 0, 0, 1, 1, 2]
+    score = [0.0, -0.1, -1.0, -0.3, -2.0, -1.2]
+    depth = [0, 1, 1, 2, 2, 2]
+    assert Tree.best_scored(parent, score, depth, 10)[1] == [1, 2, 3, 5, 4]
+    tree, kept = Tree.best_scored(parent, score, depth, 10, min_logp=-1.1)
+    assert kept == [1, 2, 3] and tree == Tree.from_choices([(0,), (1,), (0, 0)])
+    assert Tree.best_scored(parent, score, depth, 10, min_logp=0.5)[1] == []
 
 
 @pytest.mark.parametrize("budget", [1, 6, 24])
