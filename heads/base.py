@@ -93,3 +93,9 @@ def check_lm_head(config: BaseFields, lm_head: nn.Module, what: str = "this mode
             f"heads were trained for vocab size {config.vocab_size}, {what} has {vocab}: "
             f"load them onto the base they were trained for ({config.base_model})"
         )
+
+
+def card_usage(base_model: str, location: str) -> str:
+    """The model card's few lines that decode with a draft checkpoint through the selfspec API."""
+    return (f'```python\nfrom selfspec.api import load\nmodel = load("{base_model}", draft="{location}")\n'
+            'print(model.generate("Hello!", max_new_tokens=64).text)\n```')

@@ -5,21 +5,15 @@ feature layers, drafting defaults and the measured agreement per block offset.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from typing import Any
 
-from transformers import PreTrainedModel
-
-from heads.base import BaseFields, base_name, base_sizes
-from heads.eagle.config import check_feature_layer_list, check_feature_layers, decoder_config
-from selfspec.core import typed
+from heads.eagle.config import DecoderHeadConfig
 
 DRAFT_TYPE = "block"
 
 
 @dataclass
-class BlockConfig(BaseFields):
+class BlockConfig(DecoderHeadConfig):
     """Everything needed to rebuild the block drafter on its base model; stored as config.json. Strict."""
 
     decoder_config: dict
@@ -45,33 +39,10 @@ class BlockConfig(BaseFields):
     draft_type: str = DRAFT_TYPE
 
     def __post_init__(self) -> None:
-        typed.check(self)
-        if self.draft_type != DRAFT_TYPE:
-            raise ValueError(f"BlockConfig.draft_type: expected {DRAFT_TYPE!r}, found {self.draft_type!r}")
-        for name in ("hidden_size", "vocab_size", "num_layers", "budget"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"BlockConfig.{name}: expected >= 1, found {getattr(self, name)}")
+        self.check_decoder_head(DRAFT_TYPE, ("num_layers", "budget"))
         if self.block_size < 2:
             raise ValueError(f"BlockConfig.block_size: expected >= 2 (the root's successor and at least one mask "
                              f"query), found {self.block_size}")
         if self.depth is not None and not 1 <= self.depth <= self.block_size:
             raise ValueError(f"BlockConfig.depth: expected null or 1..{self.block_size} (the block size), found "
                              f"{self.depth}")
-        if not 1 <= self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"BlockConfig.draft_vocab_size: expected 1..{self.vocab_size} (the base's vocabulary), "
-                             f"found {self.draft_vocab_size}")
-        check_feature_layer_list(self.feature_layers, "BlockConfig.feature_layers")
-        if "model_type" not in self.decoder_config:
-            raise ValueError(f"BlockConfig.decoder_config: expected a transformers config dict with 'model_type', found "
-                             f"keys {sorted(self.decoder_config)[:8]}")
-        json.dumps(self.recipe)  # stored in config.json
-
-    @classmethod
-    def for_model(cls, model: PreTrainedModel, base_model: str | None = None, num_layers: int = 1,
-                  **kwargs: Any) -> "BlockConfig":
-        hidden, vocab = base_sizes(model)
-        kwargs.setdefault("base_revision", None)
-        kwargs["draft_vocab_size"] = min(kwargs.get("draft_vocab_size", 8192) or vocab, vocab)
-        check_feature_layers(kwargs.get("feature_layers"), model)
-        return cls(base_model=base_name(model, base_model), hidden_size=hidden, vocab_size=vocab,
-                   decoder_config=decoder_config(model, num_layers), num_layers=num_layers, **kwargs)

@@ -28,6 +28,7 @@ import torch
 from transformers import DynamicCache
 
 from heads.block.model import BlockHead
+from heads.eagle.drafter import head_features, new_positions
 from selfspec.core import hf
 from selfspec.core.accept import Acceptance
 from selfspec.core.drafter import Draft, Drafter, DraftState, check_tree
@@ -93,12 +94,7 @@ class BlockDrafter(Drafter):
 
     def _block(self, state: DraftState) -> torch.Tensor:
         """Steps 1 and 2: the head's outputs for the block, [K, D] (the last true pair's, then the K - 1 masks')."""
-        tokens, new = state.tokens, state.new_hidden
-        T = tokens.shape[0]
-        if new is None:
-            raise ValueError("the block drafter needs DraftState.new_hidden (the target's hidden states of the newly "
-                             "committed positions); selfspec.core.generate provides it")
-        A = new.shape[0]
+        tokens, T, A = state.tokens, state.tokens.shape[0], new_positions(state, "the block drafter")
         if A < 1:
             raise ValueError(f"the block drafter drafts after a committed position: expected a text of >= 2 tokens "
                              f"with new hidden states, found {T} tokens and {A} new states")
@@ -112,7 +108,8 @@ class BlockDrafter(Drafter):
         S, M = self.committed, head.config.block_size - 1
 
         # 2. the new pairs (f_j, x_{j+1}), j = committed .. T-2, then the masks at positions T-1 .. T+M-2
-        pairs = head.pair_inputs(head.true_features(self._features(state))[None], tokens[S + 1:][None])  # [1, A, D]
+        features = head_features(head.config.feature_layers, state, "block drafter")  # [A, D] or [A, L·D]
+        pairs = head.pair_inputs(head.true_features(features)[None], tokens[S + 1:][None])  # [1, A, D]
         inputs = torch.cat([pairs, head.mask.to(pairs.dtype)[None]], dim=1)  # [1, A + M, D]
         positions = torch.arange(S, T - 1 + M, device=device)[None]  # [1, A + M]
         allowed = torch.ones(A + M, S + A + M, dtype=torch.bool)
@@ -122,18 +119,6 @@ class BlockDrafter(Drafter):
         out = head.run(inputs, positions, mask, self.cache)[0]  # [A + M, D]
         self.committed = T - 1
         return out[A - 1:]  # [K, D]
-
-    def _features(self, state: DraftState) -> torch.Tensor:
-        """The target's features of the newly committed positions: [A, D] final hidden states, or [A, L·D] the states of
-        the head's feature layers."""
-        layers = self.head.config.feature_layers
-        if not layers:
-            return state.new_hidden
-        if state.new_states is None:
-            raise ValueError(f"this block drafter reads the target's hidden states at layers {layers}: expected "
-                             "DraftState.new_states (selfspec.core.generate provides it with the target's own verifier), "
-                             "found None")
-        return state.new_states.take(layers)  # [A, L·D]
 
     def update(self, draft: Draft, acceptance: Acceptance) -> None:
         return None

@@ -13,7 +13,7 @@ from torch import nn
 
 from heads.block.config import BlockConfig
 from heads.block.loss import block_loss, sample_anchors
-from heads.block.model import BlockHead, block_card
+from heads.block.model import BlockHead
 from heads.eagle.kind import EagleKind
 from heads.training.config import TrainConfig
 from heads.training.losses import MedusaLoss
@@ -34,9 +34,6 @@ class BlockKind(EagleKind):
 
     def config_options(self, section: Any) -> dict[str, Any]:
         return {"block_size": section.block_size}
-
-    def card(self, config: Any, location: str) -> str:
-        return block_card(config, location)
 
     def predictions(self, cfg: TrainConfig) -> int:
         return cfg.block.block_size

@@ -40,36 +40,20 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 
+from heads.base import card_usage
 from heads.block.config import DRAFT_TYPE, BlockConfig
-from heads.checkpoints.files import read_typed_checkpoint
-from heads.eagle.config import check_feature_layers
-from heads.eagle.model import EagleHead
+from heads.eagle.model import EagleHead, card_facts, read_head_checkpoint
 from selfspec.core import hf
-from selfspec.core.draft_vocab import check_draft_tokens
 
 
 def read_block_checkpoint(directory: Path) -> tuple[BlockConfig, dict[str, torch.Tensor]]:
     """config.json and model.safetensors of a block-drafter checkpoint directory, checked against each other. Strict."""
-    def build(config: BlockConfig) -> BlockHead:
-        stub = nn.Linear(1, config.vocab_size)  # the base's embeddings and LM head are not part of the checkpoint
-        return BlockHead(config, stub, stub)
-
-    config, tensors = read_typed_checkpoint(directory, DRAFT_TYPE, "EAGLE-style block drafter", BlockConfig.from_dict,
-                                            build)
-    try:
-        check_draft_tokens(tensors["draft_vocab.tokens"], config.draft_vocab_size, config.vocab_size)
-    except ValueError as err:
-        raise ValueError(f"{directory / 'model.safetensors'}: the draft vocabulary (draft_vocab.tokens): {err}") from None
-    return config, tensors
+    return read_head_checkpoint(directory, DRAFT_TYPE, "EAGLE-style block drafter", BlockConfig, BlockHead)
 
 
 def block_card(config: BlockConfig, location: str) -> str:
-    features = ("final hidden states" if not config.feature_layers
-                else f"hidden states of layers {config.feature_layers} (fused, EAGLE-3 style)")
-    agreement = ("not measured" if config.top1_agreement is None
-                 else ", ".join(f"{a:.3f}" for a in config.top1_agreement) + " (block offsets 0, 1, ...)")
+    features, agreement = card_facts(config, "block offsets 0, 1, ...")
     return f"""---
 library_name: selfspec
 base_model: {config.base_model}
@@ -84,11 +68,7 @@ queries after the last committed token) over a {config.draft_vocab_size}-token d
 default: the {config.budget} best nodes by product of per-position probabilities, {config.depth or config.block_size}
 deep. Top-1 agreement with the base on held-out data: {agreement}.
 
-```python
-from selfspec.api import load
-model = load("{config.base_model}", draft="{location}")
-print(model.generate("Hello!", max_new_tokens=64).text)
-```
+{card_usage(config.base_model, location)}
 """
 
 
@@ -148,11 +128,6 @@ class BlockHead(EagleHead):
     # -------------------------------------------------------------- storage (heads.checkpoints.draft.DraftCheckpoint)
     card_for = staticmethod(block_card)
     read_checkpoint = staticmethod(read_block_checkpoint)
-
-    @classmethod
-    def on_base(cls, config: BlockConfig, base_model: PreTrainedModel) -> "BlockHead":
-        check_feature_layers(config.feature_layers, base_model)
-        return cls(config, base_model.get_input_embeddings(), base_model.get_output_embeddings())
 
 
 def block_mask(n: int, anchors: torch.Tensor, lengths: torch.Tensor, M: int, dtype: torch.dtype) -> torch.Tensor:

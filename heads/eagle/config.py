@@ -9,19 +9,53 @@ from __future__ import annotations
 
 import copy
 import json
+import typing
 from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedModel
 
-from heads.base import BaseFields, base_name, base_sizes
+from heads.base import BaseFields, base_sizes
 from selfspec.core import typed
 
 DRAFT_TYPE = "eagle"
 
 
+class DecoderHeadConfig(BaseFields):
+    """What the configs of heads built around a decoder of the base's own architecture share (EAGLE heads here, block
+    drafters in heads/block/config.py): building one for a base model, and checking the fields they have in common."""
+
+    @classmethod
+    def for_model(cls, model: PreTrainedModel, base_model: str | None = None, num_layers: int = 1,
+                  **kwargs: Any) -> Any:
+        vocab = base_sizes(model)[1]
+        kwargs["draft_vocab_size"] = min(kwargs.get("draft_vocab_size", 8192) or vocab, vocab)
+        check_feature_layers(kwargs.get("feature_layers"), model)
+        return super().for_model(model, base_model, decoder_config=decoder_config(model, num_layers),
+                                 num_layers=num_layers, **kwargs)
+
+    def check_decoder_head(self, draft_type: str, positive: tuple[str, ...]) -> None:
+        """Strict types, the draft type, ``positive`` fields >= 1 (and the base's sizes), the draft vocabulary within
+        the base's, the feature layers, a decoder config transformers can rebuild, a recipe JSON can hold."""
+        name, c = type(self).__name__, typing.cast(Any, self)
+        typed.check(self)
+        if c.draft_type != draft_type:
+            raise ValueError(f"{name}.draft_type: expected {draft_type!r}, found {c.draft_type!r}")
+        for field in ("hidden_size", "vocab_size") + positive:
+            if getattr(c, field) < 1:
+                raise ValueError(f"{name}.{field}: expected >= 1, found {getattr(c, field)}")
+        if not 1 <= c.draft_vocab_size <= c.vocab_size:
+            raise ValueError(f"{name}.draft_vocab_size: expected 1..{c.vocab_size} (the base's vocabulary), found "
+                             f"{c.draft_vocab_size}")
+        check_feature_layer_list(c.feature_layers, f"{name}.feature_layers")
+        if "model_type" not in c.decoder_config:
+            raise ValueError(f"{name}.decoder_config: expected a transformers config dict with 'model_type', found "
+                             f"keys {sorted(c.decoder_config)[:8]}")
+        json.dumps(c.recipe)  # stored in config.json
+
+
 @dataclass
-class EagleConfig(BaseFields):
+class EagleConfig(DecoderHeadConfig):
     """Everything needed to rebuild the head on its base model; stored as config.json. Strict."""
 
     decoder_config: dict
@@ -46,30 +80,7 @@ class EagleConfig(BaseFields):
     draft_type: str = DRAFT_TYPE
 
     def __post_init__(self) -> None:
-        typed.check(self)
-        if self.draft_type != DRAFT_TYPE:
-            raise ValueError(f"EagleConfig.draft_type: expected {DRAFT_TYPE!r}, found {self.draft_type!r}")
-        for name in ("hidden_size", "vocab_size", "num_layers", "depth", "topk", "budget"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EagleConfig.{name}: expected >= 1, found {getattr(self, name)}")
-        if not 1 <= self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"EagleConfig.draft_vocab_size: expected 1..{self.vocab_size} (the base's vocabulary), "
-                             f"found {self.draft_vocab_size}")
-        check_feature_layer_list(self.feature_layers, "EagleConfig.feature_layers")
-        if "model_type" not in self.decoder_config:
-            raise ValueError(f"EagleConfig.decoder_config: expected a transformers config dict with 'model_type', found "
-                             f"keys {sorted(self.decoder_config)[:8]}")
-        json.dumps(self.recipe)  # stored in config.json
-
-    @classmethod
-    def for_model(cls, model: PreTrainedModel, base_model: str | None = None, num_layers: int = 1,
-                  **kwargs: Any) -> "EagleConfig":
-        hidden, vocab = base_sizes(model)
-        kwargs.setdefault("base_revision", None)
-        kwargs["draft_vocab_size"] = min(kwargs.get("draft_vocab_size", 8192) or vocab, vocab)
-        check_feature_layers(kwargs.get("feature_layers"), model)
-        return cls(base_model=base_name(model, base_model), hidden_size=hidden, vocab_size=vocab,
-                   decoder_config=decoder_config(model, num_layers), num_layers=num_layers, **kwargs)
+        self.check_decoder_head(DRAFT_TYPE, ("num_layers", "depth", "topk", "budget"))
 
 
 def decoder_config(model: PreTrainedModel, num_layers: int) -> dict:

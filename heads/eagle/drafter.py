@@ -67,12 +67,7 @@ class EagleDrafter(Drafter):
 
     @torch.inference_mode()
     def draft(self, state: DraftState) -> Draft:
-        tokens, new = state.tokens, state.new_hidden
-        T = tokens.shape[0]
-        if new is None:
-            raise ValueError("the EAGLE drafter needs DraftState.new_hidden (the target's hidden states of the newly "
-                             "committed positions); selfspec.core.generate provides it")
-        A = new.shape[0]
+        tokens, T, A = state.tokens, state.tokens.shape[0], new_positions(state, "the EAGLE drafter")
         if self.cache is None or state.starts_request:  # the first draft sees the whole prompt
             self.cache, self.committed = DynamicCache(config=self.head.decoder.config), 0
         elif self.committed + A != T - 1:
@@ -84,7 +79,7 @@ class EagleDrafter(Drafter):
         # 1. extend: the newly committed pairs (f_j, x_{j+1}), j = committed .. T-2, plain causal attention (an EAGLE-3
         #    head reads the fusion of its feature layers' states instead of f_j)
         positions = torch.arange(self.committed, T - 1, device=device)
-        true = head.true_features(self._features(state))  # [A, D]
+        true = head.true_features(head_features(head.config.feature_layers, state, "EAGLE head"))  # [A, D]
         out = head.step(true[None], tokens[self.committed + 1:][None], positions[None], None, self.cache)[0]  # [A, D]
         self.committed = T - 1
         base = T - 1  # head-cache entries that are true pairs
@@ -122,18 +117,6 @@ class EagleDrafter(Drafter):
         scores = torch.tensor([0.0] + [score[i] for i in kept])
         return Draft(tree=tree, tokens=draft_tokens, scores=scores)
 
-    def _features(self, state: DraftState) -> torch.Tensor:
-        """The target's features of the newly committed positions: [A, D] final hidden states, or [A, L·D] the states of
-        the head's feature layers."""
-        layers = self.head.config.feature_layers
-        if not layers:
-            return state.new_hidden
-        if state.new_states is None:
-            raise ValueError(f"this EAGLE head reads the target's hidden states at layers {layers}: expected "
-                             "DraftState.new_states (selfspec.core.generate provides it with the target's own verifier), "
-                             "found None")
-        return state.new_states.take(layers)  # [A, L·D]
-
     def _children(self, head: EagleHead | Eagle3Head, out: torch.Tensor, nodes: list[int], tok, parent, score, depth, feat,
                   d: int) -> list[int]:
         """out [Q, D]: f̂ after each of ``nodes``; adds each node's topk children (depth d) and returns their indices."""
@@ -154,6 +137,26 @@ class EagleDrafter(Drafter):
 
     def update(self, draft: Draft, acceptance: Acceptance) -> None:
         return None
+
+
+def new_positions(state: DraftState, what: str) -> int:
+    """A: how many positions were committed since the last draft (their hidden states are ``state.new_hidden``)."""
+    if state.new_hidden is None:
+        raise ValueError(f"{what} needs DraftState.new_hidden (the target's hidden states of the newly committed "
+                         "positions); selfspec.core.generate provides it")
+    return state.new_hidden.shape[0]
+
+
+def head_features(layers: list[int] | None, state: DraftState, what: str) -> torch.Tensor:
+    """The target's features of the newly committed positions that a head reading ``layers`` takes: [A, D] final
+    hidden states (layers None), or [A, L·D] the states of its feature layers (EAGLE-3)."""
+    if not layers:
+        return state.new_hidden
+    if state.new_states is None:
+        raise ValueError(f"this {what} reads the target's hidden states at layers {layers}: expected "
+                         "DraftState.new_states (selfspec.core.generate provides it with the target's own verifier), "
+                         "found None")
+    return state.new_states.take(layers)  # [A, L·D]
 
 
 def load_drafter(path_or_repo_id: str | Path, target: Target, revision: str | None = None,

@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 from heads.checkpoints.files import write_checkpoint
 from heads.eagle.config import EagleConfig
 from heads.eagle.loss import eagle_loss
-from heads.eagle.model import EagleHead, eagle_card
+from heads.eagle.model import EagleHead
 from heads.training.config import TrainConfig, to_dict
 from heads.training.draft_vocab import count_vocabulary
 from heads.training.kind import HeadKind, HiddenPass, save_on_main, unwrapped
@@ -47,7 +47,7 @@ class EagleKind(HeadKind):
         return {"topk": section.topk}
 
     def card(self, config: Any, location: str) -> str:
-        return eagle_card(config, location)
+        return self.MODULE.card_for(config, location)
 
     def build(self, cfg: TrainConfig, model: PreTrainedModel, train_rows=None, tokenizer=None
               ) -> tuple[EagleHead, EagleConfig]:

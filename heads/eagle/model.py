@@ -34,12 +34,14 @@ feature width (D, or L·D with feature_layers), V vocabulary, V' draft vocabular
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModel, DynamicCache, PreTrainedModel
 
+from heads.base import card_usage
 from heads.checkpoints.draft import DraftCheckpoint
 from heads.checkpoints.files import read_typed_checkpoint
 from heads.eagle.config import DRAFT_TYPE, EagleConfig, check_feature_layers
@@ -55,12 +57,18 @@ def build_decoder(config) -> PreTrainedModel:
 
 def read_eagle_checkpoint(directory: Path) -> tuple[EagleConfig, dict[str, torch.Tensor]]:
     """config.json and model.safetensors of an EAGLE-head checkpoint directory, checked against each other. Strict."""
-    def build(config: EagleConfig) -> EagleHead:
-        stub = nn.Linear(1, config.vocab_size)  # the base's embeddings and LM head are not part of the checkpoint
-        return EagleHead(config, stub, stub)
+    return read_head_checkpoint(directory, DRAFT_TYPE, "EAGLE-head", EagleConfig, EagleHead, upgrade_state)
 
-    config, tensors = read_typed_checkpoint(directory, DRAFT_TYPE, "EAGLE-head", EagleConfig.from_dict, build,
-                                            upgrade=upgrade_state)
+
+def read_head_checkpoint(directory: Path, draft_type: str, what: str, config_class: type, head_class: type,
+                         upgrade=None) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A checkpoint of a head built on EagleHead (EAGLE heads, block drafters): its strict config, its tensors checked
+    against the head that config builds, and its draft vocabulary checked against the base's."""
+    def build(config: Any) -> nn.Module:
+        stub = nn.Linear(1, config.vocab_size)  # the base's embeddings and LM head are not part of the checkpoint
+        return head_class(config, stub, stub)
+
+    config, tensors = read_typed_checkpoint(directory, draft_type, what, config_class.from_dict, build, upgrade=upgrade)
     try:
         check_draft_tokens(tensors["draft_vocab.tokens"], config.draft_vocab_size, config.vocab_size)
     except ValueError as err:
@@ -68,11 +76,17 @@ def read_eagle_checkpoint(directory: Path) -> tuple[EagleConfig, dict[str, torch
     return config, tensors
 
 
-def eagle_card(config: EagleConfig, location: str) -> str:
+def card_facts(config: Any, offsets: str) -> tuple[str, str]:
+    """What a head's model card says of its features and its measured agreement (per ``offsets``: 'steps 1, 2, ...')."""
     features = ("final hidden states" if not config.feature_layers
                 else f"hidden states of layers {config.feature_layers} (fused, EAGLE-3 style)")
     agreement = ("not measured" if config.top1_agreement is None
-                 else ", ".join(f"{a:.3f}" for a in config.top1_agreement) + " (steps 1, 2, ...)")
+                 else ", ".join(f"{a:.3f}" for a in config.top1_agreement) + f" ({offsets})")
+    return features, agreement
+
+
+def eagle_card(config: EagleConfig, location: str) -> str:
+    features, agreement = card_facts(config, "steps 1, 2, ...")
     return f"""---
 library_name: selfspec
 base_model: {config.base_model}
@@ -86,11 +100,7 @@ the base verifies every draft tree in one forward, so greedy output is the base'
 {config.depth}, {config.topk} expanded per depth, {config.budget} nodes. Top-1 agreement with the base on held-out data:
 {agreement}.
 
-```python
-from selfspec.api import load
-model = load("{config.base_model}", draft="{location}")
-print(model.generate("Hello!", max_new_tokens=64).text)
-```
+{card_usage(config.base_model, location)}
 """
 
 

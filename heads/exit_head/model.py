@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from heads.base import BaseFields, base_name, base_sizes
+from heads.base import BaseFields, base_name, base_sizes, card_usage
 from heads.blocks import ResBlock, frozen_linear
 from heads.checkpoints.draft import DraftCheckpoint
 from heads.checkpoints.files import read_typed_checkpoint
@@ -126,11 +126,7 @@ Drafts with the first {config.exit_layer} of the base's {config.num_hidden_layer
 ({config.num_layers} residual block(s)) and the base's own final norm and LM head; the full model verifies, so
 greedy output is the base's own.{vocab} Top-1 agreement with the base on held-out data: {agreement}.
 
-```python
-from selfspec.api import load
-model = load("{config.base_model}", draft="{location}")
-print(model.generate("Hello!", max_new_tokens=64).text)
-```
+{card_usage(config.base_model, location)}
 """
 
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from heads.base import BaseFields, check_lm_head
+from heads.base import BaseFields, card_usage, check_lm_head
 from heads.blocks import ResBlock, frozen_linear
 from heads.checkpoints.draft import DraftCheckpoint
 from heads.checkpoints.files import read_typed_checkpoint
@@ -130,11 +130,7 @@ embeddings of the tokens drafted before them; the base's LM head, frozen). Head 
 base's next token; the base verifies every draft tree in one forward, so greedy output is the base's own. Top-1
 accuracy on held-out data: {accuracy}. Tree: {tree}.{vocab}
 
-```python
-from selfspec.api import load
-model = load("{config.base_model}", draft="{location}")
-print(model.generate("Hello!", max_new_tokens=64).text)
-```
+{card_usage(config.base_model, location)}
 """
 
 

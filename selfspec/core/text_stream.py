@@ -16,8 +16,25 @@ from transformers.generation.streamers import BaseStreamer
 from selfspec.core.logprobs import TokenLogprob
 
 
+class Rates:
+    """Tokens per second and tokens per target forward, for anything with ``new_tokens``, ``seconds`` and ``steps``
+    (target forwards, the prefill included)."""
+
+    new_tokens: int
+    seconds: float
+    steps: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def mean_accepted(self) -> float:
+        return self.new_tokens / max(self.steps, 1)
+
+
 @dataclass(frozen=True)
-class Stats:
+class Stats(Rates):
     new_tokens: int
     seconds: float
     """wall time of the decoding (prefill included, tokenisation and text decoding excluded)."""
@@ -36,14 +53,6 @@ class Stats:
     @property
     def steps(self) -> int:
         return len(self.accept_lengths)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds > 0 else float("inf")
-
-    @property
-    def mean_accepted(self) -> float:
-        return self.new_tokens / max(self.steps, 1)
 
     def __str__(self) -> str:
         drafting = "" if self.draft_seconds is None or self.steps < 2 else \

@@ -260,7 +260,7 @@ def build_tune_parser() -> argparse.ArgumentParser:
     _common(p, dtype_help="the dtype decoding will use, or several, comma-separated (fp32,bf16: each tuned and cached "
             "in turn, as infer.py bench --dtype fp32,bf16 decodes; default: %(default)s)")
     p.add_argument("--draft", required=True, help="the draft checkpoint whose dynamic tree to tune: an EAGLE head, "
-                   "Medusa or Hydra heads, an exit head or a layer-skip config; prompt lookup ('ngram', or with "
+                   "a block drafter, Medusa or Hydra heads, an exit head or a layer-skip config; prompt lookup ('ngram', or with "
                    "options other than depth and max_nodes, which are what it tunes; calibrate it with --prompts-file "
                    "on prompts like your workload's); or a merged draft such as "
                    "'ngram+DIR+skip_after=3', whose checkpoint part is tuned with the other parts drafting beside it "

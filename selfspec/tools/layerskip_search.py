@@ -25,6 +25,7 @@ from selfspec.core.drafter import Drafter, NoDrafter
 from selfspec.core.generate import generate
 from selfspec.drafts.layerskip import LayerSkipConfig, LayerSkipDrafter, check_stop_below
 from selfspec.core.target import Target
+from selfspec.core.text_stream import Rates
 
 CALIBRATION_PROMPTS = (
     "Explain how a refrigerator keeps food cold, in a few short paragraphs.",
@@ -62,19 +63,11 @@ def calibration_inputs(tokenizer: PreTrainedTokenizerBase, n: int = 4,
 
 
 @dataclass(frozen=True)
-class Measurement:
+class Measurement(Rates):
     new_tokens: int
     seconds: float
     steps: int
     """target forwards (the prefill included)."""
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds > 0 else float("inf")
-
-    @property
-    def mean_accepted(self) -> float:
-        return self.new_tokens / max(self.steps, 1)
 
 
 def measure(target: Target, drafter: Drafter, prompts: Sequence[torch.Tensor], max_new_tokens: int) -> Measurement:

@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import (ARCHS, Recording, decode_with_tiny_draft, random_prompts, reference, state_after_prefill,
                       tiny_model, train_and_check_resume)
+from test_architectures import SUPPORTED, build
 
 from heads.block.config import BlockConfig
 from heads.block.drafter import BlockDrafter, load_drafter
@@ -86,10 +87,7 @@ def test_training_pass_at_an_anchor_is_what_drafting_computes(arch, layers):
 
 @pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss", "falcon", "gpt_neo", "deepseek_v3", "opt"])
 def test_training_pass_is_what_drafting_computes_on_more_architectures(model_type):
-    """The same on decoders whose layers differ most (eager-only attention with soft-capping or sinks, tuple-returning
-    layers, GPT-Neo's per-layer attention kinds, multi-head latent attention, learned positions)."""
-    from test_architectures import SUPPORTED, build
-
+    """The same on the decoders whose layers differ most (test_eagle.py's unroll test says how)."""
     model = build(model_type, SUPPORTED[model_type])
     check_training_pass(model, make_head(model, num_layers=2, draft_vocab=64), None)
 
