@@ -160,7 +160,7 @@ def save_tuned(draft_location: str, target, model_id: str, tuning: Tuned, revisi
 
 def load_tuned(draft_location: str, target, model_id: str, revision: str | None = None,
                merged: str | None = None) -> DynamicTree:
-    """The tuned DynamicTree (budget, depth) for this draft on this target, dtype and machine (``--tree auto``), tuned
+    """The tuned DynamicTree (budget, depth, min_prob) for this draft on this target, dtype and machine (``--tree auto``), tuned
     alone or, with ``merged``, inside that merge."""
     key = tuned_key(draft_location, target, model_id, revision, merged)
     path = cache_file("tree", key)
@@ -173,7 +173,7 @@ def load_tuned(draft_location: str, target, model_id: str, revision: str | None 
                                 f"--draft {draft_location}{flag} --model {model_id} --dtype "
                                 f"{key['dtype'].removeprefix('torch.')}` first (a few minutes)")
     best = json.loads(path.read_text())["best"]
-    return DynamicTree(budget=int(best["budget"]), depth=int(best["depth"]))
+    return DynamicTree(budget=int(best["budget"]), depth=int(best["depth"]), min_prob=float(best.get("min_prob", 0.0)))
 
 
 def auto_tree(spec, target, model_id: str, part=None) -> DynamicTree:

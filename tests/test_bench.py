@@ -308,7 +308,8 @@ def test_draft_at_auto_keeps_the_tree_the_run_started_with_across_a_resume(model
                      "--budgets", "2,6", "--prompts", "2", "--max-new-tokens", "8", "--no-progress"]) == 0
     tuned = next((tmp_path / "cache").rglob("tree-*.json"))
     first = json.loads(tuned.read_text())["best"]
-    first_spec = f"dynamic:{first['budget']},depth={first['depth']}"
+    first_tree = DynamicTree(first["budget"], depth=first["depth"], min_prob=first["min_prob"])
+    first_spec = first_tree.spec
     questions = write_questions(tmp_path / "q.jsonl", QUESTIONS)
     argv = ["bench", "--model", str(model_dir), "--questions", str(questions), "--methods", f"plain,{heads}@auto",
             "--dtype", "fp32", "--max-new-tokens", "8", "--warmup-tokens", "0", "--no-progress"]
@@ -331,12 +332,12 @@ def test_draft_at_auto_keeps_the_tree_the_run_started_with_across_a_resume(model
     other = {**first, "budget": first["budget"] + 3, "depth": 1}
     tuned.write_text(json.dumps({**json.loads(tuned.read_text()), "best": other}))
     assert cli.main([*argv, "--out-dir", str(out), "--resume"]) == 0
-    assert set(trees) == {DynamicTree(first["budget"], depth=first["depth"])} and len(trees) == 4
+    assert set(trees) == {first_tree} and len(trees) == 4
     assert json.loads((out / "run.json").read_text())["auto_trees"] == {"heads@auto": {"float32": first_spec}}
     assert f"heads@auto {first_spec} (float32)" in (out / "summary.md").read_text()
     trees.clear()
     assert cli.main([*argv, "--out-dir", str(tmp_path / "new")]) == 0  # a new run: the new choice
-    assert set(trees) == {DynamicTree(other["budget"], depth=1)}
+    assert set(trees) == {DynamicTree(other["budget"], depth=1, min_prob=other["min_prob"])}
     capsys.readouterr()
 
 

@@ -8,6 +8,7 @@ the two runs visit the same states; here they are compared on the first step of 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -47,6 +48,10 @@ def test_accepted_at_counts_the_accepted_path_inside_the_best_nodes():
     assert budget.accepted_at(scores, depths, path, budget=2, depth=3) == 3  # a, c (b is worse than both)
     assert budget.accepted_at(scores, depths, path, budget=1, depth=3) == 2
     assert budget.accepted_at(scores, depths, path, budget=4, depth=1) == 2  # depth 1 keeps a only
+    # the adaptive length: nodes below the cut are left out, whatever the budget
+    assert budget.kept_nodes(scores, depths, budget=4, depth=3, min_logp=-0.4) == [1, 3]
+    assert budget.accepted_at(scores, depths, path, budget=4, depth=3, min_logp=-0.4) == 3  # a, c
+    assert budget.accepted_at(scores, depths, path, budget=4, depth=3, min_logp=-0.05) == 1  # nothing: the bonus
 
 
 def test_interpolate_between_and_beyond_measured_sizes():
@@ -79,6 +84,31 @@ def test_recorded_big_budget_predicts_what_a_small_budget_accepts(setup, kind):
             real.append(len(out.steps[1].tokens))
         assert predicted == real, small
     assert max(real) > 1  # the drafts do get accepted: the check is not about rejections only
+
+
+def test_recorded_big_budget_predicts_what_an_adaptive_length_accepts_and_verifies(setup):
+    """dynamic:N,min_prob=P replayed off the recorded big-budget draft: the tokens a step gains and the size of the
+    tree it verifies, exactly as a real decode with that cut (EAGLE's rerank leaves out the nodes below it)."""
+    model, head = setup
+    target = Target(model)
+    prompts = random_prompts(12, VOCAB, seed=4)
+    sizes = set()
+    for small, p in ((16, 0.05), (6, 0.2), (3, 0.01)):
+        predicted, real = [], []
+        for prompt in prompts:
+            recorder = budget._Recorder(EagleDrafter(head, 4, 3, 16))
+            generate(target, recorder, prompt, max_new_tokens=8)
+            scores, depths, path = recorder.steps[0]
+            kept = budget.kept_nodes(scores, depths, small, 4, math.log(p))
+            predicted.append((budget.accepted_at(scores, depths, path, small, 4, math.log(p)), len(kept) + 1))
+            out = generate(target, EagleDrafter(head, 4, 3, small, min_prob=p), prompt, max_new_tokens=8)
+            real.append((len(out.steps[1].tokens), out.steps[1].tree_size))
+        assert predicted == real, (small, p)
+        sizes |= {n for _, n in real}
+    assert len(sizes) >= 3  # the cut gives trees of several sizes: the check is not about full budgets only
+    choice = budget._choice([recorder.steps[0]], 6, 4, 0.2, {1: 10.0, 64: 73.0}, 1.0, 2.0)
+    n = len(budget.kept_nodes(*recorder.steps[0][:2], 6, 4, math.log(0.2))) + 1
+    assert (choice.nodes, choice.step_ms, choice.tree) == (n, 10.0 + (n - 1) + 2.0, DynamicTree(6, depth=4, min_prob=0.2))
 
 
 def test_recorded_lookup_predicts_what_prompt_lookup_of_another_size_accepts(setup):
@@ -359,9 +389,10 @@ def test_tune_tree_tunes_a_layer_skip_draft_for_tree_auto(model_dir, tmp_path, m
     # progress bars: the verify-cost curve, then 2 depths x 2 prompts (totals: tqdm redraws at most every 0.1 s)
     assert "verify costs" in err and "calibrating" in err and "/4 [" in err
     best = json.loads(next((tmp_path / "cache").rglob("tree-*.json")).read_text())["best"]
-    assert f"best: --tree dynamic:{best['budget']},depth={best['depth']}" in printed
+    tree = DynamicTree(best["budget"], depth=best["depth"], min_prob=best["min_prob"])
+    assert f"best: --tree {tree.spec} " in printed and "| min_prob |" in printed
     drafter = api.load(str(model_dir), draft=str(ckpt), tree="auto").drafter
-    assert drafter.dynamic == DynamicTree(best["budget"], depth=best["depth"])
+    assert drafter.dynamic == tree
     # decoding in another dtype than the one tuned: the error says which one is tuned (tune-tree defaults to bf16)
     with pytest.raises(FileNotFoundError, match=r"\(it is tuned for float32, \d+ threads: decode in that dtype, or "
                                                 r"tune this one\); run `python infer.py tune-tree .* --dtype bfloat16`"):
@@ -501,17 +532,17 @@ def test_recorded_merge_predicts_what_the_merge_with_a_smaller_head_budget_and_a
     model, head = setup
     target = Target(model)
 
-    def parts(n: int):
-        return [NGramDrafter(depth=4, max_nodes=6), EagleDrafter(head, 4, 3, n)]
+    def parts(n: int, min_prob: float = 0.0):
+        return [NGramDrafter(depth=4, max_nodes=6), EagleDrafter(head, 4, 3, n, min_prob=min_prob)]
 
     prompts = random_prompts(12, VOCAB, seed=4)
     compared = rested = 0
-    for small, skip in ((16, 1), (16, 2), (6, 2), (3, None), (1, 1)):
+    for small, skip, cut_at in ((16, 1, 0), (16, 2, 0), (6, 2, 0), (3, None, 0), (1, 1, 0), (16, 2, 0.05)):
         for p in prompts:
             recorder = merge_budget._MergedRecorder(parts(16), tuned=1)
             recorded = generate(target, recorder, p, max_new_tokens=32)
-            cuts = merge_budget.merged_run(recorder.steps, small, 4, skip)
-            real_drafter = MergedDrafter(parts(small), skip_after=skip)
+            cuts = merge_budget.merged_run(recorder.steps, small, 4, skip, math.log(cut_at) if cut_at else -math.inf)
+            real_drafter = MergedDrafter(parts(small, cut_at), skip_after=skip)
             real, real_rested = [], []
             for n, s in enumerate(stream(target, real_drafter, p, max_new_tokens=32)):
                 if n:  # after the prefill, each step as it is yielded: this step's part drafts are still held
@@ -563,11 +594,14 @@ def test_tune_tree_tunes_a_draft_inside_a_merge_and_tree_auto_prefers_that_tunin
                                                            for k in (1, 2, 3, 4, 6, None))}
     inside = merges["ngram:depth=4,max_nodes=6+*+skip_after=2"]
     assert inside["budget"] in (2, 6) and inside["nodes"] > 1
-    assert load(merge).drafters[1].dynamic == DynamicTree(inside["budget"], depth=2)
+    assert load(merge).drafters[1].dynamic == DynamicTree(inside["budget"], depth=2, min_prob=inside["min_prob"])
     four = merges["ngram:depth=4,max_nodes=6+*+skip_after=4"]  # every skip_after was tuned from the same recording
-    assert load(merge.replace("skip_after=2", "skip_after=4")).drafters[1].dynamic == DynamicTree(four["budget"], depth=2)
-    assert load(str(ckpt)).dynamic == DynamicTree(3, depth=2)
-    assert load(other_merge).drafters[1].dynamic == DynamicTree(3, depth=2)  # not tuned in: the part's own
+    assert (load(merge.replace("skip_after=2", "skip_after=4")).drafters[1].dynamic
+            == DynamicTree(four["budget"], depth=2, min_prob=four["min_prob"]))
+    alone = DynamicTree(3, depth=2, min_prob=merges[None]["min_prob"])  # the adaptive length's cut tuned too
+    assert merges[None]["min_prob"] in budget.MIN_PROBS
+    assert load(str(ckpt)).dynamic == alone
+    assert load(other_merge).drafters[1].dynamic == alone  # not tuned in: the part's own
     assert cli.main(["tune-tree", *common, "--draft", "ngram:depth=4+ngram"]) == 2  # no part to tune
     assert ("ngram:depth=4 (the part of ngram:depth=4+ngram that --tree applies to) is a 'ngram' draft"
             in capsys.readouterr().err)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import statistics
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
@@ -41,6 +42,7 @@ from tqdm import tqdm
 from selfspec.core.accept import Acceptance
 from selfspec.core.drafter import Draft, Drafter, DraftState, NoDrafter
 from selfspec.core.generate import generate
+from selfspec.core.tree import DynamicTree
 from selfspec.drafts.ngram import NGramDrafter
 from selfspec.tools.costs import verify_costs
 from selfspec.tuned import cache_file, machine_key, write_json
@@ -127,11 +129,20 @@ class _Recorder:
         self.inner.update(draft, acceptance)
 
 
-def accepted_at(scores: torch.Tensor, depths: Sequence[int], path: Sequence[int], budget: int, depth: int) -> int:
-    """Tokens a step gains with the ``budget`` best-scored nodes of depth <= ``depth`` of this draft: the accepted
-    path's nodes among them, plus the target's bonus token. (Ties by depth, then index: the drafter's own order.)"""
-    nodes = [i for i in range(1, len(depths)) if depths[i] <= depth]
-    best = set(sorted(nodes, key=lambda i: (-float(scores[i]), depths[i], i))[:budget])
+def kept_nodes(scores: torch.Tensor, depths: Sequence[int], budget: int, depth: int,
+               min_logp: float = -math.inf) -> list[int]:
+    """The nodes a draft keeps under ``dynamic:budget,depth=depth`` (and ``min_prob`` = exp(min_logp)): its ``budget``
+    best-scored nodes of depth <= ``depth``, none scoring below ``min_logp``. (Ties by depth, then index: the
+    drafter's own order.) A node never scores above its parent, so the kept nodes hold their ancestors."""
+    nodes = [i for i in range(1, len(depths)) if depths[i] <= depth and float(scores[i]) >= min_logp]
+    return sorted(nodes, key=lambda i: (-float(scores[i]), depths[i], i))[:budget]
+
+
+def accepted_at(scores: torch.Tensor, depths: Sequence[int], path: Sequence[int], budget: int, depth: int,
+                min_logp: float = -math.inf) -> int:
+    """Tokens a step gains with the nodes ``kept_nodes`` keeps of this draft: the accepted path's nodes among them,
+    plus the target's bonus token."""
+    best = set(kept_nodes(scores, depths, budget, depth, min_logp))
     gained = 0
     for i in path[1:]:
         if i not in best:
@@ -205,6 +216,13 @@ class Choice:
     """in a merge, or for prompt lookup: the tree's mean size with its root (a tuned head alone: budget + 1)."""
     resting: float = 0.0
     """in a merge: the share of steps the tuned part sits out (skip_after)."""
+    min_prob: float = 0.0
+    """the adaptive length: no node of cumulative draft probability below it (0: none left out)."""
+
+    @property
+    def tree(self) -> DynamicTree:
+        """What --tree auto stands for when this choice is the best."""
+        return DynamicTree(self.budget, depth=self.depth, min_prob=self.min_prob)
 
     @property
     def tokens_per_s(self) -> float:
@@ -259,9 +277,17 @@ def record_decodes(target, make_recorder: Callable[[int], Recorder], prompts: Se
     return recorded, statistics.median(ratios or [1.0])
 
 
+MIN_PROBS = (0.0, 0.01, 0.02, 0.05, 0.1)
+"""the adaptive length's cuts tune-tree tries by default (0: none): a node below the cut is left out, so a step's tree
+follows the draft's confidence, each step's verify costing its own size."""
+
+
 def tune(target, make_drafter: Callable[[int, int], Drafter], prompts: Sequence[torch.Tensor], curve: dict[int, float],
-         depths: Sequence[int], budgets: Sequence[int], max_new_tokens: int = 64, progress: bool = False) -> Tuning:
-    """Record one greedy decode per depth at the largest budget; predict tokens/s for every (depth, budget).
+         depths: Sequence[int], budgets: Sequence[int], max_new_tokens: int = 64, progress: bool = False,
+         min_probs: Sequence[float] = (0.0,)) -> Tuning:
+    """Record one greedy decode per depth at the largest budget; predict tokens/s for every (depth, budget, min_prob):
+    each recorded step cut to that tree (``kept_nodes``), its gain the accepted path inside it, its verify the cost of
+    its own size.
 
     The cached curve gives the verify cost's shape against tree size; its level is this run's: the curve is scaled by
     ``verify_ratio`` (this run's verifications over the curve's), so the verify and the drafting cost in a prediction
@@ -273,11 +299,25 @@ def tune(target, make_drafter: Callable[[int, int], Drafter], prompts: Sequence[
     table = []
     for d, records, other_ms in recorded:
         for n in budgets:
-            gains = [accepted_at(scores, dep, path, n, d) for scores, dep, path in records]
-            acc = sum(gains) / max(len(gains), 1)
-            table.append(Choice(depth=d, budget=n, accepted=acc, step_ms=ratio * interpolate(curve, n + 1) + other_ms))
+            for p in min_probs:
+                table.append(_choice(records, n, d, p, curve, ratio, other_ms))
     best = max(table, key=lambda c: c.tokens_per_s)
     return Tuning(best=best, plain_ms=ratio * curve[1], table=table, verify_ratio=ratio)
+
+
+def _choice(records: Sequence, budget: int, depth: int, min_prob: float, curve: dict[int, float], ratio: float,
+            other_ms: float) -> Choice:
+    """The recorded steps of one depth replayed as ``dynamic:budget,depth=depth,min_prob=min_prob``."""
+    if min_prob == 0:  # every step verifies budget + 1 nodes (fewer only when the draft had fewer candidates)
+        gains = [accepted_at(scores, dep, path, budget, depth) for scores, dep, path in records]
+        return Choice(depth=depth, budget=budget, accepted=sum(gains) / max(len(gains), 1),
+                      step_ms=ratio * interpolate(curve, budget + 1) + other_ms)
+    min_logp, k = math.log(min_prob), max(len(records), 1)
+    sizes = [len(kept_nodes(scores, dep, budget, depth, min_logp)) + 1 for scores, dep, _ in records]
+    gains = [accepted_at(scores, dep, path, budget, depth, min_logp) for scores, dep, path in records]
+    return Choice(depth=depth, budget=budget, accepted=sum(gains) / k,
+                  step_ms=ratio * sum(interpolate(curve, n) for n in sizes) / k + other_ms, nodes=sum(sizes) / k,
+                  min_prob=min_prob)
 
 
 def tune_lookup(target, lookup: NGramDrafter, prompts: Sequence[torch.Tensor], curve: dict[int, float],
@@ -306,14 +346,24 @@ def tune_lookup(target, lookup: NGramDrafter, prompts: Sequence[torch.Tensor], c
 
 
 def format_tuning(t: Tuning) -> str:
+    """One row per (depth, budget): with several min_prob tried, the fastest of them (its cut in its own column)."""
     plain = 1000 / t.plain_ms
-    merged = t.best.nodes is not None  # a merge or prompt lookup: trees of varying size
-    lines = ["| depth | budget |" + (" mean tree nodes |" if merged else "") + " mean accepted | predicted ms / step "
-             "| predicted tokens/s | vs one-token step |", "|---:|---:|" + ("---:|" if merged else "") + "---:|---:|---:|---:|"]
-    for c in sorted(t.table, key=lambda c: (c.depth, c.budget)):
+    cuts = any(c.min_prob > 0 for c in t.table)
+    sized = cuts or t.best.nodes is not None  # trees of varying size: a merge, prompt lookup, an adaptive length
+    rows: dict[tuple[int, int], Choice] = {}
+    for c in t.table:
+        key = (c.depth, c.budget)
+        if key not in rows or c.tokens_per_s > rows[key].tokens_per_s:
+            rows[key] = c
+    lines = ["| depth | budget |" + (" min_prob |" if cuts else "") + (" mean tree nodes |" if sized else "") +
+             " mean accepted | predicted ms / step | predicted tokens/s | vs one-token step |",
+             "|---:|---:|" + ("---:|" if cuts else "") + ("---:|" if sized else "") + "---:|---:|---:|---:|"]
+    for key in sorted(rows):
+        c = rows[key]
         mark = " **best**" if c == t.best else ""
-        nodes = f" {c.nodes:.1f} |" if merged else ""
-        lines.append(f"| {c.depth} | {c.budget} |{nodes} {c.accepted:.2f} | {c.step_ms:.1f} | "
+        cut = f" {c.min_prob:g} |" if cuts else ""
+        nodes = f" {c.nodes if c.nodes is not None else c.budget + 1:.1f} |" if sized else ""
+        lines.append(f"| {c.depth} | {c.budget} |{cut}{nodes} {c.accepted:.2f} | {c.step_ms:.1f} | "
                      f"{c.tokens_per_s:.1f}{mark} | {c.tokens_per_s / plain:.2f}× |")
     if t.best.tokens_per_s < plain:
         lines += ["", f"warning: no tree is predicted to beat one-token decoding here (best {t.best.tokens_per_s:.1f} "

@@ -32,7 +32,7 @@ from selfspec.tools.layerskip_search import CALIBRATION_PROMPTS, Measurement, ca
 from selfspec.core.models import DEFAULT_MODEL, load_model, parse_dtype
 from selfspec.drafts.ngram import NGramDrafter
 from selfspec.tools import budget, merge_budget
-from selfspec.tools.options import integer, integers
+from selfspec.tools.options import integer, integers, probabilities
 from selfspec.core.target import Target
 
 
@@ -272,6 +272,11 @@ def build_tune_parser() -> argparse.ArgumentParser:
                    help="depths to try, comma-separated (default: 3,4,5,6,8)")
     p.add_argument("--budgets", type=integers(1), default=(4, 8, 12, 16, 24, 32, 48, 64),
                    help="node budgets to try, comma-separated (default: 4,8,12,16,24,32,48,64)")
+    p.add_argument("--min-probs", type=probabilities, default=budget.MIN_PROBS,
+                   help="the adaptive length's cuts to try, comma-separated: a tree leaves out every node whose "
+                        "cumulative draft probability is below the cut, so each step sends as many nodes as the draft "
+                        "is sure of (0 = none left out; default: "
+                        f"{','.join(f'{p:g}' for p in budget.MIN_PROBS)}); the best becomes --tree auto's min_prob")
     p.add_argument("--refresh-costs", action="store_true", help="measure the verify costs again")
     p.add_argument("--compile", action="store_true",
                    help="tune for a compiled target (infer.py --compile): its verify costs and tuned trees are cached "
@@ -322,7 +327,7 @@ def _tune_one(a: argparse.Namespace, merge: registry.DraftSpec, spec: registry.D
                                     progress=not a.no_progress)
     else:  # the same draft at each depth and budget
         tuning = budget.tune(target, drafter.resized, prompts, curve, depths, budgets, a.max_new_tokens,
-                             progress=not a.no_progress)
+                             progress=not a.no_progress, min_probs=a.min_probs)
     if tuning.busy:
         out.write(f"{budget.format_tuning(tuning)}\n\nerror: nothing cached for --tree auto. This run's verifications "
                   f"took {tuning.verify_ratio:.1f}x the time the cached verify costs say (one-token step "
@@ -336,7 +341,7 @@ def _tune_one(a: argparse.Namespace, merge: registry.DraftSpec, spec: registry.D
     b = tuning.best
     within = f" inside {a.draft}" if merge.parts else ""
     best = (f"--draft {tuned.with_options('ngram', {**spec.config, 'depth': b.depth, 'max_nodes': b.budget})}"
-            if lookup else f"--tree dynamic:{b.budget},depth={b.depth}{within}")
+            if lookup else f"--tree {b.tree.spec}{within}")
     out.write(f"{a.model} {dtype}, {a.prompts} calibration prompts{_source(a)} x {a.max_new_tokens} tokens, one-token step "
               f"{tuning.plain_ms:.1f} ms (this run's verifications: {tuning.verify_ratio:.2f}x the cached costs):\n"
               f"{budget.format_tuning(tuning)}\n\nbest: {best} (mean accepted {b.accepted:.2f}, predicted "
@@ -367,7 +372,8 @@ def _tune_merge(a: argparse.Namespace, merge: registry.DraftSpec, spec: registry
         return [drafter.resized(d, n) if k == tuned_at else registry.build(p, target, a.model)
                 for k, p in enumerate(merge.parts)]
     return merge_budget.tune_merged(target, make_parts, tuned_at, prompts, curve, depths, budgets,
-                                    list(_skip_variants(merge)), a.max_new_tokens, progress=not a.no_progress)
+                                    list(_skip_variants(merge)), a.max_new_tokens, progress=not a.no_progress,
+                                    min_probs=a.min_probs)
 
 
 def _report_skips(a: argparse.Namespace, merge: registry.DraftSpec, spec: registry.DraftSpec, target: Target,

@@ -16,6 +16,7 @@ Shapes: N_k the tuned part's tree nodes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
@@ -24,7 +25,8 @@ import torch
 from selfspec.core.accept import Acceptance
 from selfspec.core.drafter import Draft, Drafter, DraftState
 from selfspec.drafts.merge import MergedDrafter
-from selfspec.tools.budget import Choice, TokenPath, Tuning, held, interpolate, record_decodes, token_paths
+from selfspec.tools.budget import (Choice, TokenPath, Tuning, held, interpolate, kept_nodes, record_decodes,
+                                   token_paths)
 
 
 @dataclass(frozen=True)
@@ -60,13 +62,13 @@ class Cut(NamedTuple):
     """the parts that sat out (places in the merge)."""
 
 
-def merged_at(step: MergedStep, budget: int, depth: int, resting: frozenset[int] = frozenset()) -> Cut:
-    """The step had the tuned part drafted only its ``budget`` best-scored nodes of depth <= ``depth`` (ties as in
-    ``accepted_at``) and the parts in ``resting`` (places in the merge) sat out."""
+def merged_at(step: MergedStep, budget: int, depth: int, resting: frozenset[int] = frozenset(),
+              min_logp: float = -math.inf) -> Cut:
+    """The step had the tuned part drafted only the nodes ``kept_nodes`` keeps (its ``budget`` best-scored nodes of
+    depth <= ``depth``, none below ``min_logp``) and the parts in ``resting`` (places in the merge) sat out."""
     scores, depths, paths = step.own
-    nodes = [i for i in range(1, len(depths)) if depths[i] <= depth]
     own = set()
-    for i in sorted(nodes, key=lambda i: (-float(scores[i]), depths[i], i))[:budget]:
+    for i in kept_nodes(scores, depths, budget, depth, min_logp):
         own.update(paths[i][:j] for j in range(1, len(paths[i]) + 1))  # a trie holds each node's ancestors
     others = iter(step.others)
     parts = [own if k == step.tuned else next(others) for k in range(len(step.others) + 1)]
@@ -79,7 +81,8 @@ def merged_at(step: MergedStep, budget: int, depth: int, resting: frozenset[int]
 
 
 
-def merged_run(steps: Sequence[MergedStep], budget: int, depth: int, skip_after: int | None) -> list[Cut]:
+def merged_run(steps: Sequence[MergedStep], budget: int, depth: int, skip_after: int | None,
+               min_logp: float = -math.inf) -> list[Cut]:
     """The recorded steps replayed in order as a merge with ``skip_after`` (``MergedDrafter``'s rule: a part sits out
     while an earlier one had at least that many of its own tokens accepted at the previous step, within a request)."""
     cuts: list[Cut] = []
@@ -89,7 +92,7 @@ def merged_run(steps: Sequence[MergedStep], budget: int, depth: int, skip_after:
             last = (0,) * (len(step.others) + 1)
         resting = frozenset() if skip_after is None else frozenset(
             k for k in range(len(last)) if any(a >= skip_after for a in last[:k]))
-        cuts.append(merged_at(step, budget, depth, resting))
+        cuts.append(merged_at(step, budget, depth, resting, min_logp))
         last = cuts[-1].own
     return cuts
 
@@ -129,39 +132,39 @@ SKIPS = (1, 2, 3, 4, 6, None)
 def tune_merged(target, make_parts: Callable[[int, int], Sequence[Drafter]], tuned: int,
                 prompts: Sequence[torch.Tensor], curve: dict[int, float], depths: Sequence[int],
                 budgets: Sequence[int], skips: Sequence[int | None] = SKIPS, max_new_tokens: int = 64,
-                progress: bool = False) -> dict[int | None, Tuning]:
+                progress: bool = False, min_probs: Sequence[float] = (0.0,)) -> dict[int | None, Tuning]:
     """``tune`` for part ``tuned`` of a merge (``make_parts(depth, budget)``: the merge's drafters, in order, that part
     at this depth and budget), the other parts drafting beside it, for every ``skip_after`` in ``skips``: one greedy
     decode per depth at the largest budget with every part drafting every step; the steps replayed in order for each
     skip_after (``merged_run``: which parts sit out, from the previous step's replayed verdict), each merged tree cut
-    to each smaller budget, its verify cost at its own size, the drafting time of the parts that sat out taken off.
+    to each smaller budget (and each ``min_probs`` cut), its verify cost at its own size, the drafting time of the parts that sat out taken off.
     Returns {skip_after: Tuning}."""
     big = max(budgets)
     recorded, ratio = record_decodes(target, lambda d: _MergedRecorder(make_parts(d, big), tuned), prompts, curve,
                                      depths, max_new_tokens, progress)
     tunings = {}
     for skip in skips:
-        table = [merged_choice(records, n, d, skip, curve, ratio, other_ms)
-                 for d, records, other_ms in recorded for n in budgets]
+        table = [merged_choice(records, n, d, skip, curve, ratio, other_ms, p)
+                 for d, records, other_ms in recorded for n in budgets for p in min_probs]
         tunings[skip] = Tuning(best=max(table, key=lambda c: c.tokens_per_s), plain_ms=ratio * curve[1], table=table,
                                verify_ratio=ratio)
     return tunings
 
 
 def merged_choice(steps: Sequence[MergedStep], budget: int, depth: int, skip_after: int | None,
-                  curve: dict[int, float], ratio: float, other_ms: float) -> Choice:
+                  curve: dict[int, float], ratio: float, other_ms: float, min_prob: float = 0.0) -> Choice:
     """The recorded steps of one depth replayed at this budget and skip_after (``merged_run``): mean tokens per step,
     and a step's predicted ms: the verify of each replayed tree at its own size (the cached curve at this run's level,
     ``ratio``), plus the recording's median rest of a step (``other_ms``, every part drafting) less the mean drafting
     time of the parts that sat out."""
-    cuts = merged_run(steps, budget, depth, skip_after)
+    cuts = merged_run(steps, budget, depth, skip_after, math.log(min_prob) if min_prob > 0 else -math.inf)
     k = max(len(cuts), 1)
     verify = sum(interpolate(curve, c.nodes) for c in cuts) / k
     saved = sum(step.part_ms[p] for step, c in zip(steps, cuts) for p in c.resting) / k
     tuned = steps[0].tuned if steps else 0
     return Choice(depth=depth, budget=budget, accepted=sum(c.gained for c in cuts) / k,
                   step_ms=ratio * verify + other_ms - saved, nodes=sum(c.nodes for c in cuts) / k,
-                  resting=sum(tuned in c.resting for c in cuts) / k)
+                  resting=sum(tuned in c.resting for c in cuts) / k, min_prob=min_prob)
 
 
 def format_skips(tunings: dict[int | None, Tuning], own: int | None) -> str:
@@ -174,6 +177,6 @@ def format_skips(tunings: dict[int | None, Tuning], own: int | None) -> str:
         c = t.best
         name = ("never" if k is None else str(k)) + (" (this merge)" if k == own else "")
         mark = " **best**" if c.tokens_per_s == fastest else ""
-        lines.append(f"| {name} | dynamic:{c.budget},depth={c.depth} | {c.nodes:.1f} | {c.resting:.0%} | "
+        lines.append(f"| {name} | {c.tree.spec} | {c.nodes:.1f} | {c.resting:.0%} | "
                      f"{c.accepted:.2f} | {c.tokens_per_s:.1f}{mark} | {c.tokens_per_s / plain:.2f}× |")
     return "\n".join(lines)

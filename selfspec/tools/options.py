@@ -45,6 +45,17 @@ def number(low: float, high: float) -> Callable[[str], float]:
     return parse
 
 
+def probabilities(text: str) -> tuple[float, ...]:
+    """Comma-separated probabilities, each 0 <= p < 1, at least one ('0,0.05' -> (0.0, 0.05))."""
+    try:
+        values = tuple(float(p) for p in text.split(","))
+    except ValueError:
+        values = (float("nan"),)
+    if not all(0 <= v < 1 for v in values):  # nan fails too
+        raise argparse.ArgumentTypeError(f"expected comma-separated probabilities from 0 to below 1, found {text!r}")
+    return values
+
+
 def names(text: str) -> tuple[str, ...]:
     """Comma-separated names ('fp32, bf16' -> ('fp32', 'bf16')), blanks dropped. (Lists of drafts: their options hold
     commas too, ``selfspec.registry.split_drafts``.)"""
