@@ -23,8 +23,9 @@ from heads.draft_types import push_folder
 from heads.medusa.config import MedusaConfig
 from heads.medusa.drafter import MedusaDrafter
 from heads.medusa.model import MedusaHeads
-from selfspec import Target
+from selfspec import Target, registry
 from selfspec.core.generate import generate
+from selfspec.core.tree import DynamicTree
 from selfspec.registry import build_drafter, parse_draft
 
 REPO = "tester/tiny-heads"
@@ -289,6 +290,39 @@ def test_eagle_head_push_to_hub_round_trip(chat, hub):
     assert drafter.budget == head.config.budget
 
 
+def test_a_block_drafter_is_published_and_drafts_by_repo_id_alone_and_merged(chat, hub, tmp_path, capsys):
+    """heads.publish sends a block drafter's three files; `--draft owner/name` (and `ngram+owner/name` with a tree
+    for the block) loads it by repo id, the same weights and draft vocabulary, and decodes token-identically to plain
+    greedy decoding."""
+    from heads.block.config import BlockConfig
+    from heads.block.drafter import BlockDrafter
+    from heads.block.model import BlockHead
+    from selfspec.drafts.merge import MergedDrafter
+
+    model, tokenizer = chat
+    torch.manual_seed(0)
+    head = BlockHead(BlockConfig.for_model(model, base_model="tiny-chat", block_size=4, draft_vocab_size=200),
+                     model.get_input_embeddings(), model.get_output_embeddings())
+    head.draft_vocab.set(torch.arange(200) + 50)
+    head.save_pretrained(tmp_path / "block")
+    assert publish_cli.main([str(tmp_path / "block"), "tester/block"]) == 0
+    assert set(hub.files("tester/block")) == {".gitattributes", "config.json", "model.safetensors", "README.md"}
+    assert b'draft="tester/block"' in hub.files("tester/block")["README.md"]
+    loaded = BlockHead.from_pretrained("tester/block", model)
+    assert loaded.config == head.config and torch.equal(loaded.draft_vocab.tokens, torch.arange(200) + 50)
+    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), loaded.state_dict().values()))
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "write a short story about the sea"}],
+                                        add_generation_prompt=True, return_tensors="pt")["input_ids"]
+    plain = model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
+    alone = registry.build("tester/block", Target(model), "tiny-chat", tree="dynamic:6,min_prob=0.01")
+    merged = registry.build("ngram+tester/block+skip_after=3", Target(model), "tiny-chat", tree="dynamic:6,depth=3")
+    assert isinstance(alone, BlockDrafter) and alone.dynamic == DynamicTree(6, min_prob=0.01)
+    assert isinstance(merged, MergedDrafter) and merged.drafters[1].dynamic == DynamicTree(6, depth=3)
+    for drafter in (alone, merged):
+        tokens, _ = decode(model, tokenizer, drafter)
+        assert tokens == plain[:len(tokens)] and len(tokens) == 24
+
+
 def test_hydra_heads_push_to_hub_round_trip(chat, hub, tmp_path):
     """Hydra heads published over the Hub API (the same commit path as every draft) and loaded back by id, tree and
     all; a saved directory is checked and carded as Hydra heads by push_folder (python -m heads.publish)."""
@@ -319,7 +353,6 @@ def test_tuned_trees_belong_to_one_revision_of_a_hub_draft(chat, hub, monkeypatc
     from selfspec import tuned
     from selfspec.tools import budget
     from selfspec.registry import resolve_tree
-    from selfspec.core.tree import DynamicTree
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "selfspec-cache"))
     model, _ = chat
