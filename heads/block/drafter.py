@@ -21,7 +21,6 @@ size, V' draft vocabulary, R ranks.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -76,7 +75,7 @@ class BlockDrafter(Drafter):
         return self.head.config.block_size
 
     def resized(self, depth: int, budget: int) -> "BlockDrafter":
-        return BlockDrafter(self.head, replace(self.dynamic or DynamicTree(budget), budget=budget, depth=depth))
+        return BlockDrafter(self.head, DynamicTree.resized(self.dynamic, budget, depth))
 
     @torch.inference_mode()
     def draft(self, state: DraftState) -> Draft:

@@ -34,7 +34,7 @@ from selfspec.core.accept import Acceptance
 from selfspec.core.drafter import Draft, Drafter, DraftState
 from selfspec.core.files import read_json_object
 from selfspec.core.target import Target
-from selfspec.core.tree import DynamicTree, Tree
+from selfspec.core.tree import DynamicTree, Tree, cut_logp
 
 
 class EagleDrafter(Drafter):
@@ -44,8 +44,7 @@ class EagleDrafter(Drafter):
                 raise ValueError(f"EAGLE drafting: expected {name} >= 1, found {value}")
         self.head = head.eval()
         self.depth, self.topk, self.budget = depth, min(topk, head.config.draft_vocab_size), budget
-        self.min_logp = DynamicTree(budget, min_prob=min_prob).min_logp  # min_prob checked there
-        self.min_prob = min_prob
+        self.min_prob, self.min_logp = min_prob, cut_logp(min_prob)
         self.cache: DynamicCache | None = None
         self.committed = 0  # true pairs in the head's cache
 

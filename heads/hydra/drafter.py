@@ -20,7 +20,6 @@ Shapes: N tree nodes, Q nodes expanded at a depth, d depth, D hidden size, V voc
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -68,7 +67,7 @@ class HydraDrafter(Drafter):
         return self.heads.config.num_heads
 
     def resized(self, depth: int, budget: int) -> "HydraDrafter":
-        return HydraDrafter(self.heads, replace(self.dynamic or DynamicTree(budget), budget=budget, depth=depth))
+        return HydraDrafter(self.heads, DynamicTree.resized(self.dynamic, budget, depth))
 
     @torch.inference_mode()
     def draft(self, state: DraftState) -> Draft:

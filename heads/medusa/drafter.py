@@ -16,7 +16,6 @@ Shapes: K heads, R ranks used by the tree, N tree nodes, V vocabulary, V' draft 
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -52,7 +51,7 @@ class MedusaDrafter(Drafter):
         return self.heads.config.num_heads
 
     def resized(self, depth: int, budget: int) -> "MedusaDrafter":
-        return MedusaDrafter(self.heads, replace(self.dynamic or DynamicTree(budget), budget=budget, depth=depth))
+        return MedusaDrafter(self.heads, DynamicTree.resized(self.dynamic, budget, depth))
 
     @torch.inference_mode()
     def draft(self, state: DraftState) -> Draft:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Iterable, Sequence
 
@@ -252,6 +252,14 @@ class TokenTrie:
         return Tree(parents=tuple(self.parents), ranks=tuple(self.ranks))
 
 
+def cut_logp(min_prob: float) -> float:
+    """The adaptive length's cut as a log-probability: log(min_prob), -inf for 0 (no cut). 0 <= min_prob < 1."""
+    if not 0.0 <= min_prob < 1.0:
+        raise ValueError(f"a dynamic tree's min_prob is a probability below 1: expected 0 <= min_prob < 1, found "
+                         f"{min_prob}")
+    return math.log(min_prob) if min_prob > 0 else -math.inf
+
+
 @dataclass(frozen=True)
 class DynamicTree:
     """Not one tree but a rule for one per step: the ``budget`` draft nodes of highest cumulative draft probability,
@@ -270,14 +278,18 @@ class DynamicTree:
         if self.budget < 1 or self.max_rank < 1 or (self.depth is not None and self.depth < 1):
             raise ValueError(f"a dynamic tree needs budget >= 1, max_rank >= 1 and depth >= 1 (or none), found "
                              f"{self.budget}, {self.max_rank}, {self.depth}")
-        if not 0.0 <= self.min_prob < 1.0:
-            raise ValueError(f"a dynamic tree's min_prob is a probability below 1: expected 0 <= min_prob < 1, found "
-                             f"{self.min_prob}")
+        cut_logp(self.min_prob)  # refuses a min_prob that is no probability below 1
 
     @property
     def min_logp(self) -> float:
         """log(min_prob): the lowest cumulative draft log-probability a node may have (-inf: no cut)."""
-        return math.log(self.min_prob) if self.min_prob > 0 else -math.inf
+        return cut_logp(self.min_prob)
+
+    @classmethod
+    def resized(cls, rule: "DynamicTree | None", budget: int, depth: int | None) -> "DynamicTree":
+        """``rule`` at another budget and depth, its other settings (max_rank, min_prob) kept; None: the default rule
+        (what ``Drafter.resized`` builds for budget tuning)."""
+        return cls(budget, depth=depth) if rule is None else replace(rule, budget=budget, depth=depth)
 
     @property
     def spec(self) -> str:

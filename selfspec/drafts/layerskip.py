@@ -24,7 +24,6 @@ V vocabulary, V' draft vocabulary (V without one).
 from __future__ import annotations
 
 import json
-import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -68,7 +67,7 @@ def draft_tree(tree: Tree | DynamicTree | None, depth: int) -> Tree | DynamicTre
         return tree
     if depth < 1:
         raise ValueError(f"depth (draft tokens per step) must be >= 1, found {depth}")
-    return Tree.chain(depth) if tree is None else dataclasses.replace(tree, depth=depth)
+    return Tree.chain(depth) if tree is None else DynamicTree.resized(tree, tree.budget, depth)
 
 
 class PartialModelDrafter(Drafter):
@@ -106,7 +105,7 @@ class PartialModelDrafter(Drafter):
     def resized(self, depth: int, budget: int) -> "PartialModelDrafter":
         """The same layers (and draft vocabulary) growing a dynamic tree of ``budget`` nodes, ``depth`` deep."""
         return PartialModelDrafter(self.target, self.replace,
-                                   dataclasses.replace(self.dynamic or DynamicTree(budget), budget=budget, depth=depth),
+                                   DynamicTree.resized(self.dynamic, budget, depth),
                                    self.stop_below, self.vocab)
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:

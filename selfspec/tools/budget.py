@@ -42,7 +42,7 @@ from tqdm import tqdm
 from selfspec.core.accept import Acceptance
 from selfspec.core.drafter import Draft, Drafter, DraftState, NoDrafter
 from selfspec.core.generate import generate
-from selfspec.core.tree import DynamicTree
+from selfspec.core.tree import DynamicTree, cut_logp
 from selfspec.drafts.ngram import NGramDrafter
 from selfspec.tools.costs import verify_costs
 from selfspec.tuned import cache_file, machine_key, write_json
@@ -312,7 +312,7 @@ def _choice(records: Sequence, budget: int, depth: int, min_prob: float, curve: 
         gains = [accepted_at(scores, dep, path, budget, depth) for scores, dep, path in records]
         return Choice(depth=depth, budget=budget, accepted=sum(gains) / max(len(gains), 1),
                       step_ms=ratio * interpolate(curve, budget + 1) + other_ms)
-    min_logp, k = math.log(min_prob), max(len(records), 1)
+    min_logp, k = cut_logp(min_prob), max(len(records), 1)
     sizes = [len(kept_nodes(scores, dep, budget, depth, min_logp)) + 1 for scores, dep, _ in records]
     gains = [accepted_at(scores, dep, path, budget, depth, min_logp) for scores, dep, path in records]
     return Choice(depth=depth, budget=budget, accepted=sum(gains) / k,

@@ -24,6 +24,7 @@ import torch
 
 from selfspec.core.accept import Acceptance
 from selfspec.core.drafter import Draft, Drafter, DraftState
+from selfspec.core.tree import cut_logp
 from selfspec.drafts.merge import MergedDrafter
 from selfspec.tools.budget import (Choice, TokenPath, Tuning, held, interpolate, kept_nodes, record_decodes,
                                    token_paths)
@@ -157,7 +158,7 @@ def merged_choice(steps: Sequence[MergedStep], budget: int, depth: int, skip_aft
     and a step's predicted ms: the verify of each replayed tree at its own size (the cached curve at this run's level,
     ``ratio``), plus the recording's median rest of a step (``other_ms``, every part drafting) less the mean drafting
     time of the parts that sat out."""
-    cuts = merged_run(steps, budget, depth, skip_after, math.log(min_prob) if min_prob > 0 else -math.inf)
+    cuts = merged_run(steps, budget, depth, skip_after, cut_logp(min_prob))
     k = max(len(cuts), 1)
     verify = sum(interpolate(curve, c.nodes) for c in cuts) / k
     saved = sum(step.part_ms[p] for step, c in zip(steps, cuts) for p in c.resting) / k
