@@ -16,6 +16,9 @@ loaded, then built on the loaded target.
 - ``ngram`` / ``ngram:depth=8,max_nodes=24``   prompt lookup over a trie (``NGramDrafter``), no training
 - ``early-exit:layer=E`` (optionally ``,depth=4,stop_below=0.3``)   the first E layers + the final norm and LM head
   (``EarlyExitDrafter``), no training
+- ``model:<dir or Hub id>``         a separate draft model: any causal LM with the target's tokenizer drafts a chain or
+  a tree from its own cache (``ModelDrafter``), e.g. one ``train.py`` distilled (``method: draft_model``); a
+  transformers model directory given without ``model:`` is the same
 - a local directory or a Hub id whose ``config.json`` says ``"draft_type": X``: loaded by the function registered
   under entry-point group ``selfspec.drafters``, name X, called as ``load(path_or_repo_id, target, revision=, tree=)``.
   selfspec never imports the package that trains drafts; that package registers its loaders in its pyproject.
@@ -52,6 +55,7 @@ from selfspec.core.files import read_json_object
 from selfspec.core.models import looks_local, unreachable_hub
 from selfspec.core.target import Target
 from selfspec.core.tree import DynamicTree, Tree
+from selfspec.drafts.draft_model_load import load_model_drafter
 from selfspec.drafts.early_exit import EarlyExitDrafter
 from selfspec.drafts.merge import MergedDrafter
 from selfspec.drafts.ngram import NGramDrafter
@@ -63,8 +67,8 @@ NGRAM_KEYS = ("max_ngram", "min_ngram", "depth", "max_nodes", "max_matches")
 EARLY_EXIT_KEYS = {"layer": int, "depth": int, "stop_below": float}
 ACCEPTED = (
     "'none', 'ngram' (optionally 'ngram:depth=8,max_nodes=24' with keys " + ", ".join(NGRAM_KEYS) + "), "
-    "'early-exit:layer=E' (optional keys depth, stop_below), "
-    "or a local directory / Hub id of a draft checkpoint whose config.json has \"draft_type\""
+    "'early-exit:layer=E' (optional keys depth, stop_below), 'model:<dir or Hub id>' (a separate draft model with the "
+    "target's tokenizer), or a local directory / Hub id of a draft checkpoint whose config.json has \"draft_type\""
 )
 SPECULATORS_KINDS = {"eagle3": "eagle"}
 """speculators_model_type (config.json of a vLLM ``speculators`` checkpoint) -> the draft kind whose entry point loads
@@ -103,6 +107,8 @@ class DraftSpec:
         """The ``--draft`` string that parses to this spec (a checkpoint by its directory or Hub id), without its tree."""
         if self.parts:
             return "+".join([p.text for p in self.parts] + [f"{k}={v}" for k, v in self.config.items()])
+        if self.kind == "model":
+            return f"model:{self.location}"
         return self.location or self._name
 
     @property
@@ -184,6 +190,8 @@ def parse_draft(spec: str, revision: str | None = None, tree: TreeArg = None) ->
         return DraftSpec(kind="ngram", config=parse_ngram(spec[len("ngram:"):]))
     if spec == "early-exit" or spec.startswith("early-exit:"):
         return DraftSpec(kind="early-exit", config=parse_early_exit(spec[len("early-exit:"):]))
+    if spec == "model" or spec.startswith("model:"):
+        return parse_draft_model(spec[len("model:"):], revision)
     if looks_local(spec):
         path = Path(spec).expanduser()
         if not path.is_dir():
@@ -198,6 +206,8 @@ def parse_draft(spec: str, revision: str | None = None, tree: TreeArg = None) ->
     else:
         raise ValueError(f"unknown --draft {spec!r}: expected {ACCEPTED}")
     draft_type = checkpoint_kind(config, location)
+    if draft_type == "model":
+        return DraftSpec(kind="model", location=location, config=config, revision=revision)
     loaders = drafter_loaders()
     if draft_type not in loaders:
         known = ", ".join(sorted(loaders)) or "none registered: is the package that trains heads installed (pip install -e .)?"
@@ -208,9 +218,27 @@ def parse_draft(spec: str, revision: str | None = None, tree: TreeArg = None) ->
     return DraftSpec(kind=draft_type, location=location, config=config, revision=revision)
 
 
+def parse_draft_model(where: str, revision: str | None) -> DraftSpec:
+    """'model:<dir or Hub id>': a separate draft model, its config.json read (no weights)."""
+    if not where:
+        raise ValueError("--draft model: expected the draft model after the colon: model:<directory or Hub id>")
+    if looks_local(where):
+        path = Path(where).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"--draft model:{where}: {path} is not a model directory (expected a transformers "
+                                    "model directory with config.json)")
+        config, location = read_json_object(path / "config.json", "the draft model's config"), str(path)
+    else:
+        config, location = _read_hub_config(where, revision), where
+    if "draft_type" in config or "speculators_model_type" in config:
+        raise ValueError(f"--draft model:{where} is a draft checkpoint, not a model: pass it as --draft {where}")
+    return DraftSpec(kind="model", location=location, config=config, revision=revision)
+
+
 def checkpoint_kind(config: dict[str, Any], location: str) -> str:
     """The kind of draft a checkpoint's config.json names: its "draft_type", or for a checkpoint of vLLM's speculators
-    library its speculators_model_type's kind (``SPECULATORS_KINDS``)."""
+    library its speculators_model_type's kind (``SPECULATORS_KINDS``), or 'model' for a transformers causal LM (a
+    separate draft model)."""
     draft_type = config.get("draft_type")
     if isinstance(draft_type, str):
         return draft_type
@@ -220,6 +248,9 @@ def checkpoint_kind(config: dict[str, Any], location: str) -> str:
             raise ValueError(f"{location} is a speculators {speculators!r} checkpoint; selfspec drafts with speculators' "
                              f"{', '.join(SPECULATORS_KINDS)} checkpoints")
         return SPECULATORS_KINDS[speculators]
+    if isinstance(config.get("model_type"), str) and any(str(a).endswith("ForCausalLM")
+                                                         for a in config.get("architectures") or ()):
+        return "model"  # a transformers causal LM: a separate draft model
     raise ValueError(f"{location}/config.json has no \"draft_type\" string (found {draft_type!r}) and no "
                      f"\"speculators_model_type\"; expected {ACCEPTED}")
 
@@ -345,7 +376,7 @@ def tree_part(spec: DraftSpec) -> DraftSpec:
     return next((p for p in spec.parts if p.location is not None), spec.parts[0])
 
 
-DYNAMIC_TREE_KINDS = ("medusa", "eagle", "hydra", "early-exit", "exit-head", "layerskip", "block")
+DYNAMIC_TREE_KINDS = ("medusa", "eagle", "hydra", "early-exit", "exit-head", "layerskip", "block", "model")
 """drafters that grow a tree per step from their candidates' probabilities (--tree dynamic:N)."""
 
 
@@ -404,6 +435,8 @@ def build_drafter(spec: DraftSpec, target: Target, tree: Tree | DynamicTree | No
     if spec.kind == "early-exit":
         opts = dict(spec.config)
         return EarlyExitDrafter(target, opts.pop("layer"), tree=tree, **opts)
+    if spec.kind == "model":
+        return load_model_drafter(spec.location, target, spec.revision, tree)
     entry = drafter_loaders()[spec.kind]
     try:
         loader: Callable[..., Drafter] = entry.load()

@@ -329,6 +329,43 @@ def test_loop_sampling_keeps_the_target_distribution(loop_world, drafter):
     assert len(counts) >= 15  # really a distribution over many sequences, not a near-constant
 
 
+def draft_model_drafter(target: Target, tree) -> "ModelDrafter":
+    """A separate draft model (another random model of the vocabulary, so its q is far from the target's p) sampling
+    its drafts from its own q: a static tree (TREE) or 4 nodes 2 deep by its own probabilities."""
+    from selfspec.drafts.draft_model import ModelDrafter
+
+    return ModelDrafter(tiny_model("llama", vocab=V_LOOP, initializer_range=0.3, seed=12, num_hidden_layers=1), target,
+                        tree)
+
+
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
+def test_loop_sampling_with_a_draft_model_keeps_the_target_distribution(loop_world, tree):
+    """A draft model draws each node from its own q (without replacement among siblings) and the loop accepts with
+    min(1, p/q) on each node's q: the joint of the first three tokens equals plain sampling from the target."""
+    target, exact = loop_world
+    shape = TREE if tree == "static" else DynamicTree(4, max_rank=2, depth=2)
+    drafter = draft_model_drafter(target, shape)
+    draft = drafter.draft(DraftState(tokens=PROMPT, prompt_length=PROMPT.shape[0], hidden=torch.zeros(1), cache=None,
+                                     sampling=SAMPLING, generator=torch.Generator().manual_seed(0)))
+    assert draft.q is not None and draft.q.shape == (len(draft.tree), V_LOOP) and len(draft.tree) > 2
+    n = 1000
+    counts = _loop_counts(target, lambda: drafter, n, seed=5000)
+    assert goodness_of_fit(counts, exact, n) > ALPHA
+    assert len(counts) >= 15
+
+
+def test_draft_model_check_catches_a_rule_that_ignores_q_after_a_rejection(loop_world, monkeypatch):
+    """The same check fails when the acceptance tests min(1, p/q) but ignores q after a rejection (p is not replaced
+    by norm(max(p - q, 0))). (Dropping q altogether is no such failure: a node taken as a point mass on its token is
+    accepted with probability p(token) and removed from p, which is lossless whatever drew it, only less often
+    accepted.)"""
+    target, exact = loop_world
+    monkeypatch.setattr(LOOP_MODULE, "sample_accept", no_residual)
+    n = 1000
+    counts = _loop_counts(target, lambda: draft_model_drafter(target, TREE), n, seed=5000)
+    assert goodness_of_fit(counts, exact, n) < ALPHA
+
+
 @pytest.mark.parametrize("drafter", ["sampled-q", "layerskip-dynamic"])
 def test_loop_sampling_beyond_a_sliding_window_keeps_the_target_distribution(sliding_world, drafter):
     """As above, on a model whose sliding window the prompt already exceeds (the sliding layers slide every step)."""

@@ -86,3 +86,16 @@ def spanning_stop(tokenizer, tokens: list[int], start: int) -> str:
         if len(a) >= 2 and len(b) >= 2 and stop.isalpha() and stop.isascii() and stop not in seen:
             return stop
     raise AssertionError("no stop string spanning two tokens in this answer")
+
+
+def build_draft_model(model_dir: Path, path: Path, num_layers: int = 1) -> Path:
+    """A separate draft model for the model in ``model_dir``: its first ``num_layers`` layers (same tokenizer), saved as
+    an ordinary model directory at ``path`` (what ``--draft model:DIR`` loads)."""
+    from transformers import AutoTokenizer
+
+    model = LlamaForCausalLM.from_pretrained(model_dir)
+    model.model.layers = model.model.layers[:num_layers]
+    model.config.num_hidden_layers = num_layers
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(path)
+    return path

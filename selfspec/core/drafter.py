@@ -69,6 +69,9 @@ class DraftState:
     new_states: LayerStates | None = None
     """the target's hidden states at every layer at the same A positions (``new_states.take(layers)`` [A, L·D]): what
     an EAGLE-3 head fuses. None when the caller or the verifier does not provide them."""
+    generator: torch.Generator | None = None
+    """the request's random generator (seeded sampling), for drafters that sample their drafts (a draft model drawing
+    from its own q): one seed then reproduces the whole decode. None: torch's global generator."""
 
     @property
     def starts_request(self) -> bool:

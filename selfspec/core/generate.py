@@ -157,7 +157,7 @@ def stream(target: Target, drafter: Drafter, input_ids: torch.Tensor, max_new_to
         start = tokens.shape[0] - 1  # cache length: everything but the root
         # 2. draft a tree rooted at the last token; never deeper than the tokens still wanted or the context allows
         state = DraftState(tokens=tokens, prompt_length=prompt.shape[0], hidden=hidden, cache=cache, sampling=sampling,
-                           new_hidden=new_hidden, new_states=new_states)
+                           new_hidden=new_hidden, new_states=new_states, generator=generator)
         proposed, draft_s = timed(sync, drafter.draft, state)
         draft = fit_draft(proposed, target, start, max_new_tokens - produced - 1)
 

@@ -13,8 +13,10 @@ Every answer is logged to out_dir as soon as it exists (``bench_log``): ``resume
 interrupted run where it stopped, with the same options, and redoes nothing.
 
 Methods: ``plain`` (``model.generate``), ``pld`` / ``pld:N`` (``prompt_lookup_num_tokens=N``, default 10),
-``aee`` / ``aee:E`` (``assistant_early_exit=E``, default half the layers), ``none`` (selfspec's loop without a
-draft), ``ngram`` / ``ngram:...``, and draft checkpoint directories or Hub ids. For the transformers methods
+``aee`` / ``aee:E`` (``assistant_early_exit=E``, default half the layers), ``assisted:<dir or Hub id>``
+(``assistant_model=``: transformers' assisted generation with a separate draft model, its own heuristics for how
+many tokens to draft), ``none`` (selfspec's loop without a draft), ``ngram`` / ``ngram:...``, ``model:<dir>`` (the
+same draft model in selfspec's loop), and draft checkpoint directories or Hub ids. For the transformers methods
 ``accept_lengths`` are the tokens each ``generate`` step handed its streamer (plain: all 1s).
 """
 
@@ -28,7 +30,7 @@ import subprocess
 import sys
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -149,6 +151,9 @@ class Method:
     draft: registry.DraftSpec | None = None
     """for selfspec methods: the parsed --draft, with its tree ('DRAFT@TREE', e.g. 'runs/heads@dynamic:32'; None:
     its own)."""
+    assistant: registry.DraftSpec | None = None
+    """for transformers' assisted generation: the draft model (``model:...``) loaded as ``assistant_model`` in each
+    dtype."""
 
 
 def _option(spec: str, name: str) -> int | None:
@@ -176,6 +181,9 @@ def parse_methods(specs: tuple[str, ...], num_layers: int, revision: str | None 
             if exit_layer >= num_layers:
                 raise ValueError(f"method {spec!r}: the exit layer must be below the target's {num_layers} layers")
             methods.append(Method(spec, hf_kwargs={"assistant_early_exit": exit_layer}))
+        elif spec.startswith("assisted:"):
+            draft = registry.parse_draft_model(spec[len("assisted:"):], revision)
+            methods.append(Method(f"assisted:{draft.label}", hf_kwargs={}, assistant=draft))
         else:
             methods.append(draft_method(spec, revision))
     labels = [m.label for m in methods]
@@ -195,6 +203,15 @@ def draft_method(spec: str, revision: str | None = None) -> Method:
         raise type(err)(f"method {spec!r}: {err} (a method is plain, pld[:N], aee[:E], or a draft as infer.py --draft "
                         f"takes it, with @TREE for another --tree)") from None
     return Method(draft.label, draft=draft)
+
+
+def with_assistant(method: Method, target: Target) -> Method:
+    """``method`` ready to run on ``target``: an assisted-generation method with its draft model loaded in the
+    target's dtype and device, checked as ``--draft model:`` checks it (the same tokenizer), as ``assistant_model``."""
+    if method.assistant is None:
+        return method
+    assistant = registry.build_drafter(method.assistant, target).model
+    return replace(method, hf_kwargs={**(method.hf_kwargs or {}), "assistant_model": assistant})
 
 
 def _runner(method: Method, target: Target, tokenizer: Any, model_name: str,
@@ -324,11 +341,13 @@ def run_bench(cfg: BenchConfig) -> specbench.Summary:
 
     # 2. one target per dtype, all loaded up front, shared by every method of that dtype
     runners: dict[str, dict[str, SpecModel]] = {}
+    calls: dict[str, dict[str, Method]] = {}  # per dtype: each method as it runs (an assistant model loaded in it)
     for dname in dtypes:
         model, tokenizer = load_model(cfg.model, dtype=parse_dtype(dname), revision=cfg.revision, device=cfg.device,
                                       compile=cfg.compile)
         target = Target(model)
         runners[dname] = {}
+        calls[dname] = {m.label: with_assistant(m, target) for m in methods}
         for m in methods:  # DRAFT@auto: tune-tree's choice when the run first met it, kept for the whole run
             tree = None if m.draft is None or m.draft.tree != "auto" else log.auto_tree(
                 m.label, dname, lambda: registry.resolve_tree("auto", m.draft, target, cfg.model).spec)
@@ -338,7 +357,7 @@ def run_bench(cfg: BenchConfig) -> specbench.Summary:
         warm = Question(questions[0].question_id, questions[0].category, questions[0].turns[:1])
         for dname in dtypes:
             for m in methods:
-                answer_question(runners[dname][m.label], m, warm, cfg.options(cfg.warmup_tokens))
+                answer_question(runners[dname][m.label], calls[dname][m.label], warm, cfg.options(cfg.warmup_tokens))
     # 4. answer: questions outside, every dtype and method inside, so that load on the machine hits them alike and a
     #    run resumed on another day still compares each question's answers side by side; each answer is logged at once
     todo = [q for q in questions if not all(log.has(m.label, d, q.question_id) for m in methods for d in dtypes)]
@@ -349,7 +368,7 @@ def run_bench(cfg: BenchConfig) -> specbench.Summary:
         for dname in dtypes:
             for m in methods:
                 if not log.has(m.label, dname, q.question_id):
-                    log.add(m.label, dname, answer_question(runners[dname][m.label], m, q,
+                    log.add(m.label, dname, answer_question(runners[dname][m.label], calls[dname][m.label], q,
                                                             cfg.options(cfg.max_new_tokens), cfg.repeats))
         summary = _report(out, log, questions, methods, dtypes, model_id)  # partial results readable at any time
         if not cfg.progress:  # a line per question instead of a bar (logs of runs under nohup)

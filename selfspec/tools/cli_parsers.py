@@ -31,7 +31,8 @@ def _draft_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="ngram",
                    help="the draft: 'ngram' (prompt lookup, default; options as 'ngram:depth=8,max_nodes=24'), 'none' "
                         "(plain decoding through the same loop), 'early-exit:layer=E' (the first E layers draft; options "
-                        "depth, stop_below), or a draft checkpoint (directory or Hub id: Medusa or Hydra heads, an EAGLE head, an "
+                        "depth, stop_below), 'model:DIR' (a separate draft model with the target's tokenizer, a "
+                        "directory or Hub id, e.g. one train.py distilled: method draft_model), or a draft checkpoint (directory or Hub id: Medusa or Hydra heads, an EAGLE head, an "
                         "exit head, a layer-skip config); 'A+B' verifies the drafts of A and B as one tree each step, e.g. "
                         "'runs/eagle_head+ngram' (a trained head and prompt lookup; --tree applies to the first trained "
                         "checkpoint among the parts, else to A)")
@@ -120,7 +121,9 @@ def build_bench_parser() -> argparse.ArgumentParser:
                    help="where answers and the summary go (default: %(default)s)")
     p.add_argument("--methods", default="plain,pld,aee,ngram",
                    help="comma-separated: plain, pld[:N] (prompt_lookup_num_tokens, default 10), aee[:E] "
-                        "(assistant_early_exit, default half the layers), none, ngram[:opts], draft checkpoints, A+B "
+                        "(assistant_early_exit, default half the layers), assisted:DIR (transformers' assistant_model= "
+                        "with the draft model DIR), none, ngram[:opts], model:DIR (a separate draft model), draft "
+                        "checkpoints, A+B "
                         "(merged drafts); DRAFT@TREE runs a draft with another --tree (e.g. runs/heads@dynamic:32, "
                         "runs/heads@dynamic:12,depth=3, runs/heads@chain:3, runs/heads@tree.json, "
                         "runs/eagle_head+ngram:depth=6,max_nodes=8@auto; default: %(default)s)")
