@@ -21,8 +21,9 @@ import os
 import shutil
 import tomllib
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from huggingface_hub import snapshot_download
@@ -64,6 +65,19 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
 def write_checkpoint(directory: str | Path, state: dict[str, torch.Tensor], config: dict, card: str) -> Path:
     """Any draft checkpoint: config.json (+ selfspec_version), model.safetensors (with the tensors' sha256) and
     README.md, written to a temporary directory and renamed into place, so a checkpoint is whole or absent."""
+    with atomic_directory(directory) as tmp:
+        tensors = {name: t.detach().cpu().contiguous() for name, t in state.items()}
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", "sha256": tensors_sha256(tensors)})
+        (tmp / CONFIG).write_text(json.dumps({**config, "selfspec_version": selfspec_version()}, indent=2) + "\n")
+        (tmp / CARD).write_text(card)
+    return Path(directory).expanduser()
+
+
+@contextmanager
+def atomic_directory(directory: str | Path) -> Iterator[Path]:
+    """A temporary directory next to ``directory`` to write a checkpoint's files into; when the block ends without an
+    error they are moved into place: a new directory is renamed into place whole, an existing one gets each file
+    replaced atomically (weights first, config.json last). On an error nothing in ``directory`` changes."""
     target = Path(directory).expanduser()
     if target.exists() and not target.is_dir():
         raise NotADirectoryError(f"expected a directory to save the checkpoint into, found a file at {target}")
@@ -71,19 +85,15 @@ def write_checkpoint(directory: str | Path, state: dict[str, torch.Tensor], conf
     tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()  # the default mode (not mkdtemp's 0700): the renamed checkpoint is as readable as any new directory
     try:
-        tensors = {name: t.detach().cpu().contiguous() for name, t in state.items()}
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", "sha256": tensors_sha256(tensors)})
-        (tmp / CONFIG).write_text(json.dumps({**config, "selfspec_version": selfspec_version()}, indent=2) + "\n")
-        (tmp / CARD).write_text(card)
+        yield tmp
         if not target.exists():
             os.rename(tmp, target)  # the whole checkpoint appears at once
-            return target
-        for name in (WEIGHTS, CARD, CONFIG):
-            os.replace(tmp / name, target / name)
+            return
+        for path in sorted(tmp.iterdir(), key=lambda p: (p.name == CONFIG, p.suffix != ".safetensors", p.name)):
+            os.replace(path, target / path.name)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 # --------------------------------------------------------------------------------------------------------- load

@@ -22,7 +22,7 @@ from heads.eagle.config import check_feature_layer_list
 from heads.training.data import DataConfig
 
 FINAL_DIRS = {"medusa": "heads", "hydra": "hydra_heads", "exit_head": "exit_head", "eagle": "eagle_head",
-              "block": "block_head"}
+              "block": "block_head", "draft_model": "draft_model"}
 """method -> the subdirectory of output_dir the trained draft is saved to."""
 
 
@@ -63,7 +63,8 @@ class HeadsConfig:
 @dataclass
 class LossConfig:
     kind: Literal["ce", "kl"] = "ce"
-    """"ce": cross-entropy on the data's tokens; "kl": KL(target || head) to the target's own distribution."""
+    """"ce": cross-entropy on the data's tokens (a draft model: on the target's own greedy token); "kl": KL(target ||
+    head) to the target's own distribution."""
     decay: float = 0.8
     """head k's loss weight is decay**(k-1)."""
     vocab: Literal["draft", "full"] = "draft"
@@ -167,8 +168,8 @@ class LoggingConfig:
     """log training metrics every this many optimizer steps: the loss averaged over them, the heads' training top-1 /
     top-5 measured on the last one's batches (measuring is a full-vocabulary pass for an EAGLE head)."""
     project: str | None = None
-    """tracker project / run name (null: the method: "medusa", "hydra", "exit", "eagle" or "block"; TensorBoard writes
-    to <output_dir>/<project>)."""
+    """tracker project / run name (null: the method: "medusa", "hydra", "exit", "eagle", "block" or "draft-model";
+    TensorBoard writes to <output_dir>/<project>)."""
     progress_bar: bool = True
     """show a tqdm progress bar on the main process."""
 
@@ -254,6 +255,34 @@ class BlockSection:
 
 
 @dataclass
+class DraftModelSection:
+    """A small separate draft model (heads/draft_model/): the target's architecture with some of its layers. Give
+    ``layers`` or ``num_layers``, not both (neither wins: both set is refused)."""
+
+    layers: list[int] | None = None
+    """the target's decoder layers (0-based, increasing) the student's layers are copied from, one each."""
+    num_layers: int | None = None
+    """N: copy N evenly spaced target layers, the first and the last included (N = 1: the first)."""
+    train_embeddings: bool = False
+    """train the student's copies of the embeddings and LM head too (false: frozen, so its vocabulary stays the
+    target's and a step skips their weight gradient and AdamW state: SmolLM2's tied 49152 x 576 matrix is 8 layers'
+    worth)."""
+
+    def __post_init__(self) -> None:
+        if self.layers is not None and self.num_layers is not None:
+            raise ValueError(f"draft_model: expected layers or num_layers, found both (layers={self.layers}, "
+                             f"num_layers={self.num_layers}); set the other to null")
+        if self.num_layers is not None and self.num_layers < 1:
+            raise ValueError(f"draft_model.num_layers: expected null or a value >= 1, found {self.num_layers}")
+        if self.layers is not None:
+            if not self.layers or self.layers[0] < 0:
+                raise ValueError(f"draft_model.layers: expected a non-empty list of layer indices >= 0, found "
+                                 f"{self.layers}")
+            if any(a >= b for a, b in zip(self.layers, self.layers[1:])):
+                raise ValueError(f"draft_model.layers: expected strictly increasing layer indices, found {self.layers}")
+
+
+@dataclass
 class TreeConfig:
     budget: int = 64
     """draft nodes of the tree built at the end from the measured head accuracy."""
@@ -263,8 +292,8 @@ class TreeConfig:
 class TrainConfig:
     output_dir: str = "runs/medusa"
     """where checkpoints, logs, the hidden cache and the trained draft go; by method, the draft is saved to
-    <output_dir>/heads (medusa), hydra_heads (hydra), exit_head (exit_head), eagle_head (eagle) or block_head
-    (block)."""
+    <output_dir>/heads (medusa), hydra_heads (hydra), exit_head (exit_head), eagle_head (eagle), block_head
+    (block) or draft_model (draft_model)."""
     seed: int = 0
     """seed of the heads' initialisation, data order and everything random."""
     mixed_precision: Literal["no", "fp16", "bf16"] | None = None
@@ -273,10 +302,11 @@ class TrainConfig:
     """force CPU (null: CPU when no GPU is present, unless DeepSpeed is in use)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """the frozen target."""
-    method: Literal["medusa", "hydra", "exit_head", "eagle", "block"] = "medusa"
+    method: Literal["medusa", "hydra", "exit_head", "eagle", "block", "draft_model"] = "medusa"
     """what is trained on the frozen target: Medusa heads (section heads), Hydra heads (Medusa heads that also read
     the tokens drafted before them; section heads, heads/hydra/model.py), an early-exit head (section exit), an
-    EAGLE-style sequential head (section eagle) or a block drafter (section block, heads/block/model.py)."""
+    EAGLE-style sequential head (section eagle), a block drafter (section block, heads/block/model.py) or a small
+    separate draft model distilled from it (section draft_model, heads/draft_model/)."""
     heads: HeadsConfig = field(default_factory=HeadsConfig)
     """the Medusa or Hydra heads being trained (method medusa / hydra; Hydra heads use the shared LM head)."""
     exit: ExitConfig = field(default_factory=ExitConfig)
@@ -285,6 +315,8 @@ class TrainConfig:
     """the EAGLE-style head being trained (method eagle; heads/eagle/model.py)."""
     block: BlockSection = field(default_factory=BlockSection)
     """the block drafter being trained (method block; heads/block/model.py)."""
+    draft_model: DraftModelSection = field(default_factory=DraftModelSection)
+    """the draft model being distilled (method draft_model; heads/draft_model/)."""
     data: DataConfig = field(default_factory=DataConfig)
     """training data (heads/training/data.py)."""
     loss: LossConfig = field(default_factory=LossConfig)
@@ -306,8 +338,8 @@ class TrainConfig:
 
     @property
     def final_dir(self) -> Path:
-        """Where the trained draft is saved: <output_dir>/heads, hydra_heads, exit_head, eagle_head or block_head (by
-        method)."""
+        """Where the trained draft is saved: <output_dir>/heads, hydra_heads, exit_head, eagle_head, block_head or
+        draft_model (by method)."""
         return Path(self.output_dir) / FINAL_DIRS[self.method]
 
     def __post_init__(self) -> None:
@@ -356,10 +388,22 @@ class TrainConfig:
                              f"found {b.block_size}")
         if b.depth is not None and not 1 <= b.depth <= b.block_size:
             raise ValueError(f"block.depth: expected null or 1..{b.block_size} (block.block_size), found {b.depth}")
+        if self.method == "draft_model":
+            self.check_draft_model()
         if self.publish.repo_id is not None:
             check_repo_id(self.publish.repo_id)  # a bad id fails now, not after hours of training
         if self.eval.ranks < 5:
             raise ValueError(f"eval.ranks: expected >= 5 (top-5 accuracy is reported), found {self.eval.ranks}")
+
+    def check_draft_model(self) -> None:
+        """What method draft_model needs of the rest of the recipe: the layers to copy, and no publish step."""
+        if self.draft_model.layers is None and self.draft_model.num_layers is None:
+            raise ValueError("draft_model: method draft_model needs draft_model.layers (target layer indices) or "
+                             "draft_model.num_layers (evenly spaced), found neither")
+        if self.publish.repo_id is not None:
+            raise ValueError(f"publish.repo_id={self.publish.repo_id}: method draft_model saves an ordinary "
+                             f"transformers model directory, which heads.publish does not upload; drop publish.repo_id "
+                             f"and upload {self.final_dir} with `hf upload`")
 
 
 def to_dict(cfg: Any) -> dict:
