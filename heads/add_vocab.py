@@ -1,11 +1,12 @@
-"""Give Medusa heads, Hydra heads, an exit head or a layer-skip draft without one a draft vocabulary
-(heads/training/draft_vocab.py), counted on their data.
+"""Give Medusa heads, Hydra heads, an exit head, a layer-skip draft or a separate draft model without one a draft
+vocabulary (heads/training/draft_vocab.py), counted on their data.
 
     python -m heads.add_vocab runs/medusa-smollm2/heads --size 8192 [--out DIR]
 
 The V' tokens most frequent among the training tokens of the data the checkpoint's recipe names (``recipe.data``:
 the same conversations, chat template and assistant-only labels; ``--source`` for other data; a layer-skip
-checkpoint has no recipe: ShareGPT's default conversations), end-of-turn always included. Only the vocabulary is
+checkpoint or a draft model has no recipe: ShareGPT's default conversations), end-of-turn always included. A draft
+model (a transformers model directory, ``--draft model:DIR``) gets it in its config.json (``selfspec_draft_vocab``). Only the vocabulary is
 added: the heads' weights, tree and measured accuracy are unchanged, and the
 checkpoint is rewritten atomically (in place or to --out). Heads trained now store one themselves (heads.draft_vocab).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import sys
 from pathlib import Path
@@ -29,6 +31,8 @@ from heads.training.base_model import load_base
 from heads.training.config import ModelConfig
 from heads.training.data import DataConfig, build_datasets
 from heads.training.draft_vocab import draft_vocabulary, end_of_turn, token_counts, with_draft_vocab
+from selfspec.core.files import atomic_write, read_json_object
+from selfspec.drafts.draft_model_load import DRAFT_VOCAB_KEY
 from selfspec.drafts.layerskip import LayerSkipConfig
 
 LAYER_SKIP_CONVERSATIONS = 2000
@@ -39,7 +43,8 @@ LAYER_SKIP_CONVERSATIONS = 2000
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m heads.add_vocab", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", help="a Medusa heads, Hydra heads, exit-head or layer-skip checkpoint directory")
+    p.add_argument("checkpoint", help="a Medusa heads, Hydra heads, exit-head or layer-skip checkpoint directory, or a "
+                                      "draft model directory (--draft model:DIR)")
     p.add_argument("--size", type=int, default=8192, help="V': tokens in the draft vocabulary (default 8192)")
     p.add_argument("--model", default=None, help="the base model (default: the checkpoint recipe's model, else its "
                                                  "base_model)")
@@ -56,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     directory = resolve(a.checkpoint)
     kinds = {"medusa": MedusaHeads, "hydra": HydraHeads, "exit-head": ExitHead}
     kind = stored_draft_type(directory, "the heads' config")
+    if kind is None and (directory / "config.json").is_file() and "model_type" in read_json_object(
+            directory / "config.json", "the model's config"):
+        return _draft_model(a, directory)
     if kind not in (*kinds, "layerskip"):
         why = " (an EAGLE head stores its draft vocabulary when it is trained: eagle.draft_vocab)" if kind == "eagle" else ""
         raise ValueError(f"{a.checkpoint} holds {describe(directory)}; heads.add_vocab takes a selfspec checkpoint of "
@@ -100,6 +108,25 @@ def _report(out, kind: str, tokens, counts, rows, source: str) -> None:
     share = counts[tokens.numpy()].sum() / max(counts.sum(), 1)
     print(f"{out}: the {kind} checkpoint now drafts from the {len(tokens)} tokens (of {len(counts)}) most frequent in "
           f"{len(rows)} training rows of {source}: {100 * share:.2f}% of their {counts.sum()} training tokens")
+
+
+def _draft_model(a, directory: Path) -> int:
+    """A separate draft model (a transformers model directory): the vocabulary goes into its config.json as
+    ``selfspec_draft_vocab``, rewritten atomically (the weights and everything else unchanged)."""
+    if a.out is not None:
+        raise ValueError("--out: a draft model's vocabulary is written into its own config.json; copy the directory "
+                         "first to keep the original")
+    config = read_json_object(directory / "config.json", "the draft model's config")
+    model, tokenizer = load_base(ModelConfig(name=a.model or config.get("selfspec_target") or str(directory)))
+    V = model.get_output_embeddings().weight.shape[0]
+    if not 1 <= a.size <= V:
+        print(f"error: --size: expected 1..{V} (the vocabulary), found {a.size}", file=sys.stderr)
+        return 2
+    data = {"source": a.source or "sharegpt", "max_conversations": a.max_conversations or LAYER_SKIP_CONVERSATIONS}
+    rows, tokens, counts = _count(DataConfig(**data), tokenizer, a.size, V)
+    atomic_write(directory / "config.json", json.dumps({**config, DRAFT_VOCAB_KEY: tokens.tolist()}, indent=2) + "\n")
+    _report(directory, "draft model", tokens, counts, rows, data["source"])
+    return 0
 
 
 def _layer_skip(a, directory) -> int:

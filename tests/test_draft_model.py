@@ -222,3 +222,28 @@ def test_bench_runs_transformers_assisted_generation_beside_selfspecs_draft_mode
     assert max(assisted_steps) > 1
     with pytest.raises(ValueError, match="expected the draft model after the colon"):
         bench.parse_methods(("assisted:",), num_layers=2)
+
+
+def test_a_draft_vocabulary_restricts_the_drafts_and_keeps_greedy_exact():
+    """With a draft vocabulary the draft proposes only its tokens (q is 0 elsewhere when sampling), its logits on them
+    are the full LM head's, and greedy decoding stays generate's."""
+    model = tiny_model("llama", initializer_range=REPEATING)
+    target = Target(model)
+    vocab = torch.arange(0, VOCAB, 2)  # the even tokens
+    draft = first_layers(model, 1)
+    drafter = Recording(ModelDrafter(draft, target, TREES["dynamic"], draft_vocab=vocab))
+    full = ModelDrafter(draft, target, TREES["dynamic"])
+    ids, positions = torch.tensor([3, 4, 5]), torch.arange(3)
+    restricted_logits = drafter.inner._forward(ids, positions, None)
+    full_logits = full._forward(ids, positions, None)
+    assert torch.allclose(restricted_logits[:, vocab], full_logits[:, vocab], atol=1e-5)
+    assert torch.isinf(restricted_logits[:, 1::2]).all()
+    for p in random_prompts(6, VOCAB, seed=4):
+        assert generate(target, drafter, p, NEW).tokens == reference(model, p, NEW)
+    drafted = torch.cat([d.tokens[1:] for d, _ in drafter.records])
+    assert drafted.numel() > 0 and bool((drafted % 2 == 0).all())
+    sampled = Recording(ModelDrafter(draft, target, Tree.chain(3), draft_vocab=vocab))
+    generate(target, sampled, random_prompts(1, VOCAB, seed=1)[0], 8, sampling=Sampling(temperature=1.0),
+             generator=torch.Generator().manual_seed(0))
+    q = torch.cat([d.q[1:] for d, _ in sampled.records if d.q is not None])  # [n, V]
+    assert q.shape[0] > 0 and float(q[:, 1::2].abs().sum()) == 0.0 and torch.allclose(q.sum(-1), torch.ones(len(q)))

@@ -30,6 +30,7 @@ from heads.base import base_name
 from heads.draft_model.save import Distilled, save_draft_model
 from heads.draft_model.student import Distillation, build_student, chosen_layers
 from heads.training.config import TrainConfig
+from heads.training.draft_vocab import draft_vocabulary, end_of_turn
 from heads.training.kind import HeadKind, HiddenPass, save_on_main, unwrapped
 from heads.training.losses import MedusaLoss, batch_loss, gather_scored
 from selfspec.core import hf
@@ -51,8 +52,13 @@ class DraftModelKind(HeadKind):
         total = len(hf.decoder_layers(model))
         layers = chosen_layers(s.layers, s.num_layers, total)
         student = build_student(model, layers, s.train_embeddings)
+        V = model.get_output_embeddings().weight.shape[0]
+        vocab = None
+        if train_rows is not None and 0 < s.draft_vocab < V:  # the V' most frequent training tokens, end of turn kept
+            vocab = draft_vocabulary(train_rows, s.draft_vocab, V, end_of_turn(tokenizer)).tolist()
         facts = Distilled(base_model=base_name(model, cfg.model.name), base_revision=cfg.model.revision, layers=layers,
-                          target_layers=total, train_embeddings=s.train_embeddings, tokenizer=tokenizer)
+                          target_layers=total, train_embeddings=s.train_embeddings, tokenizer=tokenizer,
+                          draft_vocab=vocab)
         log.info("draft model: %d of the target's %d layers %s, %.1fM trained parameters", len(layers), total, layers,
                  sum(p.numel() for p in student.parameters() if p.requires_grad) / 1e6)
         return Distillation(student, model), facts

@@ -21,6 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from heads.base import card_usage
 from heads.checkpoints.files import CARD, atomic_directory
+from selfspec.drafts.draft_model_load import DRAFT_VOCAB_KEY
 
 TARGET_KEYS = ("selfspec_target", "selfspec_target_revision", "selfspec_layers", "selfspec_top1_agreement")
 """config.json's record of the target (a transformers config keeps extra keys): its name, its Hub revision (null when
@@ -44,6 +45,8 @@ class Distilled:
     """whether the embeddings and LM head were trained (else frozen copies of the target's)."""
     tokenizer: PreTrainedTokenizerBase | None
     """the target's tokenizer, saved beside the weights (None: none is saved)."""
+    draft_vocab: list[int] | None = None
+    """the token ids it drafts from (config.json's ``selfspec_draft_vocab``); None: every token."""
 
 
 def save_draft_model(directory: str | Path, student: PreTrainedModel, state: dict[str, torch.Tensor],
@@ -53,6 +56,8 @@ def save_draft_model(directory: str | Path, student: PreTrainedModel, state: dic
     values = (facts.base_model, facts.base_revision, list(facts.layers), agreement)
     for key, value in zip(TARGET_KEYS, values):
         setattr(student.config, key, value)
+    if facts.draft_vocab is not None:
+        setattr(student.config, DRAFT_VOCAB_KEY, list(facts.draft_vocab))
     with atomic_directory(directory) as tmp:
         student.save_pretrained(tmp, state_dict=state)
         if facts.tokenizer is not None:
@@ -65,6 +70,9 @@ def draft_model_card(student: PreTrainedModel, facts: Distilled, agreement: floa
     config = student.config
     revision = facts.base_revision or "not recorded"
     measured = "not measured" if agreement is None else f"{agreement:.3f}"
+    vocab = ("It drafts from every token." if facts.draft_vocab is None else
+             f"selfspec drafts with it from the {len(facts.draft_vocab):,} tokens most frequent in its training data "
+             "(config.json: selfspec_draft_vocab), reading only their rows of the LM head.")
     embeddings = ("trained with the layers" if facts.train_embeddings
                   else "kept frozen, so its vocabulary stays aligned with the target's")
     return f"""---
@@ -77,6 +85,7 @@ tags: [speculative-decoding, draft-model, distillation, selfspec]
 A {len(facts.layers)}-layer {config.model_type} distilled from its target, {facts.base_model} (revision {revision}).
 Its layers were initialised from the target's decoder layers {list(facts.layers)} (of {facts.target_layers}).
 Its embeddings, final norm and LM head are copies of the target's ({embeddings}).
+{vocab}
 It was trained on KL(target || draft) to the target's next-token distributions.
 It uses the target's tokenizer (saved here).
 

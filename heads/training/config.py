@@ -267,8 +267,14 @@ class DraftModelSection:
     """train the student's copies of the embeddings and LM head too (false: frozen, so its vocabulary stays the
     target's and a step skips their weight gradient and AdamW state: SmolLM2's tied 49152 x 576 matrix is 8 layers'
     worth)."""
+    draft_vocab: int = 8192
+    """V': the draft model drafts only the V' tokens most frequent in the training data, reading only their rows of
+    its LM head (stored in its config.json as selfspec_draft_vocab; heads/training/draft_vocab.py); 0 or >= the
+    vocabulary: every token. Training and the saved weights are unchanged: only what it proposes is."""
 
     def __post_init__(self) -> None:
+        if self.draft_vocab < 0:
+            raise ValueError(f"draft_model.draft_vocab: expected 0 (every token) or a size >= 1, found {self.draft_vocab}")
         if self.layers is not None and self.num_layers is not None:
             raise ValueError(f"draft_model: expected layers or num_layers, found both (layers={self.layers}, "
                              f"num_layers={self.num_layers}); set the other to null")

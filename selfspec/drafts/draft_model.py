@@ -28,10 +28,12 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from selfspec.core import hf
 from selfspec.core.accept import Acceptance
+from selfspec.core.draft_vocab import check_draft_tokens
 from selfspec.core.drafter import Draft, Drafter, DraftState
 from selfspec.core.sampling import Sampling, process_logits
 from selfspec.core.target import Target
@@ -67,13 +69,18 @@ class ModelDrafter(Drafter):
     """Drafts with ``model`` (a causal LM with the target's tokenizer) for ``target``. tree: a static Tree (a chain:K
     is classic speculative decoding; ranks are the draft's top candidates, or its draws when sampling), a DynamicTree
     (N nodes by the draft's own probabilities, EAGLE-2's rule; ``min_prob`` cuts unlikely nodes), or None
-    (``DEFAULT_TREE``)."""
+    (``DEFAULT_TREE``). draft_vocab: long [V'] the only tokens it may draft (FR-Spec: its LM head is read on their
+    rows alone, the others get probability 0, in q too); None: every token."""
 
-    def __init__(self, model: PreTrainedModel, target: Target, tree: Tree | DynamicTree | None = None):
+    def __init__(self, model: PreTrainedModel, target: Target, tree: Tree | DynamicTree | None = None,
+                 draft_vocab: torch.Tensor | None = None):
         check_pair(model, target)
         self.draft_model = Target(model)  # its cache and its checks (a causal LM a tree mask can drive)
         self.target = target
         self.vocab_size = target.vocab_size
+        self.draft_vocab = None if draft_vocab is None else check_draft_tokens(
+            draft_vocab, len(draft_vocab), min(self.vocab_size, self.draft_model.vocab_size)).to(target.device)
+        self._rows: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the LM head on draft_vocab, when read
         self.tree = DEFAULT_TREE if tree is None else tree
         if isinstance(self.tree, Tree) and self.tree.depth < 1:
             raise ValueError("a draft model's static tree needs at least one draft level; found the root alone")
@@ -88,7 +95,7 @@ class ModelDrafter(Drafter):
         rule = self.tree if isinstance(self.tree, DynamicTree) else None
         with warnings.catch_warnings():  # said once, when this drafter was built
             warnings.simplefilter("ignore")
-            return ModelDrafter(self.model, self.target, DynamicTree.resized(rule, budget, depth))
+            return ModelDrafter(self.model, self.target, DynamicTree.resized(rule, budget, depth), self.draft_vocab)
 
     @torch.inference_mode()
     def draft(self, state: DraftState) -> Draft:
@@ -194,9 +201,25 @@ class ModelDrafter(Drafter):
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                  last: bool = False) -> torch.Tensor:
-        """The draft's next-token logits [n, V] on the target's vocabulary (n = 1 with ``last``, else every row)."""
-        logits, _ = hf.forward(self.model, ids, positions, mask, self.cache, logits_to_keep=1 if last else 0)
-        return on_vocab(logits.float(), self.vocab_size)
+        """The draft's next-token logits [n, V] on the target's vocabulary (n = 1 with ``last``, else every row); with
+        a draft vocabulary, its LM head runs on those rows alone and every other token's logit is -inf."""
+        if self.draft_vocab is None:
+            logits, _ = hf.forward(self.model, ids, positions, mask, self.cache, logits_to_keep=1 if last else 0)
+            return on_vocab(logits.float(), self.vocab_size)
+        _, hidden = hf.forward_partial(self.model, ids, positions, mask, self.cache, lm_head=False)  # [N, D]
+        weight, bias = self._head_rows()
+        small = F.linear(hidden[-1:] if last else hidden, weight, bias).float()  # [n, V']
+        full = small.new_full((small.shape[0], self.vocab_size), float("-inf"))  # [n, V]
+        return full.index_copy_(1, self.draft_vocab, small)
+
+    def _head_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draft's LM head weight [V', D] and bias (or None) on its draft vocabulary, read once."""
+        if self._rows is None:
+            head = self.model.get_output_embeddings()
+            bias = getattr(head, "bias", None)
+            self._rows = (head.weight.detach()[self.draft_vocab],
+                          None if bias is None else bias.detach()[self.draft_vocab])
+        return self._rows
 
     def _run(self, nodes: Nodes, run: list[int], T: int) -> torch.Tensor:
         """The nodes ``run`` through the draft in one forward, each attending to the T committed entries and its own

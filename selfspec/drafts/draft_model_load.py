@@ -1,7 +1,9 @@
 """Loading a separate draft model for a target: ``--draft model:<dir or Hub id>``, checked against the target before
 it drafts a token.
 
-A draft model must tokenize exactly as the target does: its tokens are verified by id. The two tokenizers are compared
+A draft model must tokenize exactly as the target does: its tokens are verified by id. A draft model whose config.json
+holds ``selfspec_draft_vocab`` (the ids of its draft vocabulary: what ``train.py`` counts on its training data, or
+``python -m heads.add_vocab DIR`` adds) drafts from those tokens alone, reading only their rows of its LM head. The two tokenizers are compared
 (the whole vocabulary and the special tokens); where the target's tokenizer cannot be found from its model (a model
 built in memory), the sizes and special token ids of the two configs are compared instead, with a warning. The draft
 loads on the target's device, in the target's dtype.
@@ -13,6 +15,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from selfspec.core.models import load_model
@@ -20,6 +23,8 @@ from selfspec.core.target import Target
 from selfspec.core.tree import DynamicTree, Tree
 from selfspec.drafts.draft_model import ModelDrafter
 
+DRAFT_VOCAB_KEY = "selfspec_draft_vocab"
+"""config.json's list of the token ids a draft model drafts from (absent: every token)."""
 SPECIAL = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
 
 
@@ -31,7 +36,8 @@ def load_model_drafter(location: str | Path, target: Target, revision: str | Non
     if reason := tokenizer_mismatch(tokenizer, target_tokenizer(target), model.config, target.model.config):
         raise ValueError(f"the draft model {location} does not share the target's tokenizer: {reason}. Expected a "
                          "draft model with the target's tokenizer (its vocabulary and special tokens)")
-    return ModelDrafter(model, target, tree)
+    vocab = getattr(model.config, DRAFT_VOCAB_KEY, None)
+    return ModelDrafter(model, target, tree, None if vocab is None else torch.tensor(vocab, dtype=torch.long))
 
 
 def target_tokenizer(target: Target) -> PreTrainedTokenizerBase | None:

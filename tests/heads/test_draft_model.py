@@ -208,6 +208,8 @@ def test_train_py_distils_a_draft_model_that_resumes_exactly_and_loads_without_s
     config = json.loads((out / "config.json").read_text())
     assert config["num_hidden_layers"] == 2 and config["selfspec_target"] == "tiny-random-llama"
     assert config["selfspec_layers"] == [0, 3] and 0.0 <= config["selfspec_top1_agreement"] <= 1.0
+    vocab = config["selfspec_draft_vocab"]  # the 40 most frequent training tokens, end of turn among them
+    assert len(vocab) == 40 == len(set(vocab)) and vocab == sorted(vocab) and tokenizer.eos_token_id in vocab
     card = (out / "README.md").read_text()
     assert "# Draft model for tiny-random-llama" in card and f"--draft model:{out}" in card
     student = AutoModelForCausalLM.from_pretrained(out)
@@ -229,3 +231,26 @@ def test_deepspeed_zero3_builds_the_student_from_the_target_and_saves_it_whole(t
     student = AutoModelForCausalLM.from_pretrained(out / "draft_model")
     target, _ = load_base(load_config(TINY).model)
     assert torch.equal(student.get_input_embeddings().weight, target.get_input_embeddings().weight)  # frozen copies
+
+
+def test_add_vocab_gives_a_draft_model_a_draft_vocabulary_in_its_config(tmp_path, capsys):
+    """``python -m heads.add_vocab DIR`` on a draft model directory: the vocabulary lands in config.json, the rest of
+    the directory is untouched, and --draft model:DIR drafts from it."""
+    from heads import add_vocab
+    from selfspec.drafts.draft_model_load import load_model_drafter
+    from selfspec.core.target import Target
+
+    target, tokenizer = load_base(load_config(TINY).model)
+    student = build_student(target, [0], train_embeddings=False)
+    student.config.selfspec_target = "tiny-random-llama"
+    student.save_pretrained(tmp_path / "dm")
+    tokenizer.save_pretrained(tmp_path / "dm")
+    weights = (tmp_path / "dm" / "model.safetensors").read_bytes()
+    data = str(REPO / "configs" / "data" / "tiny_chat.jsonl")
+    assert add_vocab.main([str(tmp_path / "dm"), "--size", "30", "--source", data]) == 0
+    assert "draft model checkpoint now drafts from the 30 tokens" in capsys.readouterr().out
+    config = json.loads((tmp_path / "dm" / "config.json").read_text())
+    assert len(config["selfspec_draft_vocab"]) == 30 and config["num_hidden_layers"] == 1
+    assert (tmp_path / "dm" / "model.safetensors").read_bytes() == weights
+    drafter = load_model_drafter(tmp_path / "dm", Target(target))
+    assert drafter.draft_vocab.tolist() == config["selfspec_draft_vocab"]
