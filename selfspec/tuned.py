@@ -120,7 +120,7 @@ def with_options(kind: str, config: dict) -> str:
     return f"{kind}:{options}" if options else kind
 
 
-TUNABLE_KINDS = ("eagle", "medusa", "hydra", "exit-head", "layerskip", "block")
+TUNABLE_KINDS = ("eagle", "medusa", "hydra", "exit-head", "layerskip", "block", "model")
 """drafters that grow their tree by score under a budget and a depth, and report the scores (infer.py tune-tree);
 prompt lookup ('ngram') is tuned too, for its depth and max_nodes."""
 

@@ -116,6 +116,7 @@ def test_a_resized_draft_model_grows_the_tree_it_is_asked_for():
     drafter = ModelDrafter(first_layers(model, 1), target, TREES["cut"])
     small = drafter.resized(2, 3)
     assert small.tree == DynamicTree(3, max_rank=4, depth=2, min_prob=0.05) and small.model is drafter.model
+    assert ModelDrafter(drafter.model, target).resized(3, 5).tree == DynamicTree(5, depth=3)  # as --tree auto builds it
     p = random_prompts(1, VOCAB, seed=2)[0]
     out = generate(target, Recording(small), p, NEW)
     assert out.tokens == reference(model, p, NEW)
@@ -247,3 +248,21 @@ def test_a_draft_vocabulary_restricts_the_drafts_and_keeps_greedy_exact():
              generator=torch.Generator().manual_seed(0))
     q = torch.cat([d.q[1:] for d, _ in sampled.records if d.q is not None])  # [n, V]
     assert q.shape[0] > 0 and float(q[:, 1::2].abs().sum()) == 0.0 and torch.allclose(q.sum(-1), torch.ones(len(q)))
+
+
+def test_tune_tree_tunes_a_draft_model_for_tree_auto(model_dir, draft_dir, tmp_path, monkeypatch, capsys):
+    """infer.py tune-tree --draft model:DIR: the best (budget, depth, min_prob) is cached, and --tree auto then builds
+    that dynamic tree for the draft model."""
+    from selfspec.tools import budget, cli
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(budget, "BUSY", float("inf"))  # the tiny model's ~1 ms verifications time noisily
+    assert cli.main(["tune-tree", "--model", str(model_dir), "--draft", f"model:{draft_dir}", "--dtype", "fp32",
+                     "--depths", "2,3", "--budgets", "2,6", "--prompts", "2", "--max-new-tokens", "8"]) == 0
+    best = json.loads(next((tmp_path / "cache").rglob("tree-*.json")).read_text())["best"]
+    tree = DynamicTree(best["budget"], depth=best["depth"], min_prob=best["min_prob"])
+    assert f"best: --tree {tree.spec} " in capsys.readouterr().out
+    m = api.load(str(model_dir), draft=f"model:{draft_dir}", tree="auto")
+    assert m.drafter.tree == tree
+    assert m.generate("the quick brown fox", max_new_tokens=16).tokens == \
+        m.generate_plain("the quick brown fox", max_new_tokens=16).tokens

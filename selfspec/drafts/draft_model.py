@@ -39,8 +39,9 @@ from selfspec.core.sampling import Sampling, process_logits
 from selfspec.core.target import Target
 from selfspec.core.tree import DynamicTree, Tree
 
-DEFAULT_TREE = DynamicTree(8, max_rank=4, depth=4)
-"""what ``--draft model:DIR`` drafts without a --tree: 8 nodes, 4 deep, from each node's top 4."""
+DEFAULT_TREE = DynamicTree(8, depth=4)
+"""what ``--draft model:DIR`` drafts without a --tree (``dynamic:8,depth=4``): 8 nodes, 4 deep, the top 8 candidates
+of each of the 8 best nodes of a depth expanded, as ``--tree dynamic:N`` and ``auto`` grow them."""
 
 
 @dataclass

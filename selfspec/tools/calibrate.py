@@ -294,7 +294,7 @@ def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
     elif spec.kind not in tuned.TUNABLE_KINDS:  # the drafter is asked (Drafter.resized) once built; this is before
         within = f" (the part of {a.draft} that --tree applies to)" if merge.parts else ""
         raise ValueError(f"tune-tree tunes drafts that grow their tree by score ({', '.join(tuned.TUNABLE_KINDS)} "
-                         f"heads) and prompt lookup alone (ngram); {spec.text}{within} is a {spec.kind!r} draft")
+                         f"drafts) and prompt lookup alone (ngram); {spec.text}{within} is a {spec.kind!r} draft")
     depths, budgets = list(a.depths), list(a.budgets)
     dtypes = [d.strip() for d in a.dtype.split(",")]
     for d in dtypes:
