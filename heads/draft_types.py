@@ -3,7 +3,8 @@
 Each kind's module class reads its checkpoint strictly and writes its model card (``DraftCheckpoint``,
 heads/checkpoints/draft.py); a layer-skip config ("layerskip", selfspec.drafts.layerskip) has no weights: config.json
 and its card. ``push_folder`` publishes a saved directory in one Hub commit (heads/checkpoints/hub.py), after the
-same strict check; ``python -m heads.publish`` is its command.
+same strict check; ``python -m heads.publish`` is its command. A distilled draft model (heads/draft_model, a
+transformers directory) is published whole, its card naming the repo.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from heads.checkpoints.contents import describe, stored_draft_type
 from heads.checkpoints.draft import DraftCheckpoint
 from heads.checkpoints.files import CARD, CONFIG, WEIGHTS
 from heads.checkpoints.hub import Published, check_repo_id, publish
+from heads.draft_model.save import draft_model_files
 from heads.eagle.eagle3 import Eagle3Head
 from heads.eagle.model import EagleHead
 from heads.exit_head.model import ExitHead
@@ -39,11 +41,14 @@ def publish_files(directory: Path, repo_id: str) -> dict[str, Path | bytes]:
     if kind is None and describe(directory) == "a speculators eagle3 checkpoint":  # heads.export --format speculators
         config, _ = Eagle3Head.read_checkpoint(directory)
         return {CONFIG: directory / CONFIG, WEIGHTS: directory / WEIGHTS, CARD: Eagle3Head.card_for(config, repo_id).encode()}
+    if kind is None and describe(directory) == "a selfspec draft model":  # train.py method draft_model
+        return draft_model_files(directory, repo_id)
     if kind not in DRAFT_TYPES:
         why = ": a policy names its arms by local paths, publish those instead" if kind == "policy" else ""
         raise ValueError(f"{directory} holds {describe(directory)}; heads.publish publishes selfspec checkpoints of "
                          f"Medusa, Hydra, EAGLE and exit heads, block drafters and layer-skip configs (config.json "
-                         f"with draft_type {', '.join([*DRAFT_TYPES, 'layerskip'])}){why}")
+                         f"with draft_type {', '.join([*DRAFT_TYPES, 'layerskip'])}) and draft models (a "
+                         f"transformers directory whose config.json names selfspec_target){why}")
     cls = DRAFT_TYPES[kind]
     config, _ = cls.read_checkpoint(directory)  # read strictly (config against tensors), then carded for the repo
     return {CONFIG: directory / CONFIG, WEIGHTS: directory / WEIGHTS, CARD: cls.card_for(config, repo_id).encode()}

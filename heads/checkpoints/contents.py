@@ -37,6 +37,8 @@ def describe(directory: Path) -> str:
         return "a vLLM Medusa export"
     if "medusa_num_heads" in config or any(n.startswith("medusa_lm_head.") for n in entries):
         return "a FasterDecoding Medusa checkpoint"
+    if ("model_type" in config or "architectures" in config) and isinstance(config.get("selfspec_target"), str):
+        return "a selfspec draft model"  # heads/draft_model: a transformers directory distilled for a target
     if "model_type" in config or "architectures" in config:
         return "a transformers model directory"
     if "progress.json" in entries and any(n.startswith("random_states_") for n in entries):

@@ -13,6 +13,7 @@ model:<directory>`` drafts with it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +65,20 @@ def save_draft_model(directory: str | Path, student: PreTrainedModel, state: dic
             facts.tokenizer.save_pretrained(tmp)
         (tmp / CARD).write_text(draft_model_card(student, facts, agreement, str(Path(directory).expanduser())))
     return Path(directory).expanduser()
+
+
+def draft_model_files(directory: Path, repo_id: str) -> dict[str, Path | bytes]:
+    """What publishing the draft model in ``directory`` to ``repo_id`` uploads: every file as saved (weights, configs,
+    tokenizer), after loading its config and weights' names (a directory missing its weights is refused), and its
+    card with the usage naming ``repo_id`` (``--draft model:<repo_id>``)."""
+    files: dict[str, Path | bytes] = {p.name: p for p in sorted(directory.iterdir())
+                                      if p.is_file() and not p.name.startswith(".") and p.name != CARD}
+    if "model.safetensors" not in files and "model.safetensors.index.json" not in files:
+        raise ValueError(f"{directory} is a draft model without its weights (model.safetensors); save it again "
+                         "(train.py method draft_model)")
+    card = (directory / CARD).read_text() if (directory / CARD).is_file() else f"# Draft model\n\n--draft model:{repo_id}\n"
+    files[CARD] = re.sub(r"model:[^\s\"'`)]+", f"model:{repo_id}", card).encode()
+    return files
 
 
 def draft_model_card(student: PreTrainedModel, facts: Distilled, agreement: float | None, location: str) -> str:

@@ -402,14 +402,10 @@ class TrainConfig:
             raise ValueError(f"eval.ranks: expected >= 5 (top-5 accuracy is reported), found {self.eval.ranks}")
 
     def check_draft_model(self) -> None:
-        """What method draft_model needs of the rest of the recipe: the layers to copy, and no publish step."""
+        """What method draft_model needs of the rest of the recipe: the layers to copy."""
         if self.draft_model.layers is None and self.draft_model.num_layers is None:
             raise ValueError("draft_model: method draft_model needs draft_model.layers (target layer indices) or "
                              "draft_model.num_layers (evenly spaced), found neither")
-        if self.publish.repo_id is not None:
-            raise ValueError(f"publish.repo_id={self.publish.repo_id}: method draft_model saves an ordinary "
-                             f"transformers model directory, which heads.publish does not upload; drop publish.repo_id "
-                             f"and upload {self.final_dir} with `hf upload`")
 
 
 def to_dict(cfg: Any) -> dict:

@@ -100,7 +100,7 @@ def test_recipe_checks_the_draft_model_section():
            ("draft_model.num_layers=null", "draft_model.layers=[-1,2]"): "expected a non-empty list of layer indices",
            ("draft_model.num_layers=null", "draft_model.layers=[3,1]"): r"strictly increasing .*, found \[3, 1\]",
            ("draft_model.num_layers=null",): "needs draft_model.layers .* or draft_model.num_layers .*, found neither",
-           ("publish.repo_id=me/draft",): "method draft_model saves an ordinary transformers model directory"}
+           ("draft_model.draft_vocab=-1",): "draft_model.draft_vocab: expected 0 .* or a size >= 1, found -1"}
     for overrides, message in bad.items():
         with pytest.raises(ValueError, match=message):
             load_config(TINY, list(overrides))

@@ -443,4 +443,30 @@ def test_publish_says_what_a_directory_that_is_no_checkpoint_holds(tmp_path, cap
     assert capsys.readouterr().err == (
         f"cannot publish {model_dir}: {model_dir} holds a transformers model directory; heads.publish publishes selfspec "
         "checkpoints of Medusa, Hydra, EAGLE and exit heads, block drafters and layer-skip configs (config.json with "
-        "draft_type medusa, exit-head, eagle, hydra, block, layerskip)\n")
+        "draft_type medusa, exit-head, eagle, hydra, block, layerskip) and draft models (a transformers directory "
+        "whose config.json names selfspec_target)\n")
+
+
+def test_a_draft_model_is_published_whole_and_drafts_by_repo_id(chat, hub, tmp_path, capsys):
+    """heads.publish sends a distilled draft model as saved (weights, configs, tokenizer) with its card naming the
+    repo; `--draft model:owner/name` loads it from the Hub and decodes token-identically to plain greedy decoding."""
+    from heads.draft_model.save import Distilled, save_draft_model
+    from heads.draft_model.student import build_student
+    from selfspec.core.drafter import NoDrafter
+
+    model, tokenizer = chat
+    student = build_student(model, [0], train_embeddings=False)
+    facts = Distilled(base_model="tiny-chat", base_revision=None, layers=[0], target_layers=2, train_embeddings=False,
+                      tokenizer=tokenizer, draft_vocab=list(range(0, len(tokenizer), 2)))
+    saved = save_draft_model(tmp_path / "dm", student, student.state_dict(), facts, 0.5)
+    assert publish_cli.main([str(saved), "tester/draft-model"]) == 0
+    files = hub.files("tester/draft-model")
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json", "README.md"} <= set(files)
+    assert files["model.safetensors"] == (saved / "model.safetensors").read_bytes()
+    assert b"--draft model:tester/draft-model" in files["README.md"] and str(saved).encode() not in files["README.md"]
+    target = Target(model)
+    drafter = registry.build("model:tester/draft-model", target, "tiny-chat", tree="dynamic:6,depth=3")
+    assert drafter.draft_vocab.tolist() == facts.draft_vocab
+    tokens, _ = decode(model, tokenizer, drafter)
+    reference, _ = decode(model, tokenizer, NoDrafter())
+    assert tokens == reference
