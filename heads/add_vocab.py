@@ -61,13 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     directory = resolve(a.checkpoint)
     kinds = {"medusa": MedusaHeads, "hydra": HydraHeads, "exit-head": ExitHead}
     kind = stored_draft_type(directory, "the heads' config")
-    if kind is None and (directory / "config.json").is_file() and "model_type" in read_json_object(
-            directory / "config.json", "the model's config"):
+    if kind is None and describe(directory) == "a selfspec draft model":
         return _draft_model(a, directory)
     if kind not in (*kinds, "layerskip"):
         why = " (an EAGLE head stores its draft vocabulary when it is trained: eagle.draft_vocab)" if kind == "eagle" else ""
         raise ValueError(f"{a.checkpoint} holds {describe(directory)}; heads.add_vocab takes a selfspec checkpoint of "
-                         f"Medusa heads, Hydra heads, an exit head or a layer-skip draft{why}")
+                         f"Medusa heads, Hydra heads, an exit head or a layer-skip draft, or a draft model (train.py "
+                         f"method draft_model){why}")
     if a.out is not None:
         check_output(Path(a.out), lambda d: is_draft_checkpoint(d, kind), f"a selfspec {kind} checkpoint", "--out")
     if kind == "layerskip":
@@ -117,31 +117,39 @@ def _draft_model(a, directory: Path) -> int:
         raise ValueError("--out: a draft model's vocabulary is written into its own config.json; copy the directory "
                          "first to keep the original")
     config = read_json_object(directory / "config.json", "the draft model's config")
-    model, tokenizer = load_base(ModelConfig(name=a.model or config.get("selfspec_target") or str(directory)))
-    V = model.get_output_embeddings().weight.shape[0]
-    if not 1 <= a.size <= V:
-        print(f"error: --size: expected 1..{V} (the vocabulary), found {a.size}", file=sys.stderr)
+    counted = _count_without_recipe(a, config.get("selfspec_target") or str(directory))
+    if counted is None:
         return 2
-    data = {"source": a.source or "sharegpt", "max_conversations": a.max_conversations or LAYER_SKIP_CONVERSATIONS}
-    rows, tokens, counts = _count(DataConfig(**data), tokenizer, a.size, V)
+    rows, tokens, counts, source = counted
     atomic_write(directory / "config.json", json.dumps({**config, DRAFT_VOCAB_KEY: tokens.tolist()}, indent=2) + "\n")
-    _report(directory, "draft model", tokens, counts, rows, data["source"])
+    _report(directory, "draft model", tokens, counts, rows, source)
     return 0
 
 
 def _layer_skip(a, directory) -> int:
     """A layer-skip checkpoint (config.json only): the vocabulary goes into its config as ``draft_vocab``."""
     config = LayerSkipConfig.load(directory)
-    model, tokenizer = load_base(ModelConfig(name=a.model or config.base_model))
+    counted = _count_without_recipe(a, config.base_model)
+    if counted is None:
+        return 2
+    rows, tokens, counts, source = counted
+    out = dataclasses.replace(config, draft_vocab=tuple(tokens.tolist())).save(a.out or directory).parent
+    _report(out, "layerskip", tokens, counts, rows, source)
+    return 0
+
+
+def _count_without_recipe(a, base: str):
+    """For a draft with no recipe naming its data (a layer-skip config, a draft model): (rows, the vocabulary, every
+    token's count, the data source) counted on --source (ShareGPT by default) with ``base``'s tokenizer (--model
+    overrides it), or None after saying that --size does not fit the vocabulary."""
+    model, tokenizer = load_base(ModelConfig(name=a.model or base))
     V = model.get_output_embeddings().weight.shape[0]
     if not 1 <= a.size <= V:
         print(f"error: --size: expected 1..{V} (the base's vocabulary), found {a.size}", file=sys.stderr)
-        return 2
+        return None
     data = {"source": a.source or "sharegpt", "max_conversations": a.max_conversations or LAYER_SKIP_CONVERSATIONS}
     rows, tokens, counts = _count(DataConfig(**data), tokenizer, a.size, V)
-    out = dataclasses.replace(config, draft_vocab=tuple(tokens.tolist())).save(a.out or directory).parent
-    _report(out, "layerskip", tokens, counts, rows, data["source"])
-    return 0
+    return rows, tokens, counts, data["source"]
 
 
 if __name__ == "__main__":

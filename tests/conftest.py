@@ -195,3 +195,16 @@ def train_and_check_resume(tmp_path: Path, args: list[str]) -> Path:
     for step in (4, 5, 6):
         assert resumed[step] == pytest.approx(full[step], abs=1e-6), f"step {step}"
     return tmp_path / "full"
+
+
+def losses_over_steps(loss, params, steps: int = 20, lr: float = 3e-3) -> list[float]:
+    """``steps`` AdamW steps on ``loss()`` (a MedusaLoss) over ``params``; the loss before each step."""
+    optimizer = torch.optim.AdamW([p for p in params if p.requires_grad], lr=lr)
+    losses = []
+    for _ in range(steps):
+        out = loss()
+        optimizer.zero_grad()
+        out.total.backward()
+        optimizer.step()
+        losses.append(out.total.item())
+    return losses

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model, train_and_check_resume
+from conftest import losses_over_steps, tiny_model, train_and_check_resume
 from transformers import AutoModelForCausalLM
 
 from heads.draft_model.kind import DraftModelKind
@@ -153,14 +153,7 @@ def test_the_loss_falls_on_a_repeated_batch():
     assert all(k.startswith("student.") for k in module.state_dict())  # the target is held, never stored
     batch = batch_of(base.config.vocab_size)
     hidden = final_hidden(base, batch["input_ids"], batch["attention_mask"])  # [B, T, D]
-    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=3e-3)
-    losses = []
-    for _ in range(20):
-        out = kind.loss(cfg, module, hidden, None, batch, ranks=5)
-        optimizer.zero_grad()
-        out.total.backward()
-        optimizer.step()
-        losses.append(out.total.item())
+    losses = losses_over_steps(lambda: kind.loss(cfg, module, hidden, None, batch, ranks=5), module.parameters())
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < 0.5 * losses[0], losses
     ce = kind.loss(load_config(TINY, ["loss.kind=ce"]), module, hidden, None, batch, ranks=0)
     assert torch.isfinite(ce.total) and ce.hits.shape == (1, 0)

@@ -262,7 +262,8 @@ def test_add_vocab_mistakes_are_one_error_line(tmp_path, capsys):
     (eagle / "config.json").write_text(json.dumps({"draft_type": "eagle"}))
     model_files = {p.name: p.read_bytes() for p in model_dir.iterdir()}
     capsys.readouterr()
-    takes = "heads.add_vocab takes a selfspec checkpoint of Medusa heads, Hydra heads, an exit head or a layer-skip draft"
+    takes = ("heads.add_vocab takes a selfspec checkpoint of Medusa heads, Hydra heads, an exit head or a layer-skip draft, "
+             "or a draft model (train.py method draft_model)")
     cases = {
         (str(model_dir),): f"{model_dir} holds a transformers model directory; {takes}",
         (str(eagle),): f"{eagle} holds a selfspec eagle checkpoint; {takes} (an EAGLE head stores its draft vocabulary "
