@@ -400,6 +400,9 @@ def use_hub(monkeypatch, hub: HubServer, home, token: str | None = TOKEN) -> Non
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_HOME", hub.url + "/")
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    import transformers.utils.hub as transformers_hub  # transformers keeps one HfApi, its endpoint fixed at first use
+
+    monkeypatch.setattr(transformers_hub, "_hf_api", None, raising=False)
     default_home = constants.HF_HOME
     for name in dir(constants):  # every path derived from HF_HOME at import (cache, token, xet, agent registry ...)
         value = getattr(constants, name)
