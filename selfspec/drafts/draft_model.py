@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -178,7 +179,7 @@ class ModelDrafter(Drafter):
                 slots += [(nodes.score[i] + lp, row, r) for r, lp in enumerate(top)]
             room = min(quota, rule.budget - (len(nodes.tok) - 1))
             slots = [s for s in sorted(slots, reverse=True)[:room] if s[0] >= rule.min_logp]
-            counts = [sum(1 for s in slots if s[1] == row) for row in range(len(frontier))]
+            counts = Counter(row for _, row, _ in slots)  # children per frontier row, fixed before any draw
             frontier_next = []
             for row, i in enumerate(frontier):
                 for token, logp, q in draws(q_rows[row], counts[row], generator):
@@ -225,7 +226,7 @@ class ModelDrafter(Drafter):
     def _run(self, nodes: Nodes, run: list[int], T: int) -> torch.Tensor:
         """The nodes ``run`` through the draft in one forward, each attending to the T committed entries and its own
         ancestors' entries -> their next-token logits [Q, V]."""
-        device = next(self.model.parameters()).device
+        device = self.draft_model.device
         S, Q = hf.cache_length(self.cache), len(run)
         allowed = torch.zeros(Q, S + Q, dtype=torch.bool)
         allowed[:, :T] = True
@@ -236,7 +237,7 @@ class ModelDrafter(Drafter):
                 a = nodes.parent[a]
             allowed[row, S + row] = True
         nodes.entry.update({i: S + row for row, i in enumerate(run)})
-        mask = hf.additive_mask(allowed.to(device), next(self.model.parameters()).dtype)  # [1, 1, Q, S + Q]
+        mask = hf.additive_mask(allowed.to(device), self.model.dtype)  # [1, 1, Q, S + Q]
         ids = torch.tensor([nodes.tok[i] for i in run], device=device)  # [Q]
         positions = torch.tensor([T - 1 + nodes.depth[i] for i in run], device=device)  # [Q]
         return self._forward(ids, positions, mask)
