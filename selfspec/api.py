@@ -37,7 +37,8 @@ from selfspec import registry
 from selfspec.base_check import check_drafts
 
 from selfspec.core import processors
-from selfspec.core.drafter import Drafter, verifier_for
+from selfspec.core.batch import Job, stream_batch
+from selfspec.core.drafter import Drafter, fork, verifier_for
 from selfspec.core.generate import check_request, stream as spec_stream
 from selfspec.core.logprobs import TokenLogprob, token_logprobs
 from selfspec.core.models import DEFAULT_MODEL, load_model
@@ -46,11 +47,19 @@ from selfspec.core.sampling import PresencePenalty, Sampling
 from selfspec.core.stopping import stop_strings
 from selfspec.core.target import Target
 from selfspec.core.text_stream import (  # noqa: F401 - IncrementalDecoder: re-exported, the API's own name
-    IncrementalDecoder, Result, Stats, StepCounter, TextStream)
+    BatchStream, IncrementalDecoder, Result, Stats, StepCounter, TextStream)
 from selfspec.core.tree import DynamicTree, Tree
 
 Prompt = str | Sequence[dict[str, str]] | Sequence[int] | torch.Tensor
 """text (the chat template is applied when chat=True), a list of chat messages, or token ids."""
+
+
+def is_batch(prompt: Any) -> bool:
+    """A list of prompts (texts, chats, token id lists or tensors), or token ids [B, T] with B > 1, rather than one."""
+    if isinstance(prompt, torch.Tensor):
+        return prompt.dim() == 2 and prompt.shape[0] != 1
+    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(
+        isinstance(p, (str, list, tuple, torch.Tensor)) for p in prompt)
 
 
 UNAPPLIED = {"top_h": None, "watermarking_config": None, "remove_invalid_values": False, "renormalize_logits": False}
@@ -68,10 +77,13 @@ class SpecModel:
     """A target model, its tokenizer and a drafter; decoding is always lossless (exact acceptance)."""
 
     def __init__(self, target: Target, tokenizer: PreTrainedTokenizerBase, drafter: Drafter, name: str = "",
-                 repetition_penalty: float | None = None, tree: Tree | DynamicTree | None = None):
+                 repetition_penalty: float | None = None, tree: Tree | DynamicTree | None = None,
+                 max_batch: int | None = 8):
         """repetition_penalty: what ``stream`` / ``generate`` / ``generate_plain`` apply unless told otherwise; None
         takes the model's generation config's, as ``model.generate`` does. tree: the tree the drafter was built with
-        (``load``: the --tree, 'auto' as resolved on this machine), None for the draft's own."""
+        (``load``: the --tree, 'auto' as resolved on this machine), None for the draft's own. max_batch: the most
+        prompts of a list that decode together (the rest wait and join as others finish; None: all at once)."""
+        self.max_batch = max_batch
         # the drafter's own verifier where it has one (early exit: reuses the early layers' work from drafting)
         self.target, self.tokenizer, self.drafter, self.name = verifier_for(drafter, target), tokenizer, drafter, name
         self.tree = tree
@@ -100,13 +112,13 @@ class SpecModel:
     # ---------------------------------------------------------------------------------------------------- prompts
     def encode(self, prompt: Prompt, chat: bool = True) -> torch.Tensor:
         """-> long [T] on the target's device. Token ids: a list of ints, or an integer tensor [T] or [1, T] (one
-        sequence: selfspec decodes at batch size 1)."""
+        sequence: ``generate`` and ``stream`` take a list of prompts, or [B, T], as a batch)."""
         if isinstance(prompt, torch.Tensor):
             if prompt.is_floating_point() or prompt.dtype == torch.bool or prompt.is_complex():
                 raise TypeError(f"expected token ids (an integer tensor), found a {prompt.dtype} tensor")
             if prompt.dim() == 2 and prompt.shape[0] != 1:
-                raise ValueError(f"selfspec decodes one sequence at a time (batch size 1); found a batch of "
-                                 f"{prompt.shape[0]} prompts {tuple(prompt.shape)}: call once per prompt")
+                raise ValueError(f"encode takes one prompt; found a batch of {prompt.shape[0]} prompts "
+                                 f"{tuple(prompt.shape)}: encode each row (generate and stream take the batch whole)")
             if prompt.dim() not in (1, 2):
                 raise ValueError(f"expected token ids of shape [T] or [1, T], found {tuple(prompt.shape)}")
             return prompt.reshape(-1).to(self.target.device, torch.long)
@@ -172,7 +184,8 @@ class SpecModel:
                            min_new_tokens=r.min_new_tokens, logprobs=o.logprobs, prompt_logprobs=o.prompt_logprobs,
                            processors=procs)
 
-    def stream(self, prompt: Prompt, options: GenerationOptions | None = None, **overrides: Any) -> TextStream:
+    def stream(self, prompt: Prompt, options: GenerationOptions | None = None,
+               **overrides: Any) -> TextStream | BatchStream:
         """Text pieces as they are accepted; the returned TextStream holds .text, .tokens and .stats afterwards.
 
         ``options`` (``selfspec.core.request.GenerationOptions``; None: its defaults), with any of its fields given
@@ -184,31 +197,53 @@ class SpecModel:
         (OpenAI's: on the answer's tokens) and logit_bias ({token id: bias}) as OpenAI applies them;
         ``generate_plain`` applies the same through transformers. logprobs = k: the stream's ``logprobs`` holds the
         target's log-probability of each new token and its k likeliest alternatives (prompt_logprobs = k:
-        ``prompt_logprobs`` the same for the prompt's tokens after the first); None: none."""
-        r = self._request(prompt, options_from(options, overrides))
-        return TextStream(self._steps(r), self.tokenizer)
+        ``prompt_logprobs`` the same for the prompt's tokens after the first); None: none.
+        A list of prompts (``is_batch``) decodes as a batch: a ``BatchStream`` of (prompt index, text piece), its
+        ``streams[i]`` one TextStream per prompt."""
+        o = options_from(options, overrides)
+        if is_batch(prompt):
+            return BatchStream(self._batch_steps([self._request(p, o) for p in prompt]), len(prompt), self.tokenizer)
+        return TextStream(self._steps(self._request(prompt, o)), self.tokenizer)
 
-    def generate(self, prompt: Prompt, options: GenerationOptions | None = None, **overrides: Any) -> Result:
-        """Generate to the end; the text is decoded once, after timing stops. Arguments as ``stream``."""
-        r = self._request(prompt, options_from(options, overrides))
-        tokens: list[int] = []
-        lengths: list[int] = []
-        lps: list[TokenLogprob] = []
-        prompt_lps: list[TokenLogprob] = []
-        drafting = 0.0
+    def generate(self, prompt: Prompt, options: GenerationOptions | None = None,
+                 **overrides: Any) -> Result | list[Result]:
+        """Generate to the end; the text is decoded once, after timing stops. Arguments as ``stream``; a list of
+        prompts decodes as a batch (at most ``max_batch`` at once) -> one Result per prompt, each with its own
+        statistics (its seconds: from the batch's start to its own end)."""
+        o = options_from(options, overrides)
+        if is_batch(prompt):
+            requests = [self._request(p, o) for p in prompt]
+            parts = [_Collected() for _ in requests]
+            t0 = time.perf_counter()
+            for i, step, _ in self._batch_steps(requests):
+                parts[i].add(step, time.perf_counter() - t0)
+            return [part.result(self.decode, o) for part in parts]
+        r = self._request(prompt, o)
+        part = _Collected()
         t0 = time.perf_counter()
         for step in self._steps(r):
-            drafting += step.draft_s
-            tokens.extend(step.tokens)
-            lengths.append(len(step.tokens))
-            lps.extend(step.logprobs)
-            prompt_lps.extend(step.prompt_logprobs)
-        seconds = time.perf_counter() - t0
-        return Result(text=self.decode(tokens), tokens=tokens,
-                      stats=Stats(new_tokens=len(tokens), seconds=seconds, accept_lengths=tuple(lengths),
-                                  draft_seconds=drafting),
-                      logprobs=None if r.options.logprobs is None else lps,
-                      prompt_logprobs=None if r.options.prompt_logprobs is None else prompt_lps)
+            part.add(step)
+        part.seconds = time.perf_counter() - t0
+        return part.result(self.decode, o)
+
+    def _batch_steps(self, requests: list["_Request"]) -> Iterator[tuple[int, Any, bool]]:
+        """(prompt index, Step, done) of ``requests`` decoded together, each with a drafter of its own; one at a time
+        where the drafter cannot batch (it runs the target's layers on its cache)."""
+        if not self.drafter.batchable:
+            for i, r in enumerate(requests):
+                steps = list(self._steps(r))
+                yield from ((i, step, k == len(steps) - 1) for k, step in enumerate(steps))
+            return
+        yield from stream_batch(self.target, [self._job(r) for r in requests], self.max_batch)
+
+    def _job(self, r: "_Request") -> Job:
+        """Request ``r`` as one sequence of a batch, with a copy of the drafter of its own (weights shared)."""
+        o = r.options
+        procs = processors.from_config(self.model.generation_config, r.ids.shape[0], o.max_new_tokens,
+                                       self.eos_token_id, self.target.device)
+        return Job(r.ids, fork(self.drafter), o.max_new_tokens, sampling=r.sampling, eos_token_id=self.eos_token_id,
+                   generator=r.generator, stopping_criteria=r.criteria, min_new_tokens=r.min_new_tokens,
+                   logprobs=o.logprobs, prompt_logprobs=o.prompt_logprobs, processors=procs)
 
     @torch.inference_mode()
     def generate_plain(self, prompt: Prompt, options: GenerationOptions | None = None, **kwargs: Any) -> Result:
@@ -292,6 +327,34 @@ def check_message(text: str) -> None:
     of its own, and it would be answered."""
     if not text.strip():
         raise ValueError(f"the prompt is empty: expected a message with text, found {text!r}")
+
+
+class _Collected:
+    """One answer's steps gathered into a Result."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.lengths: list[int] = []
+        self.lps: list[TokenLogprob] = []
+        self.prompt_lps: list[TokenLogprob] = []
+        self.drafting = self.seconds = 0.0
+
+    def add(self, step: Any, seconds: float | None = None) -> None:
+        """One step of the loop; ``seconds``: the time since the decoding began (a batch's), when known."""
+        self.drafting += step.draft_s
+        self.tokens.extend(step.tokens)
+        self.lengths.append(len(step.tokens))
+        self.lps.extend(step.logprobs)
+        self.prompt_lps.extend(step.prompt_logprobs)
+        if seconds is not None:
+            self.seconds = seconds
+
+    def result(self, decode: Any, o: GenerationOptions) -> Result:
+        return Result(text=decode(self.tokens), tokens=self.tokens,
+                      stats=Stats(new_tokens=len(self.tokens), seconds=self.seconds,
+                                  accept_lengths=tuple(self.lengths), draft_seconds=self.drafting),
+                      logprobs=None if o.logprobs is None else self.lps,
+                      prompt_logprobs=None if o.prompt_logprobs is None else self.prompt_lps)
 
 
 @dataclass(frozen=True)

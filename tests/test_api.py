@@ -134,8 +134,7 @@ PROMPT_FORMS = "expected a prompt as text (str), chat messages (a list of {'role
 
 
 @pytest.mark.parametrize("call, error, message", [
-    (dict(prompt=torch.tensor([[5, 6, 7], [8, 9, 10]])), ValueError,
-     "selfspec decodes one sequence at a time (batch size 1); found a batch of 2 prompts (2, 3): call once per prompt"),
+    (dict(prompt=torch.tensor([[[5, 6, 7], [8, 9, 10]]])), ValueError, "expected token ids of shape [T] or [1, T], found (1, 2, 3)"),
     (dict(prompt=torch.tensor([1.0, 2.0])), TypeError, "expected token ids (an integer tensor), found a torch.float32"),
     (dict(prompt=b"hello"), TypeError, f"{PROMPT_FORMS} (a list of ints, or a tensor), found bytes b'hello'"),
     (dict(prompt=[1.7, 2.2]), TypeError, "found 1.7 (float) among its items"),

@@ -44,7 +44,8 @@ def test_max_new_tokens_below_one(target, n):
 
 
 def test_batch_larger_than_one(target):
-    with pytest.raises(ValueError, match=r"one sequence at a time \(batch size 1\); found batch size 2"):
+    with pytest.raises(ValueError, match=r"one sequence \(batch size 1\); found batch size 2: decode a batch with "
+                                         r"selfspec.core.batch \(generate_batch\)"):
         generate(target, NoDrafter(), torch.zeros(2, 5, dtype=torch.long), 4)
     with pytest.raises(ValueError, match=r"expected input_ids of shape \[T\] or \[1, T\], found \(1, 1, 5\)"):
         generate(target, NoDrafter(), torch.zeros(1, 1, 5, dtype=torch.long), 4)

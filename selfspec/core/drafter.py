@@ -9,11 +9,12 @@ Shapes: T tokens so far, N tree nodes, V vocabulary, D hidden size.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
-from transformers import Cache
+from transformers import Cache, PreTrainedTokenizerBase
 
 from selfspec.core.accept import Acceptance
 from selfspec.core.sampling import Sampling
@@ -122,6 +123,11 @@ class Drafter(Protocol):
     max_depth: int | None = None
     """the deepest tree the drafter can grow (Medusa heads: their number); None: no limit of its own."""
 
+    batchable: bool = True
+    """whether copies of it (``fork``) can draft for the sequences of a batch side by side: False for drafters that run
+    the target's own layers on its cache (layer skipping, early exit), which holds a batch's rows; a batch of requests
+    then decodes one sequence at a time."""
+
     def draft(self, state: DraftState) -> Draft:
         """Propose a tree of candidates rooted at state.tokens[-1]."""
         ...
@@ -146,6 +152,37 @@ def verifier_for(drafter: Drafter, target: "Target") -> "Target":
     """The Target that verifies ``drafter``'s drafts: the drafter's own when it has one (``Drafter.verifier``), else
     ``target``."""
     return drafter.verifier() or target
+
+
+def fork(drafter: Drafter) -> Drafter:
+    """The same draft for another sequence of a batch: a deep copy with state of its own (caches, counters, the tree
+    it adapts) that shares every module (the weights), model and tokenizer with ``drafter``."""
+    if not drafter.batchable:
+        raise ValueError(f"{type(drafter).__name__} cannot draft for a batch (it runs the target's own layers on its "
+                         "cache): decode its sequences one at a time")
+    from selfspec.core.target import Target
+
+    shared: dict[int, Any] = {}
+    _share(drafter, (torch.nn.Module, PreTrainedTokenizerBase, Target), shared, set())
+    return copy.deepcopy(drafter, shared)
+
+
+def _share(obj: Any, kinds: tuple[type, ...], shared: dict[int, Any], seen: set[int]) -> None:
+    """Fill ``shared`` (a deepcopy memo) with the objects of ``kinds`` reachable from ``obj``: copied by reference."""
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, kinds):
+        shared[id(obj)] = obj
+        return
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        items = list(obj)
+    else:
+        items = list(getattr(obj, "__dict__", {}).values())
+    for item in items:
+        _share(item, kinds, shared, seen)
 
 
 def check_tree(tree: Tree, *, max_depth: int, max_topk: int, drafter: str) -> Tree:

@@ -1,4 +1,4 @@
-"""The speculative decoding loop, batch size 1.
+"""The speculative decoding loop, batch size 1 (a batch of sequences: selfspec/core/batch.py, the same steps per row).
 
     prompt ─ 1. prefill ─▶ root token x0 (the target's own)
     loop:    2. draft      drafter.draft(state)            → tree of N candidates rooted at the last token
@@ -83,7 +83,8 @@ def check_request(target: Target, input_ids: torch.Tensor, max_new_tokens: int, 
     check_min_new_tokens(min_new_tokens)
     if input_ids.dim() == 2:
         if input_ids.shape[0] != 1:
-            raise ValueError(f"selfspec decodes one sequence at a time (batch size 1); found batch size {input_ids.shape[0]}")
+            raise ValueError(f"this loop decodes one sequence (batch size 1); found batch size {input_ids.shape[0]}: "
+                             "decode a batch with selfspec.core.batch (generate_batch), one Job per sequence")
         input_ids = input_ids[0]
     if input_ids.dim() != 1:
         raise ValueError(f"expected input_ids of shape [T] or [1, T], found {tuple(input_ids.shape)}")
@@ -138,9 +139,7 @@ def stream(target: Target, drafter: Drafter, input_ids: torch.Tensor, max_new_to
     # 1. prefill: the prompt in one causal forward; the target's own first token becomes the root
     t0 = time.perf_counter()
     pre = target.prefill(prompt, cache, every_logit=prompt_logprobs is not None)
-    last = path_scores(pre.logits[-1:], sampling, prompt, prompt.shape[0], eos=eos, processors=processors,
-                       short=eos_blocked(0, torch.zeros(1, dtype=torch.long), min_new_tokens))  # [1, V]
-    root = next_token(last[0], sampling, generator)
+    root = root_token(pre.logits[-1:], prompt, sampling, eos, processors, min_new_tokens, generator)
     sync()
     tokens = torch.cat([prompt, prompt.new_tensor([root])])  # [T]
     hidden, new_hidden = pre.hidden[-1], pre.hidden  # [D], [T, D]
@@ -166,10 +165,8 @@ def stream(target: Target, drafter: Drafter, input_ids: torch.Tensor, max_new_to
 
         # 4. accept: the longest path the target agrees with, plus the target's own next token (each node's scores
         #    processed for the text before it: penalties, a logit bias, no EOS while it is shorter than min_new_tokens)
-        short = eos_blocked(produced, draft.tree.depth_tensor.to(out.logits.device), min_new_tokens)  # [N] or None
-        logits = path_scores(out.logits, sampling, tokens, prompt.shape[0], draft.tree, draft.tokens, short=short,
-                             eos=eos, processors=processors)  # [N, V]
-        acc = accept(draft, logits, sampling, accept_rule, generator)
+        acc = judge(draft, out.logits, tokens, prompt.shape[0], produced, sampling, eos, processors, min_new_tokens,
+                    accept_rule, generator)
 
         # 5. commit: the cache keeps the root and the accepted drafts, in order
         target.commit(cache, start, acc.path)
@@ -178,11 +175,7 @@ def stream(target: Target, drafter: Drafter, input_ids: torch.Tensor, max_new_to
         drafter.update(draft, acc)
 
         # 7. emit, stopping exactly where plain decoding would: at EOS, a stop string, or max_new_tokens
-        new = ([int(draft.tokens[i]) for i in acc.path[1:]] + [acc.bonus])[: max_new_tokens - produced]
-        tokens = torch.cat([tokens, tokens.new_tensor(new)])
-        stop = first_stop(stopping_criteria, tokens, len(new), set(eos))
-        if stop is not None:
-            tokens, new = tokens[: tokens.shape[0] - len(new) + stop + 1], new[: stop + 1]
+        tokens, new, stop = extend(tokens, draft, acc, max_new_tokens - produced, stopping_criteria, eos)
         produced += len(new)
         hidden, new_hidden = out.hidden[acc.path[-1]], out.hidden[list(acc.path)]  # [D], [A, D]
         new_states = None if out.states is None else LayerStates.of(out.states, list(acc.path))
@@ -192,6 +185,39 @@ def stream(target: Target, drafter: Drafter, input_ids: torch.Tensor, max_new_to
                    logprobs=scored(out.logits[list(acc.path[: len(new)])], tokens[-len(new):], logprobs))
         if stop is not None or produced >= max_new_tokens:
             return
+
+
+def root_token(logits: torch.Tensor, prompt: torch.Tensor, sampling: Sampling, eos: list[int], processors: Processors,
+               min_new_tokens: int, generator: torch.Generator | None) -> int:
+    """The first new token, from the prefill's logits [1, V] after the prompt [T]: processed as ``generate`` processes
+    them (no end-of-sequence token if min_new_tokens > 0), then the argmax or a draw."""
+    last = path_scores(logits, sampling, prompt, prompt.shape[0], eos=eos, processors=processors,
+                       short=eos_blocked(0, torch.zeros(1, dtype=torch.long), min_new_tokens))  # [1, V]
+    return next_token(last[0], sampling, generator)
+
+
+def judge(draft: Draft, logits: torch.Tensor, tokens: torch.Tensor, prompt_length: int, produced: int,
+          sampling: Sampling, eos: list[int], processors: Processors, min_new_tokens: int, rule: AcceptRule,
+          generator: torch.Generator | None) -> Acceptance:
+    """Step 4 for one sequence: the target's logits [N, V] at each node of ``draft`` (rooted at tokens[-1], after
+    ``produced`` new tokens) processed for each node's own text (penalties, a logit bias, no EOS while shorter than
+    min_new_tokens), then the acceptance rule."""
+    short = eos_blocked(produced, draft.tree.depth_tensor.to(logits.device), min_new_tokens)  # [N] or None
+    scores = path_scores(logits, sampling, tokens, prompt_length, draft.tree, draft.tokens, short=short, eos=eos,
+                         processors=processors)  # [N, V]
+    return accept(draft, scores, sampling, rule, generator)
+
+
+def extend(tokens: torch.Tensor, draft: Draft, acc: Acceptance, room: int, criteria: Sequence[Criterion],
+           eos: list[int]) -> tuple[torch.Tensor, list[int], int | None]:
+    """Step 7 for one sequence: tokens [T] with the accepted drafts and the bonus token, no more than ``room``, cut
+    after the first EOS or stop string -> (tokens [T + len(new)], new, where it stopped in new or None)."""
+    new = ([int(draft.tokens[i]) for i in acc.path[1:]] + [acc.bonus])[:room]
+    tokens = torch.cat([tokens, tokens.new_tensor(new)])
+    stop = first_stop(criteria, tokens, len(new), set(eos))
+    if stop is not None:
+        tokens, new = tokens[: tokens.shape[0] - len(new) + stop + 1], new[: stop + 1]
+    return tokens, new, stop
 
 
 def eos_blocked(produced: int, depths: torch.Tensor, min_new_tokens: int) -> torch.Tensor | None:

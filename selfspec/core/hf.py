@@ -7,6 +7,8 @@
   position (per layer type), so trees are verified beyond the window; where that cannot be expressed, the window
   prompt + new tokens must stay inside.
 - ``cache_keep``: the one cache operation a tree needs after acceptance: keep the given new entries, drop the rest.
+- a batch's cache (``rows_cache``, ``join_rows``, ``select_rows``, ``keep_rows``) and ``forward_rows``: B sequences of
+  different lengths in one cache of B rows, each row's accepted path moved to follow its own text.
 - ``sdpa_or_eager``: build a model with sdpa attention, or eager where its architecture has none.
 - ``unverifiable``: why a tree cannot be verified losslessly on a model (ALiBi biases, recurrent layers), or None.
 - ``decoder`` / ``decoder_layers``: the decoder stack under the LM head and its list of transformer blocks.
@@ -15,7 +17,7 @@
   without the LM head), and per-layer cache access (``layer_lengths``, ``cache_truncate``, ``layer_entries``,
   ``append_entries``).
 
-Shapes: B batch (always 1 here), H kv heads, S cached length, N new tokens, V vocabulary, D hidden size.
+Shapes: B batch (1, except in a batch's cache of rows: ``rows_cache`` and its neighbours, ``forward_rows``), H kv heads, S cached length, N new tokens, V vocabulary, D hidden size.
 """
 
 from __future__ import annotations
@@ -99,10 +101,11 @@ def cache_length(cache: Cache) -> int:
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """bool [N, S + N] (True = may attend) -> float [1, 1, N, S + N]: 0 where allowed, dtype's minimum elsewhere."""
+    """bool [N, S + N] (True = may attend) -> float [1, 1, N, S + N]: 0 where allowed, dtype's minimum elsewhere;
+    bool [B, N, S + N] (a batch's rows) -> [B, 1, N, S + N]."""
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]
+    return mask[None, None] if allowed.dim() == 2 else mask[:, None]
 
 
 def forward(
@@ -134,6 +137,15 @@ def forward(
     return out.logits[0], tuple(h[0] for h in out.hidden_states)  # [n, V], L + 1 x [N, D]
 
 
+def forward_rows(model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+                 cache: Cache) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """``forward`` over a batch of rows: input_ids [B, N], position_ids [B, N], mask [B, 1, N, S + N] or None (plain
+    causal, B = 1) -> logits [B, N, V], states: L + 1 tensors [B, N, D]. The cache holds B rows (``rows_cache``)."""
+    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=layer_masks(model, mask, position_ids, cache),
+                cache=cache, use_cache=True, output_hidden_states=True, return_dict=True)
+    return out.logits, tuple(out.hidden_states)
+
+
 def layer_masks(model: PreTrainedModel, mask: torch.Tensor | None, position_ids: torch.Tensor, cache: Cache | None):
     """A tree's mask [1, 1, N, K] over positions 0..K-1 (every earlier position, then the tree's own nodes) -> what the
     model's forward takes: the mask itself when no layer slides; with sliding-window layers, the window applied too (a
@@ -141,15 +153,16 @@ def layer_masks(model: PreTrainedModel, mask: torch.Tensor | None, position_ids:
     hold (``WindowLayer``: from position ``window_offset`` on), alone when every layer slides, else
     {"full_attention": mask, "sliding_attention": windowed}.
 
-    position_ids [N]. A tree's own nodes sit at key positions >= the cache length, never further from a query than the
+    position_ids [N] ([B, N] with a mask [B, 1, N, K]: ``forward_rows``). A tree's own nodes sit at key positions >= the cache length, never further from a query than the
     tree is deep: inside any window wider than the tree, whatever their column."""
     window = sliding_window(model)
     if mask is None or window is None:
         return mask
     offset = window_offset(cache)
     keys = torch.arange(offset, mask.shape[-1], device=mask.device)  # the positions the sliding layers hold
-    outside = keys[None, :] <= position_ids.to(mask.device)[:, None] - window  # [N, K - offset]
-    windowed = mask[..., offset:].masked_fill(outside[None, None], torch.finfo(mask.dtype).min)
+    queries = position_ids.to(mask.device).reshape(mask.shape[0], -1)  # [B, N] (a batch's rows: ``forward_rows``)
+    outside = keys <= queries[..., None] - window  # [B, N, K - offset]
+    windowed = mask[..., offset:].masked_fill(outside[:, None], torch.finfo(mask.dtype).min)
     types = set(getattr(model.config.get_text_config(), "layer_types", None) or ["sliding_attention"])
     if types == {"sliding_attention"}:
         return windowed
@@ -199,6 +212,70 @@ def cache_keep(cache: Cache, start: int, keep: torch.Tensor) -> None:
             layer.values[:, :, local : local + k] = layer.values[:, :, keep + local]
     if total > start + k:
         cache.crop(-(total - start - k))
+
+
+# ------------------------------------------------------------------------------------------ a batch's cache (rows)
+# B sequences decode together in one cache of B rows (selfspec/core/batch.py): every row has the same number of slots S,
+# row b's text fills its first lengths[b]; the slots after that are stale (a longer neighbour's, a rejected draft's) and
+# masked. Every layer keeps every entry (no sliding: a tree's mask applies a window by position, ``layer_masks``).
+
+
+def rows_cache(model: PreTrainedModel) -> Cache:
+    """An empty cache for a batch's rows: transformers' cache for the model, every layer a full ``DynamicLayer``."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [layer if type(layer) is DynamicLayer else DynamicLayer() for layer in cache.layers]
+    return cache
+
+
+def join_rows(cache: Cache, other: Cache) -> None:
+    """Append the rows of ``other`` (a ``rows_cache``, its rows as long as it holds) to ``cache``; the shorter side's
+    rows are padded with zeros to the longer one's slots."""
+    if rows(cache) == 0:
+        for mine, theirs in zip(cache.layers, other.layers):
+            mine.keys, mine.values, mine.is_initialized = theirs.keys, theirs.values, theirs.is_initialized
+            mine.device = getattr(theirs, "device", None)
+        return
+    slots = max(cache.get_seq_length(), other.get_seq_length())
+    for mine, theirs in zip(cache.layers, other.layers):
+        mine.keys = torch.cat([_padded(mine.keys, slots), _padded(theirs.keys, slots)])
+        mine.values = torch.cat([_padded(mine.values, slots), _padded(theirs.values, slots)])
+
+
+def _padded(entries: torch.Tensor, slots: int) -> torch.Tensor:
+    """[B, H, S, hd] -> [B, H, slots, hd], zeros after the S held."""
+    missing = slots - entries.shape[-2]
+    return entries if missing == 0 else torch.nn.functional.pad(entries, (0, 0, 0, missing))
+
+
+def rows(cache: Cache) -> int:
+    """How many rows (sequences) the cache holds."""
+    layer = cache.layers[0]
+    return 0 if not layer.is_initialized or layer.keys.numel() == 0 else layer.keys.shape[0]
+
+
+def select_rows(cache: Cache, keep: list[int], slots: int) -> None:
+    """Keep rows ``keep`` (in that order) and their first ``slots`` entries."""
+    index = torch.tensor(keep, dtype=torch.long, device=cache.layers[0].keys.device)
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[index, :, :slots], layer.values[index, :, :slots]
+
+
+def keep_rows(cache: Cache, start: int, lengths: list[int], paths: list[torch.Tensor]) -> list[int]:
+    """After a verification that added N slots from ``start`` to every row: row b keeps the entries at slots start +
+    paths[b] (its accepted path, in order), moved to follow its own lengths[b] entries; the rows' new lengths; the
+    cache keeps max(new lengths) slots. paths: long [A_b] offsets relative to ``start``."""
+    device = cache.layers[0].keys.device
+    row = torch.cat([torch.full((len(p),), b, dtype=torch.long) for b, p in enumerate(paths)]).to(device)  # [M]
+    src = torch.cat([start + p for p in paths]).to(device)  # [M]
+    dst = torch.cat([torch.arange(n, n + len(p)) for n, p in zip(lengths, paths)]).to(device)  # [M]
+    moved = bool((src != dst).any())
+    new = [n + len(p) for n, p in zip(lengths, paths)]
+    for layer in cache.layers:
+        if moved:
+            layer.keys[row, :, dst] = layer.keys[row, :, src]  # [M, H, hd]
+            layer.values[row, :, dst] = layer.values[row, :, src]
+        layer.keys, layer.values = layer.keys[:, :, : max(new)], layer.values[:, :, : max(new)]
+    return new
 
 
 def sdpa_or_eager(build: Callable[[str], PreTrainedModel]) -> PreTrainedModel:

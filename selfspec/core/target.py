@@ -5,7 +5,11 @@ attends to the whole cache and to its own ancestors), explicit position ids (cac
 cache. A chain (or the root alone) is plain causal attention, so it goes without a custom mask, exactly as plain
 decoding does. No modeling files are copied.
 
-Shapes: S cached length, N tree nodes, V vocabulary, D hidden size.
+Batches (selfspec/core/batch.py): ``verify_rows`` verifies one tree per sequence of a batch in one forward, each row of
+the cache (``hf.rows_cache``) holding one sequence's text in its first ``lengths[b]`` slots, and ``commit_rows`` keeps
+each row's accepted path.
+
+Shapes: B sequences, S cached length (slots), N tree nodes, V vocabulary, D hidden size.
 """
 
 from __future__ import annotations
@@ -99,6 +103,41 @@ class Target:
         positions = start + tree.depth_tensor.to(device)  # [N]
         logits, states = hf.forward(self.model, tokens, positions, mask, cache)
         return Verified(logits=logits, hidden=states[-1], states=states)
+
+    @torch.inference_mode()
+    def verify_rows(self, trees: list[Tree], tokens: list[torch.Tensor], cache: Cache, lengths: list[int]) -> Verified:
+        """One tree per row of a batch's cache (row b's text in its first lengths[b] slots), tokens[b] [N_b] laid out
+        as trees[b] -> logits [B, N, V], hidden [B, N, D], states L + 1 x [B, N, D], N = max N_b (rows padded: the
+        padding's outputs mean nothing); adds N slots to every row.
+
+        Row b's node i attends to its row's text and to its own ancestors, at position lengths[b] + depth; a padding
+        node to itself alone. One row whose text fills the cache and whose tree is a chain goes without a mask, as
+        ``verify`` does."""
+        start, b, n = hf.cache_length(cache), len(trees), max(len(t) for t in trees)
+        device = self.device
+        ids = torch.zeros(b, n, dtype=torch.long, device=device)
+        positions = torch.tensor(lengths, device=device)[:, None].repeat(1, n)  # [B, N]; padding at its row's end
+        allowed = torch.zeros(b, n, start + n, dtype=torch.bool, device=device)  # [B, N, S + N]
+        allowed[:, :, start:] = torch.eye(n, dtype=torch.bool, device=device)
+        for row, (tree, toks, length) in enumerate(zip(trees, tokens, lengths)):
+            if toks.shape != (len(tree),):
+                raise ValueError(f"row {row}: expected {len(tree)} tree tokens (one per node), found shape "
+                                 f"{tuple(toks.shape)}")
+            k = len(tree)
+            ids[row, :k] = toks
+            positions[row, :k] += tree.depth_tensor.to(device)
+            allowed[row, :k, :length] = True
+            allowed[row, :k, start: start + k] = tree.ancestor_mask.to(device)
+        plain = b == 1 and lengths[0] == start and trees[0].is_chain
+        mask = None if plain else hf.additive_mask(allowed, self._mask_dtype)  # [B, 1, N, S + N]
+        logits, states = hf.forward_rows(self.model, ids, positions, mask, cache)
+        return Verified(logits=logits, hidden=states[-1], states=states)
+
+    @torch.inference_mode()
+    def commit_rows(self, cache: Cache, start: int, lengths: list[int], paths: list[tuple[int, ...]]) -> list[int]:
+        """After ``verify_rows`` of trees from slot ``start``: row b keeps its accepted path (node indices, root first)
+        right after its lengths[b] entries; the rows' new lengths."""
+        return hf.keep_rows(cache, start, lengths, [torch.tensor(p, dtype=torch.long) for p in paths])
 
     @torch.inference_mode()
     def commit(self, cache: Cache, start: int, path: tuple[int, ...]) -> None:

@@ -117,18 +117,27 @@ class TextStream:
             self._seconds += time.perf_counter() - t0
             if step is None:
                 break
-            self.tokens.extend(step.tokens)
-            self.logprobs.extend(step.logprobs)
-            self.prompt_logprobs.extend(step.prompt_logprobs)
-            self._lengths.append(len(step.tokens))
-            self._draft_seconds += step.draft_s
-            piece = self._decoder.push(step.tokens)
+            piece = self.push(step)
             if piece:
                 yield piece
-        self.done = True
-        piece = self._decoder.flush()
+        piece = self.close()
         if piece:
             yield piece
+
+    def push(self, step) -> str:
+        """Take one step of the loop (``selfspec.core.generate.Step``) -> the text it completes ('' while a character is
+        unfinished). ``__iter__`` pushes its own steps; a batch (``BatchStream``) pushes each sequence's."""
+        self.tokens.extend(step.tokens)
+        self.logprobs.extend(step.logprobs)
+        self.prompt_logprobs.extend(step.prompt_logprobs)
+        self._lengths.append(len(step.tokens))
+        self._draft_seconds += step.draft_s
+        return self._decoder.push(step.tokens)
+
+    def close(self) -> str:
+        """The end of the sequence -> the text held back, if any."""
+        self.done = True
+        return self._decoder.flush()
 
     @property
     def text(self) -> str:
@@ -139,6 +148,32 @@ class TextStream:
         """Statistics of what has been generated so far (all of it once the iteration is over)."""
         return Stats(new_tokens=len(self.tokens), seconds=self._seconds, accept_lengths=tuple(self._lengths),
                      draft_seconds=self._draft_seconds)
+
+
+class BatchStream:
+    """Iterate for (prompt index, text piece) as a batch's sequences are accepted (``SpecModel.stream`` of a list of
+    prompts); ``streams[i]`` holds prompt i's ``text``, ``tokens`` and ``stats`` as they grow (its seconds: from the
+    batch's start to its last step)."""
+
+    def __init__(self, steps: Iterator, n: int, tokenizer: PreTrainedTokenizerBase):
+        """steps: (prompt index, Step, whether that sequence is done), as ``selfspec.core.batch.stream_batch`` yields
+        them."""
+        self._steps = steps
+        self.streams = [TextStream(iter(()), tokenizer) for _ in range(n)]
+
+    def __iter__(self) -> Iterator[tuple[int, str]]:
+        t0 = time.perf_counter()
+        for i, step, done in self._steps:
+            stream = self.streams[i]
+            piece = stream.push(step)
+            stream._seconds = time.perf_counter() - t0
+            if done:
+                piece += stream.close()
+            if piece:
+                yield i, piece
+
+    def __len__(self) -> int:
+        return len(self.streams)
 
 
 class StepCounter(BaseStreamer):

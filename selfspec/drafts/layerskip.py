@@ -79,6 +79,8 @@ class PartialModelDrafter(Drafter):
     vocab: a draft vocabulary to draft from (None: the LM head's every row).
     """
 
+    batchable = False  # it runs the target's layers on the target's cache, which a batch holds as rows
+
     def __init__(self, target: Target, replace: Mapping[int, torch.nn.Module], tree: Tree | DynamicTree,
                  stop_below: float = 0.0, vocab: DraftVocab | None = None):
         self.target, self.model = target, target.model

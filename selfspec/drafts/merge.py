@@ -91,6 +91,10 @@ class MergedDrafter(Drafter):
         self._pending: list[list[tuple[torch.Tensor, LayerStates | None]]] = [[] for _ in self.drafters]
         self.skipped = [0] * len(self.drafters)  # steps each drafter sat out
 
+    @property
+    def batchable(self) -> bool:  # type: ignore[override]
+        return all(d.batchable for d in self.drafters)
+
     def draft(self, state: DraftState) -> Draft:
         if state.starts_request:
             self._accepted, self._pending = [0] * len(self.drafters), [[] for _ in self.drafters]

@@ -230,6 +230,10 @@ class PolicyDrafter(Drafter):
         self.arm = int(policy.measured.get("fixed", 0))  # until a prefill is seen: the best fixed arm
         self.chosen = [0] * len(self.drafters)
 
+    @property
+    def batchable(self) -> bool:  # type: ignore[override]
+        return all(d.batchable for d in self.drafters)
+
     def draft(self, state: DraftState) -> Draft:
         if state.starts_request:
             assert state.new_hidden is not None

@@ -1,0 +1,222 @@
+"""The speculative decoding loop over a batch: B sequences of different lengths decode together, one target forward a
+step for all of them. A sequence joins at any step and leaves when it stops (continuous batching).
+
+    add(key, job)  1. prefill   the new prompt alone, in a cache of its own -> its root token and first Step; its cache
+                                joins the batch's as one more row
+    step()         2. draft     each sequence's own drafter drafts a tree rooted at its last token
+                   3. verify    every sequence's tree in one forward (``Target.verify_rows``): tokens [B, N], padded to
+                                the largest tree; each node sees its own sequence's text and its own ancestors
+                   4. accept    per sequence, the rules of batch size 1 (``generate.judge``: each node's scores processed
+                                for its own text, then greedy, lossless sampling or typical acceptance)
+                   5. commit    each row keeps its own accepted path, moved to follow its text (``Target.commit_rows``)
+                   6. update    each sequence's drafter hears what was kept
+                   7. emit      per sequence, cut at EOS, a stop string and max_new_tokens (``generate.extend``); a
+                                sequence that stops leaves the batch, its row dropped
+
+A sequence decodes here exactly as ``selfspec.core.generate.stream`` decodes it alone (the same functions, per row):
+greedy output is token-identical to ``model.generate``'s, sampling keeps the target's distribution
+(tests/test_batch.py, tests/test_distribution.py). Drafters keep state per sequence: each job brings its own
+(``selfspec.core.drafter.fork`` copies one, its weights shared); a drafter that runs the target's own layers on its
+cache (``batchable`` False) cannot join.
+
+Shapes: B sequences, T tokens of one sequence, N tree nodes (the largest tree of a step), V vocabulary, D hidden size.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Hashable, Iterator, Sequence
+
+import torch
+
+from selfspec.core import hf
+from selfspec.core.drafter import Drafter, DraftState, LayerStates
+from selfspec.core.generate import (AcceptRule, Output, Step, check_accept_rule, check_request, extend, fit_draft, judge,
+                                    root_token, scored, timed)
+from selfspec.core.processors import Processors
+from selfspec.core.sampling import Sampling
+from selfspec.core.stopping import Criterion, first_stop
+from selfspec.core.target import Target
+
+
+@dataclass(frozen=True)
+class Job:
+    """One sequence's request: what ``generate.stream`` takes for it, with a drafter of its own."""
+
+    input_ids: torch.Tensor
+    """[T] or [1, T] the prompt."""
+    drafter: Drafter
+    """this sequence's own drafter (``fork`` of a shared one): its state follows this sequence alone."""
+    max_new_tokens: int
+    sampling: Sampling = Sampling()
+    eos_token_id: int | list[int] | None = None
+    generator: torch.Generator | None = None
+    accept_rule: AcceptRule = "exact"
+    stopping_criteria: Sequence[Criterion] = ()
+    min_new_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    processors: Processors = Processors()
+
+    @property
+    def eos(self) -> list[int]:
+        e = self.eos_token_id
+        return [e] if isinstance(e, int) else list(e or [])
+
+
+@dataclass
+class _Live:
+    """A sequence in the batch: its job and where it stands. Its cache row holds tokens[:-1]."""
+
+    key: Hashable
+    job: Job
+    prompt_length: int
+    tokens: torch.Tensor
+    """[T] prompt and new tokens; tokens[-1] is the root of its next tree (not yet in the cache)."""
+    produced: int
+    hidden: torch.Tensor
+    new_hidden: torch.Tensor
+    new_states: LayerStates | None
+
+
+class Batch:
+    """The sequences decoding together on one target; ``add`` one, ``step`` them all, ``remove`` one."""
+
+    def __init__(self, target: Target):
+        self.target = target
+        self.cache = hf.rows_cache(target.model)
+        self.live: list[_Live] = []
+        self._sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+
+    def __len__(self) -> int:
+        return len(self.live)
+
+    @property
+    def keys(self) -> list[Hashable]:
+        return [s.key for s in self.live]
+
+    def add(self, key: Hashable, job: Job) -> tuple[Step, bool]:
+        """1. prefill ``job``'s prompt alone and let it join the batch -> (its first Step, whether it is already done:
+        then it does not join). Refuses a request plain decoding could not serve either, and a drafter that cannot
+        batch."""
+        target = self.target
+        check_request(target, job.input_ids, job.max_new_tokens, job.logprobs, job.prompt_logprobs, job.min_new_tokens)
+        check_accept_rule(job.accept_rule, job.sampling)
+        if not job.drafter.batchable:
+            raise ValueError(f"{type(job.drafter).__name__} cannot draft for a batch (it runs the target's own layers "
+                             "on its cache): decode its sequences one at a time")
+        if key in self.keys:
+            raise ValueError(f"a sequence with key {key!r} is already in the batch")
+        prompt = job.input_ids.reshape(-1).to(target.device)
+        cache = hf.rows_cache(target.model)
+        t0 = time.perf_counter()
+        pre = target.prefill(prompt, cache, every_logit=job.prompt_logprobs is not None)
+        root = root_token(pre.logits[-1:], prompt, job.sampling, job.eos, job.processors, job.min_new_tokens,
+                          job.generator)
+        self._sync()
+        tokens = torch.cat([prompt, prompt.new_tensor([root])])  # [T]
+        step = Step(tokens=(root,), tree_size=0, verify_s=time.perf_counter() - t0, other_s=0.0,
+                    logprobs=scored(pre.logits[-1:], prompt.new_tensor([root]), job.logprobs),
+                    prompt_logprobs=scored(pre.logits[:-1], prompt[1:], job.prompt_logprobs))
+        if job.max_new_tokens <= 1 or first_stop(job.stopping_criteria, tokens, 1, set(job.eos)) is not None:
+            return step, True
+        hf.join_rows(self.cache, cache)
+        self.live.append(_Live(key=key, job=job, prompt_length=prompt.shape[0], tokens=tokens, produced=1,
+                               hidden=pre.hidden[-1], new_hidden=pre.hidden,
+                               new_states=None if pre.states is None else LayerStates.of(pre.states)))
+        return step, False
+
+    def remove(self, key: Hashable) -> None:
+        """Let a sequence leave the batch before it is done (its client went away)."""
+        self._leave({key})
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Hashable, Step, bool]]:
+        """One speculative step for every sequence -> (key, its Step, whether it is done) per sequence, in batch order;
+        the sequences that are done have left the batch."""
+        if not self.live:
+            return []
+        target, t_step = self.target, time.perf_counter()
+        lengths = [s.tokens.shape[0] - 1 for s in self.live]
+        start = hf.cache_length(self.cache)
+        # 2. draft: each sequence its own tree, never deeper than its tokens still wanted or the context allows
+        drafts, draft_s = [], []
+        for s, length in zip(self.live, lengths):
+            state = DraftState(tokens=s.tokens, prompt_length=s.prompt_length, hidden=s.hidden, cache=None,
+                               sampling=s.job.sampling, new_hidden=s.new_hidden, new_states=s.new_states,
+                               generator=s.job.generator)
+            proposed, seconds = timed(self._sync, s.job.drafter.draft, state)
+            drafts.append(fit_draft(proposed, target, length, s.job.max_new_tokens - s.produced - 1))
+            draft_s.append(seconds)
+
+        # 3. verify every sequence's tree in one forward
+        out, verify_s = timed(self._sync, target.verify_rows, [d.tree for d in drafts], [d.tokens for d in drafts],
+                              self.cache, lengths)
+
+        # 4. accept, per sequence
+        accepted = []
+        for row, (s, d) in enumerate(zip(self.live, drafts)):
+            j = s.job
+            accepted.append(judge(d, out.logits[row, : len(d.tree)], s.tokens, s.prompt_length, s.produced, j.sampling,
+                                  j.eos, j.processors, j.min_new_tokens, j.accept_rule, j.generator))
+
+        # 5. commit: each row keeps its root and accepted drafts, in order, right after its text
+        target.commit_rows(self.cache, start, lengths, [a.path for a in accepted])
+
+        # 6.-7. each drafter hears what was kept; each sequence emits, and leaves when it stops
+        results, done = [], set()
+        other_s = time.perf_counter() - t_step - verify_s
+        for row, (s, d, acc) in enumerate(zip(self.live, drafts, accepted)):
+            j = s.job
+            j.drafter.update(d, acc)
+            s.tokens, new, stop = extend(s.tokens, d, acc, j.max_new_tokens - s.produced, j.stopping_criteria, j.eos)
+            s.produced += len(new)
+            path = list(acc.path)
+            s.hidden, s.new_hidden = out.hidden[row, path[-1]], out.hidden[row, path]  # [D], [A, D]
+            s.new_states = None if out.states is None else LayerStates.of(tuple(h[row] for h in out.states), path)
+            step = Step(tokens=tuple(new), tree_size=len(d.tree), verify_s=verify_s, other_s=other_s,
+                        draft_s=draft_s[row],
+                        logprobs=scored(out.logits[row, path[: len(new)]], s.tokens[-len(new):], j.logprobs))
+            finished = stop is not None or s.produced >= j.max_new_tokens
+            if finished:
+                done.add(s.key)
+            results.append((s.key, step, finished))
+        self._leave(done)
+        return results
+
+    def _leave(self, keys: set[Hashable]) -> None:
+        """Drop the sequences ``keys`` and their cache rows."""
+        if not keys:
+            return
+        stay = [i for i, s in enumerate(self.live) if s.key not in keys]
+        self.live = [self.live[i] for i in stay]
+        if not self.live:
+            self.cache = hf.rows_cache(self.target.model)
+            return
+        hf.select_rows(self.cache, stay, max(s.tokens.shape[0] - 1 for s in self.live))
+
+
+def stream_batch(target: Target, jobs: Sequence[Job],
+                 max_batch: int | None = None) -> Iterator[tuple[int, Step, bool]]:
+    """Decode ``jobs`` together -> (job index, Step, whether that sequence is done) as each sequence's tokens are
+    accepted, each sequence's steps in order. At most ``max_batch`` sequences decode at once (None: all); the others wait in order and join as sequences
+    finish, at the next step (continuous batching)."""
+    if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
+        raise ValueError(f"max_batch must be an int >= 1 (or None: no limit), found {max_batch!r}")
+    batch, waiting = Batch(target), list(range(len(jobs)))[::-1]
+    while waiting or len(batch):
+        while waiting and (max_batch is None or len(batch) < max_batch):
+            i = waiting.pop()
+            step, done = batch.add(i, jobs[i])
+            yield i, step, done
+        yield from batch.step()  # type: ignore[misc]
+
+
+def generate_batch(target: Target, jobs: Sequence[Job], max_batch: int | None = None) -> list[Output]:
+    """Run ``stream_batch`` to the end -> one Output per job (its new tokens and steps)."""
+    outs = [Output(prompt_length=j.input_ids.reshape(-1).shape[0]) for j in jobs]
+    for i, step, _ in stream_batch(target, jobs, max_batch):
+        outs[i].steps.append(step)
+        outs[i].tokens.extend(step.tokens)
+    return outs
