@@ -17,6 +17,7 @@ rejection) must fail, so passing means something.
 from __future__ import annotations
 
 import importlib
+import itertools
 import math
 from collections import Counter
 from typing import Callable
@@ -421,4 +422,55 @@ def test_loop_check_catches_a_wrong_rule(loop_world, monkeypatch):
     monkeypatch.setattr(LOOP_MODULE, "sample_accept", first_child_always)
     n = 300
     counts = _loop_counts(target, lambda: RandomDrafter(TREE, V_LOOP, seed=3), n, seed=1000)
+    assert goodness_of_fit(counts, exact, n) < ALPHA
+
+
+# ------------------------------------------------------------------------------------------------------- batches
+NEIGHBOURS = (torch.tensor([5, 6]), torch.tensor([3, 1, 4, 1, 5, 2, 6, 5, 3]))
+"""prompts decoded beside PROMPT's samples in each batch: one shorter, one longer (holes and padding in the rows)."""
+
+
+def _batch_counts(target: Target, make_drafter: Callable, n: int, seed: int) -> Counter:
+    """n samples of PROMPT's first three tokens through selfspec.core.batch, four per batch, decoded between two
+    neighbours of other lengths that sample too; each sequence with its own drafter and seeded generator."""
+    from selfspec.core.batch import Job, generate_batch
+
+    counts: Counter = Counter()
+    for b in range(0, n, 4):
+        samples = [Job(PROMPT, make_drafter(), 4, sampling=SAMPLING,
+                       generator=torch.Generator().manual_seed(seed + b + i)) for i in range(4)]
+        others = [Job(p, make_drafter(), 6, sampling=SAMPLING, generator=torch.Generator().manual_seed(-seed - b - k))
+                  for k, p in enumerate(NEIGHBOURS)]
+        outs = generate_batch(target, [others[0], *samples[:2], others[1], *samples[2:]])
+        for out in (outs[1], outs[2], outs[4], outs[5]):
+            counts[tuple(out.tokens[:3])] += 1
+    return counts
+
+
+@pytest.mark.parametrize("drafter", ["sampled-q", "random-deterministic", "draft-model"])
+def test_batch_sampling_keeps_each_sequences_distribution(loop_world, drafter):
+    """Sampling in a batch (selfspec.core.batch): the joint of PROMPT's first three tokens, decoded four at a time
+    beside sequences of other lengths, equals plain sampling from the target."""
+    from selfspec.core.drafter import fork
+
+    target, exact = loop_world
+    q_by_depth = torch.softmax(torch.randn(2, V_LOOP, generator=torch.Generator().manual_seed(5)), -1)
+    draft_model = draft_model_drafter(target, TREE)
+    seeds = itertools.count(3)  # each sequence's drafter draws its own drafts (one seed for all would repeat them)
+    make = {
+        "sampled-q": lambda: SampledTreeDrafter(TREE, q_by_depth, seed=next(seeds)),
+        "random-deterministic": lambda: RandomDrafter(TREE, V_LOOP, seed=next(seeds)),
+        "draft-model": lambda: fork(draft_model),  # its own q, drawn with the sequence's generator
+    }[drafter]
+    n = 1000
+    counts = _batch_counts(target, make, n, seed=7000)
+    assert goodness_of_fit(counts, exact, n) > ALPHA
+    assert len(counts) >= 15
+
+
+def test_batch_check_catches_a_wrong_rule(loop_world, monkeypatch):
+    target, exact = loop_world
+    monkeypatch.setattr(LOOP_MODULE, "sample_accept", first_child_always)
+    n = 300
+    counts = _batch_counts(target, lambda: RandomDrafter(TREE, V_LOOP, seed=3), n, seed=7000)
     assert goodness_of_fit(counts, exact, n) < ALPHA
