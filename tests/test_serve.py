@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -231,6 +232,18 @@ def test_requests_at_once_are_decoded_one_at_a_time_with_the_same_answers(server
     assert [results.get(i) for i in range(4)] == expected
 
 
+def test_requests_at_once_decode_together_and_beyond_max_batch_wait(model):
+    """Requests queued together decode in one batch (answers identical to each decoded alone); beyond max_batch
+    they wait and join as others finish."""
+    prompts = [[{"role": "user", "content": f"story number {i}"}] for i in range(5)]
+    session = serve.Session(model, "tiny", max_batch=3)
+    requests = [model._request(p, api.GenerationOptions(max_new_tokens=40 + 5 * i)) for i, p in enumerate(prompts)]
+    receipts = [session.batcher.steps(r) for r in requests]  # all queued before the first step's result is read
+    tokens = [[t for step in receipt for t in step.tokens] for receipt in receipts]
+    assert tokens == [model.generate(p, max_new_tokens=40 + 5 * i).tokens for i, p in enumerate(prompts)]
+    assert session.batcher.most == 3 and session.batcher.decoding == 0
+
+
 class RecordingSession(serve.Session):
     """Records, per request, how many new tokens its decoding (on the worker) had produced when it ended (None: it
     was stopped before its end)."""
@@ -250,9 +263,11 @@ class RecordingSession(serve.Session):
             yield piece
 
 
-def test_a_client_that_goes_away_mid_stream_frees_the_line(model):
-    """Decoding stops soon after the client is gone (not 600 tokens later), and the next request is served."""
-    session = RecordingSession(model, "tiny")
+@pytest.mark.parametrize("max_batch", [1, 8])
+def test_a_client_that_goes_away_mid_stream_frees_the_line(model, max_batch):
+    """Decoding stops soon after the client is gone (not 600 tokens later), and the next request is served: one at a
+    time (max_batch 1), or in a batch, where the abandoned sequence leaves the batch and frees its slot."""
+    session = RecordingSession(model, "tiny", max_batch=max_batch)
     srv = serve.make_server(session, port=0, verbose=False)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     port = srv.server_address[1]
@@ -270,7 +285,14 @@ def test_a_client_that_goes_away_mid_stream_frees_the_line(model):
         status, reply = post(port, "/v1/chat/completions", {"messages": USER, "max_tokens": 4})
         assert status == 200 and reply["usage"]["completion_tokens"] == 4
         assert session.finished == [None, 4], "the abandoned request was decoded to its end"
-        assert session.threads == ["selfspec-decode"] * 2  # one worker decodes every request, not theirs
+        if max_batch == 1:
+            assert session.threads == ["selfspec-decode"] * 2  # one worker decodes every request, not theirs
+        else:  # the batcher's worker decodes; the abandoned sequence left the batch before its end
+            for _ in range(600):
+                if session.batcher.decoding == 0:
+                    break
+                time.sleep(0.05)
+            assert session.batcher.abandoned == 1 and session.batcher.decoding == 0
     finally:
         srv.shutdown()
         srv.server_close()

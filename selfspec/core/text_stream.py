@@ -120,7 +120,7 @@ class TextStream:
             piece = self.push(step)
             if piece:
                 yield piece
-        piece = self.close()
+        piece = self.finish()
         if piece:
             yield piece
 
@@ -134,10 +134,16 @@ class TextStream:
         self._draft_seconds += step.draft_s
         return self._decoder.push(step.tokens)
 
-    def close(self) -> str:
+    def finish(self) -> str:
         """The end of the sequence -> the text held back, if any."""
         self.done = True
         return self._decoder.flush()
+
+    def cancel(self) -> None:
+        """Stop the decoding behind the stream (its client went away): the steps' iterator is closed."""
+        close = getattr(self._steps, "close", None)
+        if close is not None:
+            close()
 
     @property
     def text(self) -> str:
@@ -168,7 +174,7 @@ class BatchStream:
             piece = stream.push(step)
             stream._seconds = time.perf_counter() - t0
             if done:
-                piece += stream.close()
+                piece += stream.finish()
             if piece:
                 yield i, piece
 

@@ -199,7 +199,7 @@ def run_serve_cli(argv: Sequence[str], err: TextIO | None = None) -> int:
                          draft_revision=a.draft_revision, allow_other_base=a.allow_other_base,
                          trust_remote_code=a.trust_remote_code, compile=a.compile)
         session = serve.Session(model, a.name or a.model, default_temperature=a.temperature,
-                                default_max_tokens=a.max_tokens, api_key=a.api_key or None)
+                                default_max_tokens=a.max_tokens, api_key=a.api_key or None, max_batch=a.max_batch)
         session.warm_up()
         server.RequestHandlerClass.session = session  # type: ignore[attr-defined]
         host, port = server.server_address[:2]

@@ -192,7 +192,9 @@ def build_serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(allow_abbrev=False,
         prog="infer.py serve",
         description="Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models), every "
-                    "answer decoded with the draft, losslessly; one request at a time, the others wait in line. "
+                    "answer decoded with the draft, losslessly; requests that arrive together decode together in "
+                    "one batch (continuous batching: a new request joins the running batch at its next step; beyond "
+                    "--max-batch it waits in line). "
                     "Example: python infer.py serve --draft ngram --port 8000, then point an OpenAI client at "
                     "http://127.0.0.1:8000/v1 (any API key).")
     _model_args(p)
@@ -209,5 +211,8 @@ def build_serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("SELFSPEC_API_KEY"),
                    help="requests must send 'Authorization: Bearer KEY' (default: $SELFSPEC_API_KEY; unset: no check). "
                         "Set one before --host opens the server beyond this machine")
+    p.add_argument("--max-batch", type=integer(1), default=8,
+                   help="the most requests decoding together (default: 8; 1: one at a time, the others wait). A draft "
+                        "that runs the target's own layers (early exit, layer skipping) decodes one at a time")
     p.add_argument("--quiet", action="store_true", help="no line per request on stderr")
     return p

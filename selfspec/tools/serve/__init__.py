@@ -9,7 +9,10 @@
 Clients of OpenAI's API (its Python client, chat UIs, evaluation harnesses) talk to it unchanged; every answer is
 decoded speculatively and losslessly, and says how (``usage.selfspec``: steps and mean accepted tokens per step).
 
-Requests are decoded one at a time (selfspec decodes at batch size 1); others wait in line. Sampling fields are
+Requests decode together: up to ``--max-batch`` (default 8) in one batch, one target forward a step for all of them;
+a request that arrives joins the running batch at its next step, beyond that it waits in line, and a client that goes
+away frees its place at the next step (``batcher``). With ``--max-batch 1``, or a draft that runs the target's own
+layers (early exit, layer skipping), requests decode one at a time. Sampling fields are
 OpenAI's (``temperature``, ``top_p``, ``seed``, ``stop``, ``max_tokens`` / ``max_completion_tokens``) and the common
 extensions of OpenAI-compatible servers (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``); a request
 without ``temperature`` decodes with the server's (``--temperature``, default 0: greedy, token-identical to
@@ -24,8 +27,8 @@ either (one choice per prompt, decoded in turn); ``n`` answers each (decoded in 
 structured output, suffixes) and unknown fields are refused with a 400 that names them, as OpenAI refuses unknown
 arguments.
 
-The package, by question: ``protocol`` (a request body -> ``Request``), ``session`` (the one decoding thread and an
-answer's pieces), ``responses`` (OpenAI's response objects and stream chunks), ``tokenizer_endpoints`` (vLLM's) and
+The package, by question: ``protocol`` (a request body -> ``Request``), ``session`` (how requests decode and an
+answer's pieces), ``batcher`` (the worker that decodes requests together), ``responses`` (OpenAI's response objects and stream chunks), ``tokenizer_endpoints`` (vLLM's) and
 ``server`` (the HTTP handler and ``make_server``); ``infer.py serve`` (``selfspec.tools.cli``) starts it.
 """
 

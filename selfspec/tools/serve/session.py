@@ -1,6 +1,7 @@
-"""The served model and the line its requests wait in (one worker thread decodes every answer, in turn), and one
-answer decoded into pieces of text: stop strings cut (text that could begin one held back), each token's
-log-probability placed where its text starts."""
+"""The served model and how its requests are decoded (together, in one batch on one worker thread, ``batcher``; or with
+``max_batch`` 1 or a draft that cannot batch, one at a time, the others waiting in line), and one answer decoded into
+pieces of text: stop strings cut (text that could begin one held back), each token's log-probability placed where its
+text starts."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import Any, Callable, Iterator, NamedTuple
 from selfspec.api import SpecModel
 from selfspec.core.logprobs import TokenLogprob
 from selfspec.core.request import GenerationOptions
+from selfspec.core.text_stream import TextStream
+from selfspec.tools.serve.batcher import Batcher
 from selfspec.tools.serve.protocol import Request, RequestError, parse_request
 from selfspec.tools.token_bytes import token_bytes, token_text
 
@@ -93,21 +96,26 @@ class _Job:
 
 
 class Session:
-    """The served model and the line requests wait in: one worker thread decodes every request, in turn.
+    """The served model and how its requests decode: up to ``max_batch`` together in one batch (``Batcher``: requests
+    join the running batch at its next step, the rest wait in line), or, with max_batch 1 or a draft that cannot batch,
+    one at a time on one worker thread, the others waiting in line.
 
-    One thread, not the request's own: torch runs slower in a fresh thread for its first requests (measured:
+    One worker thread, not the request's own: torch runs slower in a fresh thread for its first requests (measured:
     docs/BENCHMARKS.md, "Stop strings and infer.py serve"), and ThreadingHTTPServer gives every request a fresh
     thread."""
 
     def __init__(self, model: SpecModel, name: str, default_temperature: float = 0.0, default_max_tokens: int = 256,
-                 api_key: str | None = None):
-        """api_key: requests must send ``Authorization: Bearer <api_key>`` (None: no check)."""
+                 api_key: str | None = None, max_batch: int = 8):
+        """api_key: requests must send ``Authorization: Bearer <api_key>`` (None: no check). max_batch: the most
+        requests that decode together (1: one at a time)."""
         self.model, self.name, self.api_key = model, name, api_key
         self.default_temperature, self.default_max_tokens = default_temperature, default_max_tokens
-        self._jobs: queue.Queue[_Job] = queue.Queue()  # batch size 1: one request decodes at a time
         self._texts: dict[int, str] = {}
         self._bytes: dict[int, list[int]] = {}
-        threading.Thread(target=self._work, daemon=True, name="selfspec-decode").start()
+        self.batcher = Batcher(model, max_batch) if max_batch > 1 and model.drafter.batchable else None
+        if self.batcher is None:
+            self._jobs: queue.Queue[_Job] = queue.Queue()  # one request decodes at a time
+            threading.Thread(target=self._work, daemon=True, name="selfspec-decode").start()
 
     def _work(self) -> None:
         while True:
@@ -153,6 +161,13 @@ class Session:
         strings cut (text that could begin one is held back until it cannot), then Piece("", ..., end) with
         finish_reason and usage. Decoded on the worker thread, after the requests before it; closing this iterator early stops the
         decoding."""
+        if self.batcher is not None:  # the text side here, the decoding on the batcher's worker
+            answer = self._decode(r, index)
+            try:
+                yield from answer
+            finally:
+                answer.close()
+            return
         job = _Job(self._decode(r, index))
         self._jobs.put(job)
         try:
@@ -179,8 +194,19 @@ class Session:
                                "max_tokens")
         if limit is None:  # as OpenAI-compatible servers do: no more than the context has room for
             limit = max(1, min(self.default_max_tokens, self.model.target.max_length - int(ids.shape[0])))
+        options = options.replace(max_new_tokens=limit)
+        if self.batcher is not None:
+            stream = TextStream(self.batcher.steps(self.model._request(ids, options)), self.model.tokenizer)
+        else:
+            stream = self.model.stream(ids, options)
+        try:
+            yield from self._answer(r, prompt, ids, limit, stream)
+        finally:
+            stream.cancel()
+
+    def _answer(self, r: Request, prompt: Any, ids: Any, limit: int, stream: TextStream) -> Iterator[Piece]:
+        """The pieces of one answer from the stream of its decoding."""
         scoring = r.logprobs is not None
-        stream = self.model.stream(ids, options.replace(max_new_tokens=limit))
         echo = (prompt if isinstance(prompt, str) else self.model.decode(ids.tolist())) if r.echo else ""
         ledger = _Ledger(self.model.decode, base=len(echo))  # the answer's text starts after the echoed prompt's
 

@@ -1,0 +1,132 @@
+"""Continuous batching for the server: one worker thread decodes every running request in one batch
+(``selfspec.core.batch.Batch``), one target forward a step for all of them.
+
+    a request     steps(request) -> queued at once; its Steps as the batch accepts them (closing early: it leaves)
+    the worker    1. take what arrived; block only while nothing decodes
+                  2. drop the sequences whose clients went away (their slots free at once)
+                  3. admit waiting requests, in order of arrival, while fewer than max_batch decode (prefill each)
+                  4. one step of the whole batch; hand each sequence its Step; a finished one leaves
+
+A request beyond ``max_batch`` waits in line, it is not refused. One thread, not the requests' own: torch runs slower
+in a fresh thread for its first requests (docs/BENCHMARKS.md, "Stop strings and infer.py serve").
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections import deque
+from typing import Any, Iterator
+
+from selfspec.api import SpecModel
+from selfspec.core.batch import Batch
+from selfspec.core.generate import Step
+
+
+class _Ticket:
+    """One request in the batcher: its Steps come back through ``out``; ``cancelled`` when its client left."""
+
+    def __init__(self, key: int, request: Any):
+        self.key, self.request = key, request
+        self.out: queue.Queue = queue.Queue()
+        self.cancelled = threading.Event()
+
+    def end(self, error: BaseException | None = None) -> None:
+        if error is not None:
+            self.out.put(("error", error))
+        self.out.put(("end", None))
+
+
+class Receipt(Iterator[Step]):
+    """A queued request's Steps, as the worker hands them over; ``close`` (or the end) lets it go."""
+
+    def __init__(self, ticket: _Ticket):
+        self._ticket = ticket
+
+    def __next__(self) -> Step:
+        kind, value = self._ticket.out.get()
+        if kind == "error":
+            self.close()
+            raise value
+        if kind == "end":
+            self.close()
+            raise StopIteration
+        return value
+
+    def close(self) -> None:
+        self._ticket.cancelled.set()
+
+
+class Batcher:
+    """The worker that decodes the server's requests together, at most ``max_batch`` at a time."""
+
+    def __init__(self, model: SpecModel, max_batch: int):
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an int >= 1, found {max_batch!r}")
+        if not model.drafter.batchable:
+            raise ValueError(f"{type(model.drafter).__name__} cannot draft for a batch (it runs the target's own "
+                             "layers on its cache): serve it one request at a time (--max-batch 1)")
+        self.model, self.max_batch = model, max_batch
+        self._arrivals: queue.Queue[_Ticket] = queue.Queue()
+        self._keys = itertools.count()
+        self.most = 0
+        """the most sequences that have decoded together so far."""
+        self.abandoned = 0
+        """sequences that left before their end because their clients went away."""
+        self.decoding = 0
+        """sequences decoding now."""
+        threading.Thread(target=self._work, daemon=True, name="selfspec-decode").start()
+
+    def steps(self, request: Any) -> "Receipt":
+        """Queue one request (``SpecModel._request``'s) at once -> its Steps as the batch accepts them. Closing the
+        iterator early (the client went away) makes the request leave the batch at the next step."""
+        ticket = _Ticket(next(self._keys), request)
+        self._arrivals.put(ticket)
+        return Receipt(ticket)
+
+    def _work(self) -> None:
+        batch, running, waiting = Batch(self.model.target), {}, deque()
+        while True:
+            # 1. what arrived (waiting for it only while nothing decodes)
+            if not running and not waiting:
+                waiting.append(self._arrivals.get())
+            while not self._arrivals.empty():
+                waiting.append(self._arrivals.get_nowait())
+            # 2. the sequences whose clients went away leave now
+            for key in [k for k, t in running.items() if t.cancelled.is_set()]:
+                batch.remove(key)
+                running.pop(key).end()
+                self.abandoned += 1
+            # 3. admit in order of arrival while there is room
+            while waiting and len(running) < self.max_batch:
+                ticket = waiting.popleft()
+                if ticket.cancelled.is_set():
+                    ticket.end()
+                    continue
+                try:
+                    step, done = batch.add(ticket.key, self.model._job(ticket.request))
+                except Exception as err:  # noqa: BLE001 - the request's own error, raised on its thread
+                    ticket.end(err)
+                    continue
+                ticket.out.put(("item", step))
+                if done:
+                    ticket.end()
+                else:
+                    running[ticket.key] = ticket
+            self.most, self.decoding = max(self.most, len(running)), len(running)
+            if not running:
+                continue
+            # 4. one step for every sequence
+            try:
+                results = batch.step()
+            except Exception as err:  # noqa: BLE001 - every sequence of the failed step gets the error
+                for ticket in running.values():
+                    ticket.end(err)
+                batch, running = Batch(self.model.target), {}
+                continue
+            for key, step, done in results:
+                running[key].out.put(("item", step))
+                if done:
+                    running.pop(key).end()
+            self.decoding = len(running)
