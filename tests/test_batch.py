@@ -239,3 +239,55 @@ def test_api_queues_beyond_max_batch_and_falls_back_for_unbatchable_drafts(model
     assert not skip.drafter.batchable
     assert [r.tokens for r in skip.generate(prompts[:3], max_new_tokens=8)] == \
         [m.generate_plain(p, max_new_tokens=8).tokens for p in prompts[:3]]
+
+
+# ------------------------------------------------------------------------------------------------- node budget
+def _chain_draft(n: int):
+    from selfspec.core.drafter import Draft
+
+    return Draft(tree=Tree.chain(n - 1), tokens=torch.arange(n))
+
+
+def test_within_budget_keeps_every_root_and_shares_the_rest_among_drafts():
+    from selfspec.core.batch import within_budget
+
+    drafts = [_chain_draft(n) for n in (9, 1, 5, 1)]
+    assert [len(d.tree) for d in within_budget(drafts, 4)] == [1, 1, 1, 1]  # roots only: plain decoding
+    assert [len(d.tree) for d in within_budget(drafts, 8)] == [3, 1, 3, 1]  # 4 left, 2 each for the two that drafted
+    assert [len(d.tree) for d in within_budget(drafts, 12)] == [5, 1, 5, 1]
+    assert [len(d.tree) for d in within_budget(drafts, 14)] == [7, 1, 5, 1]  # the second's unfilled share passes on
+    assert [len(d.tree) for d in within_budget(drafts, 100)] == [9, 1, 5, 1]
+    cut = within_budget([_chain_draft(9), _chain_draft(9)], 5)[0]
+    assert cut.tokens.tolist() == [0, 1, 2] and cut.tree.is_chain  # its first nodes, still a tree
+
+
+def test_a_node_budget_stays_lossless(case):
+    """Trees cut to a budget decode the same tokens: twelve sequences under a budget of twelve nodes verify their roots
+    alone (plain decoding, one token a step); under 36 they share 24 draft nodes a step."""
+    arch, target, prompts, refs = case
+    for budget in (N_PROMPTS, 3 * N_PROMPTS):
+        jobs = [Job(p, OracleDrafter(TREE, VOCAB, ref, branch_rank=1, seed=7), NEW) for p, ref in zip(prompts, refs)]
+        got: dict[int, list[int]] = {i: [] for i in range(len(jobs))}
+        sizes = []
+        for i, step, _ in stream_batch(target, jobs, node_budget=budget):
+            got[i].extend(step.tokens)
+            sizes.append(step.tree_size)
+        assert [got[i] for i in range(len(jobs))] == refs, (arch, budget)
+        if budget == N_PROMPTS:
+            assert max(sizes) == 1 and len(sizes) == N_PROMPTS * NEW  # one token a step each
+        else:
+            assert 1 < max(sizes) < len(TREE) and len(sizes) < N_PROMPTS * NEW
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+def test_a_batch_beyond_a_sliding_window(arch):
+    """Sliding-window layers in a batch: the window (4) is applied by position in each row's mask, far beyond it."""
+    from conftest import tiny_model
+
+    model = tiny_model(arch, initializer_range=REPEATING, sliding_window=4)
+    target = Target(model)
+    prompts = random_prompts(6, VOCAB, seed=21, min_len=2, max_len=12)
+    refs = [reference(model, p, NEW) for p in prompts]
+    jobs = [Job(p, OracleDrafter(TREE, VOCAB, ref, branch_rank=1, seed=7) if i % 2 else NGramDrafter(), NEW)
+            for i, (p, ref) in enumerate(zip(prompts, refs))]
+    assert [o.tokens for o in generate_batch(target, jobs)] == refs

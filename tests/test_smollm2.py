@@ -162,3 +162,17 @@ def test_stop_strings_and_min_new_tokens_on_real_weights(smollm2):
             assert eos not in out.tokens[: len(ref) + 4]
             blocked += 1
     assert cut >= 4 and blocked >= 1
+
+
+def test_a_batch_matches_generate_of_each_prompt(smollm2):
+    """The ten prompts decoded together (selfspec.core.batch, at most 4 at a time: the rest join as others end),
+    prompt lookup and the oracle tree per sequence: every answer token-identical to generate's, EOS inside the batch."""
+    from selfspec.core.batch import Job, generate_batch
+
+    target, prompts, refs, eos = smollm2
+    for make in (lambda ref: NGramDrafter(), lambda ref: OracleDrafter(TREE, target.vocab_size, ref, seed=3)):
+        outs = generate_batch(target, [Job(ids, make(ref), NEW, eos_token_id=eos) for ids, ref in zip(prompts, refs)],
+                              max_batch=4)
+        assert [o.tokens for o in outs] == refs
+        assert sum(o.mean_accepted for o in outs) / len(outs) > 1.1
+    assert any(len(ref) < NEW for ref in refs)  # an answer that ends at EOS inside the batch

@@ -31,7 +31,7 @@ from typing import Hashable, Iterator, Sequence
 import torch
 
 from selfspec.core import hf
-from selfspec.core.drafter import Drafter, DraftState, LayerStates
+from selfspec.core.drafter import Draft, Drafter, DraftState, LayerStates
 from selfspec.core.generate import (AcceptRule, Output, Step, check_accept_rule, check_request, extend, fit_draft, judge,
                                     root_token, scored, timed)
 from selfspec.core.processors import Processors
@@ -83,8 +83,15 @@ class _Live:
 class Batch:
     """The sequences decoding together on one target; ``add`` one, ``step`` them all, ``remove`` one."""
 
-    def __init__(self, target: Target):
-        self.target = target
+    def __init__(self, target: Target, node_budget: int | None = None):
+        """node_budget: the most tree nodes one step verifies for the whole batch of two or more (``within_budget``:
+        every root, then equal shares for the sequences that drafted). On a CPU a forward's cost grows with the nodes
+        of every row together, so the trees that pay at batch size 1 cost more than they gain in a full batch. None:
+        every tree whole."""
+        if node_budget is not None and (isinstance(node_budget, bool) or not isinstance(node_budget, int)
+                                        or node_budget < 1):
+            raise ValueError(f"node_budget must be an int >= 1 (or None: no limit), found {node_budget!r}")
+        self.target, self.node_budget = target, node_budget
         self.cache = hf.rows_cache(target.model)
         self.live: list[_Live] = []
         self._sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
@@ -149,6 +156,8 @@ class Batch:
             proposed, seconds = timed(self._sync, s.job.drafter.draft, state)
             drafts.append(fit_draft(proposed, target, length, s.job.max_new_tokens - s.produced - 1))
             draft_s.append(seconds)
+        if self.node_budget is not None and len(drafts) > 1:
+            drafts = within_budget(drafts, self.node_budget)
 
         # 3. verify every sequence's tree in one forward
         out, verify_s = timed(self._sync, target.verify_rows, [d.tree for d in drafts], [d.tokens for d in drafts],
@@ -197,14 +206,33 @@ class Batch:
         hf.select_rows(self.cache, stay, max(s.tokens.shape[0] - 1 for s in self.live))
 
 
-def stream_batch(target: Target, jobs: Sequence[Job],
-                 max_batch: int | None = None) -> Iterator[tuple[int, Step, bool]]:
+def within_budget(drafts: list[Draft], budget: int) -> list[Draft]:
+    """The drafts cut to ``budget`` nodes in all: every root stays; the nodes left over are shared equally among the
+    drafts that drafted anything (a share a draft does not fill passes on to the others), each cut to its first
+    nodes (``Draft.pruned``)."""
+    sizes = [1] * len(drafts)
+    left = budget - len(drafts)
+    wanting = [i for i, d in enumerate(drafts) if len(d.tree) > 1]
+    while left > 0 and wanting:
+        share = max(1, left // len(wanting))
+        for i in list(wanting):
+            take = min(share, len(drafts[i].tree) - sizes[i], left)
+            sizes[i], left = sizes[i] + take, left - take
+            if sizes[i] == len(drafts[i].tree):
+                wanting.remove(i)
+            if left == 0:
+                break
+    return [d.pruned(n) for d, n in zip(drafts, sizes)]
+
+
+def stream_batch(target: Target, jobs: Sequence[Job], max_batch: int | None = None,
+                 node_budget: int | None = None) -> Iterator[tuple[int, Step, bool]]:
     """Decode ``jobs`` together -> (job index, Step, whether that sequence is done) as each sequence's tokens are
     accepted, each sequence's steps in order. At most ``max_batch`` sequences decode at once (None: all); the others wait in order and join as sequences
     finish, at the next step (continuous batching)."""
     if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
         raise ValueError(f"max_batch must be an int >= 1 (or None: no limit), found {max_batch!r}")
-    batch, waiting = Batch(target), list(range(len(jobs)))[::-1]
+    batch, waiting = Batch(target, node_budget), list(range(len(jobs)))[::-1]
     while waiting or len(batch):
         while waiting and (max_batch is None or len(batch) < max_batch):
             i = waiting.pop()

@@ -103,7 +103,15 @@ class Draft:
         """The same draft without the nodes deeper than max_depth."""
         if self.tree.depth <= max_depth:
             return self
-        keep = [i for i, d in enumerate(self.tree.depths) if d <= max_depth]
+        return self._kept([i for i, d in enumerate(self.tree.depths) if d <= max_depth])
+
+    def pruned(self, max_nodes: int) -> "Draft":
+        """The same draft cut to its first ``max_nodes`` nodes (the root at least): a tree still, nodes being in
+        topological order, and the drafter's likeliest first where it orders them so."""
+        return self if len(self.tree) <= max_nodes else self._kept(list(range(max(1, max_nodes))))
+
+    def _kept(self, keep: list[int]) -> "Draft":
+        """The draft of nodes ``keep`` (ascending, closed under parents)."""
         new_index = {old: new for new, old in enumerate(keep)}
         tree = Tree(
             parents=tuple(new_index[self.tree.parents[i]] if i else -1 for i in keep),

@@ -199,7 +199,8 @@ def run_serve_cli(argv: Sequence[str], err: TextIO | None = None) -> int:
                          draft_revision=a.draft_revision, allow_other_base=a.allow_other_base,
                          trust_remote_code=a.trust_remote_code, compile=a.compile)
         session = serve.Session(model, a.name or a.model, default_temperature=a.temperature,
-                                default_max_tokens=a.max_tokens, api_key=a.api_key or None, max_batch=a.max_batch)
+                                default_max_tokens=a.max_tokens, api_key=a.api_key or None, max_batch=a.max_batch,
+                                batch_nodes=a.batch_nodes)
         session.warm_up()
         server.RequestHandlerClass.session = session  # type: ignore[attr-defined]
         host, port = server.server_address[:2]
@@ -223,6 +224,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_costs_cli(argv[1:])
         if argv[:1] == ["serve"]:
             return run_serve_cli(argv[1:])
+        if argv[:1] == ["serve-load"]:
+            from selfspec.tools import load
+
+            return load.main(argv[1:])
         if argv[:1] == ["fit-policy"]:
             return policy_fit.run_cli(argv[1:], sys.stdout)
         if argv[:1] in (["sweep-exit"], ["search-skip"], ["tune-tree"]):

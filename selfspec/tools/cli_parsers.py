@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                "  infer.py search-skip ...  search the layers to skip, save a layer-skip draft (--help)\n"
                "  infer.py tune-tree ...    the tree budget and depth fastest on this machine for a draft (--help)\n"
                "  infer.py fit-policy ...   learn which draft decodes each request fastest, from a bench run (--help)\n"
-               "  infer.py serve ...        an OpenAI-compatible HTTP endpoint decoding with the draft (--help)",
+               "  infer.py serve ...        an OpenAI-compatible HTTP endpoint decoding with the draft (--help)\n"
+               "  infer.py serve-load ...   concurrent clients against serve, one at a time and batched (--help)",
     )
     _model_args(p)
     _draft_args(p)
@@ -214,5 +215,10 @@ def build_serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=integer(1), default=8,
                    help="the most requests decoding together (default: 8; 1: one at a time, the others wait). A draft "
                         "that runs the target's own layers (early exit, layer skipping) decodes one at a time")
+    p.add_argument("--batch-nodes", type=integer(1), default=8,
+                   help="the most tree nodes one step verifies for a batch of two or more requests: every request's "
+                        "root, then what is left shared among the requests that drafted (default: 8, measured on a "
+                        "2-core CPU, where a forward's cost grows with every row's nodes; raise it on a GPU). One "
+                        "request alone drafts its whole tree")
     p.add_argument("--quiet", action="store_true", help="no line per request on stderr")
     return p

@@ -59,15 +59,16 @@ class Receipt(Iterator[Step]):
 
 
 class Batcher:
-    """The worker that decodes the server's requests together, at most ``max_batch`` at a time."""
+    """The worker that decodes the server's requests together, at most ``max_batch`` at a time, their trees cut to
+    ``node_budget`` nodes a step in all (``Batch``)."""
 
-    def __init__(self, model: SpecModel, max_batch: int):
+    def __init__(self, model: SpecModel, max_batch: int, node_budget: int | None = None):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, found {max_batch!r}")
         if not model.drafter.batchable:
             raise ValueError(f"{type(model.drafter).__name__} cannot draft for a batch (it runs the target's own "
                              "layers on its cache): serve it one request at a time (--max-batch 1)")
-        self.model, self.max_batch = model, max_batch
+        self.model, self.max_batch, self.node_budget = model, max_batch, node_budget
         self._arrivals: queue.Queue[_Ticket] = queue.Queue()
         self._keys = itertools.count()
         self.most = 0
@@ -86,7 +87,7 @@ class Batcher:
         return Receipt(ticket)
 
     def _work(self) -> None:
-        batch, running, waiting = Batch(self.model.target), {}, deque()
+        batch, running, waiting = Batch(self.model.target, self.node_budget), {}, deque()
         while True:
             # 1. what arrived (waiting for it only while nothing decodes)
             if not running and not waiting:
@@ -123,7 +124,7 @@ class Batcher:
             except Exception as err:  # noqa: BLE001 - every sequence of the failed step gets the error
                 for ticket in running.values():
                     ticket.end(err)
-                batch, running = Batch(self.model.target), {}
+                batch, running = Batch(self.model.target, self.node_budget), {}
                 continue
             for key, step, done in results:
                 running[key].out.put(("item", step))

@@ -95,6 +95,12 @@ class _Job:
             self.out.put(("end", None))
 
 
+BATCH_NODES = 8
+"""the server's default node budget a step for a batch of two or more (``selfspec.core.batch.within_budget``): on the
+2-core CPU a forward's cost grows with every row's nodes together, so a full batch of 8 decodes fastest with no drafts
+at all, and smaller batches share what is left (docs/BENCHMARKS.md, section 30)."""
+
+
 class Session:
     """The served model and how its requests decode: up to ``max_batch`` together in one batch (``Batcher``: requests
     join the running batch at its next step, the rest wait in line), or, with max_batch 1 or a draft that cannot batch,
@@ -105,14 +111,15 @@ class Session:
     thread."""
 
     def __init__(self, model: SpecModel, name: str, default_temperature: float = 0.0, default_max_tokens: int = 256,
-                 api_key: str | None = None, max_batch: int = 8):
+                 api_key: str | None = None, max_batch: int = 8, batch_nodes: int | None = BATCH_NODES):
         """api_key: requests must send ``Authorization: Bearer <api_key>`` (None: no check). max_batch: the most
-        requests that decode together (1: one at a time)."""
+        requests that decode together (1: one at a time); batch_nodes: the most draft-tree nodes a step verifies for
+        all of them together (``selfspec.core.batch.Batch``'s node_budget; None: every tree whole)."""
         self.model, self.name, self.api_key = model, name, api_key
         self.default_temperature, self.default_max_tokens = default_temperature, default_max_tokens
         self._texts: dict[int, str] = {}
         self._bytes: dict[int, list[int]] = {}
-        self.batcher = Batcher(model, max_batch) if max_batch > 1 and model.drafter.batchable else None
+        self.batcher = Batcher(model, max_batch, batch_nodes) if max_batch > 1 and model.drafter.batchable else None
         if self.batcher is None:
             self._jobs: queue.Queue[_Job] = queue.Queue()  # one request decodes at a time
             threading.Thread(target=self._work, daemon=True, name="selfspec-decode").start()

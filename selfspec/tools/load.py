@@ -1,0 +1,144 @@
+"""A load test of ``infer.py serve``: C concurrent clients ask the MT-bench first turns over HTTP, against the server
+decoding one request at a time (``--max-batch 1``, the server before batching) and decoding them together
+(``--max-batch``), each draft in the same run -> total tokens/s and per-request latency (p50 / p95) per setting.
+
+    python infer.py serve-load --drafts none ngram --clients 1,2,4,8 --dtype bf16 --max-new-tokens 128
+
+Every setting runs in this process against a server on a free local port, the model loaded once per draft; each
+client takes the next question from a shared line until all are answered (greedy, ``max_tokens`` each). The table
+goes to stdout and, with ``--out``, as JSON to a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from selfspec import api
+from selfspec.tools import serve
+from selfspec.tools.bench import DEFAULT_QUESTIONS
+from selfspec.tools.specbench import load_questions
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) of ``values``, linearly interpolated."""
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def run_clients(port: int, prompts: list[str], clients: int, max_tokens: int) -> dict:
+    """``clients`` threads answer ``prompts`` (each the next one in line) -> tokens/s, latencies, answers."""
+    line, lock = list(range(len(prompts)))[::-1], threading.Lock()
+    latencies: list[float] = []
+    answers: dict[int, str] = {}
+    tokens = [0]
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not line:
+                    return
+                i = line.pop()
+            body = json.dumps({"messages": [{"role": "user", "content": prompts[i]}], "max_tokens": max_tokens,
+                               "temperature": 0}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
+                                         {"Content-Type": "application/json"})
+            t0 = time.perf_counter()
+            with urllib.request.urlopen(req, timeout=3600) as resp:
+                reply = json.load(resp)
+            with lock:
+                latencies.append(time.perf_counter() - t0)
+                tokens[0] += reply["usage"]["completion_tokens"]
+                answers[i] = reply["choices"][0]["message"]["content"]
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - t0
+    return {"clients": clients, "requests": len(prompts), "tokens": tokens[0], "seconds": round(seconds, 2),
+            "tokens_per_s": round(tokens[0] / seconds, 2), "p50_s": round(percentile(latencies, 50), 2),
+            "p95_s": round(percentile(latencies, 95), 2), "mean_s": round(statistics.mean(latencies), 2),
+            "answers": [answers[i] for i in range(len(prompts))]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="infer.py serve-load", description=__doc__.split("\n\n")[0],
+                                allow_abbrev=False)
+    p.add_argument("--model", default=api.DEFAULT_MODEL)
+    p.add_argument("--drafts", nargs="+", default=["none", "ngram"], help="--draft specs (default: none ngram)")
+    p.add_argument("--dtype", default="bf16", help="bf16 or fp32 (default: bf16)")
+    p.add_argument("--clients", default="1,2,4,8", help="concurrent clients per setting (default: 1,2,4,8)")
+    p.add_argument("--max-batch", type=int, default=8, help="the batching server's --max-batch (default: 8)")
+    p.add_argument("--batch-nodes", type=int, default=None,
+                   help="the batching server's --batch-nodes (default: the server's own default)")
+    p.add_argument("--servers", default="one,batching",
+                   help="which servers: 'one' (one request at a time, --max-batch 1), 'batching', or both (default)")
+    p.add_argument("--questions", type=int, default=80, help="the first N MT-bench questions (default: all 80)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    a = p.parse_args(argv)
+    try:
+        clients = [int(c) for c in a.clients.split(",")]
+    except ValueError:
+        clients = []
+    if not clients or min(clients) < 1:
+        p.error(f"--clients: expected counts >= 1 separated by commas (e.g. 1,2,4,8), found {a.clients!r}")
+    if a.dtype not in ("bf16", "fp32"):
+        p.error(f"--dtype: expected bf16 or fp32, found {a.dtype!r}")
+    prompts = [q.turns[0] for q in load_questions(DEFAULT_QUESTIONS, limit=a.questions)]
+    dtype = {"bf16": "bfloat16", "fp32": "float32"}[a.dtype]
+    rows = []
+    for draft in a.drafts:
+        model = api.load(a.model, draft=draft, dtype=dtype)
+        servers = [(m, b) for k, m, b in (("one", "one at a time", 1), ("batching", "batching", a.max_batch))
+                   if k in a.servers.split(",")]
+        for mode, max_batch in servers:
+            extra = {} if a.batch_nodes is None or max_batch == 1 else {"batch_nodes": a.batch_nodes}
+            session = serve.Session(model, "load", max_batch=max_batch, **extra)
+            session.warm_up()
+            server = serve.make_server(session, port=0, verbose=False)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            try:
+                for n in clients:
+                    r = run_clients(server.server_address[1], prompts, n, a.max_new_tokens)
+                    rows.append({"draft": draft, "server": mode, **r})
+                    print(f"{draft:>24} {mode:>14} {n:>2} clients: {r['tokens_per_s']:7.1f} tokens/s, "
+                          f"p50 {r['p50_s']:6.2f} s, p95 {r['p95_s']:6.2f} s", flush=True)
+            finally:
+                server.shutdown()
+                server.server_close()
+    for row in rows:  # the same answers from either server (greedy)
+        alone = next((r for r in rows if r["draft"] == row["draft"] and r["server"] == "one at a time"), None)
+        if alone is not None:
+            row["answers_as_one_at_a_time"] = sum(x == y for x, y in zip(row["answers"], alone["answers"]))
+    print(to_markdown(rows))
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def to_markdown(rows: list[dict]) -> str:
+    """The results as a table: one line per draft, server and number of clients."""
+    lines = ["| draft | server | clients | total tokens/s | p50 latency (s) | p95 latency (s) | answers as one at a time |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        same = r.get("answers_as_one_at_a_time")
+        same_text = "-" if same is None else f"{same}/{r['requests']}"
+        lines.append(f"| `{r['draft']}` | {r['server']} | {r['clients']} | {r['tokens_per_s']:.1f} | {r['p50_s']:.2f} | "
+                     f"{r['p95_s']:.2f} | {same_text} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
