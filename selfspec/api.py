@@ -231,10 +231,19 @@ class SpecModel:
         where the drafter cannot batch (it runs the target's layers on its cache)."""
         if not self.drafter.batchable:
             for i, r in enumerate(requests):
-                steps = list(self._steps(r))
-                yield from ((i, step, k == len(steps) - 1) for k, step in enumerate(steps))
+                last = None
+                for step in self._steps(r):
+                    if last is not None:
+                        yield i, last, False
+                    last = step
+                yield i, last, True
             return
         yield from stream_batch(self.target, [self._job(r) for r in requests], self.max_batch)
+
+    def job(self, prompt: Prompt, options: GenerationOptions | None = None, **overrides: Any) -> Job:
+        """One request as a sequence of a batch (``selfspec.core.batch.Job``: what ``Batch.add`` takes), with a copy
+        of the drafter of its own; arguments as ``stream``'s for one prompt."""
+        return self._job(self._request(prompt, options_from(options, overrides)))
 
     def _job(self, r: "_Request") -> Job:
         """Request ``r`` as one sequence of a batch, with a copy of the drafter of its own (weights shared)."""

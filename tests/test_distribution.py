@@ -417,12 +417,6 @@ def test_loop_sampling_with_presence_frequency_penalties_and_a_logit_bias_keeps_
     assert goodness_of_fit(counts, loop_world[1], n) < ALPHA  # the penalties changed the distribution, visibly
 
 
-def test_loop_check_catches_a_wrong_rule(loop_world, monkeypatch):
-    target, exact = loop_world
-    monkeypatch.setattr(LOOP_MODULE, "sample_accept", first_child_always)
-    n = 300
-    counts = _loop_counts(target, lambda: RandomDrafter(TREE, V_LOOP, seed=3), n, seed=1000)
-    assert goodness_of_fit(counts, exact, n) < ALPHA
 
 
 # ------------------------------------------------------------------------------------------------------- batches
@@ -468,9 +462,11 @@ def test_batch_sampling_keeps_each_sequences_distribution(loop_world, drafter):
     assert len(counts) >= 15
 
 
-def test_batch_check_catches_a_wrong_rule(loop_world, monkeypatch):
+@pytest.mark.parametrize("counts_of, seed", [(_loop_counts, 1000), (_batch_counts, 7000)], ids=["alone", "batch"])
+def test_loop_check_catches_a_wrong_rule(loop_world, monkeypatch, counts_of, seed):
+    """The loop's checks, alone and in a batch, fail for a rule that always accepts the first child."""
     target, exact = loop_world
     monkeypatch.setattr(LOOP_MODULE, "sample_accept", first_child_always)
     n = 300
-    counts = _batch_counts(target, lambda: RandomDrafter(TREE, V_LOOP, seed=3), n, seed=7000)
+    counts = counts_of(target, lambda: RandomDrafter(TREE, V_LOOP, seed=3), n, seed=seed)
     assert goodness_of_fit(counts, exact, n) < ALPHA

@@ -237,8 +237,8 @@ def test_requests_at_once_decode_together_and_beyond_max_batch_wait(model):
     they wait and join as others finish."""
     prompts = [[{"role": "user", "content": f"story number {i}"}] for i in range(5)]
     session = serve.Session(model, "tiny", max_batch=3)
-    requests = [model._request(p, api.GenerationOptions(max_new_tokens=40 + 5 * i)) for i, p in enumerate(prompts)]
-    receipts = [session.batcher.steps(r) for r in requests]  # all queued before the first step's result is read
+    jobs = [model.job(p, max_new_tokens=40 + 5 * i) for i, p in enumerate(prompts)]
+    receipts = [session.batcher.steps(j) for j in jobs]  # all queued before the first step's result is read
     tokens = [[t for step in receipt for t in step.tokens] for receipt in receipts]
     assert tokens == [model.generate(p, max_new_tokens=40 + 5 * i).tokens for i, p in enumerate(prompts)]
     assert session.batcher.most == 3 and session.batcher.decoding == 0

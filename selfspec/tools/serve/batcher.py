@@ -1,7 +1,7 @@
 """Continuous batching for the server: one worker thread decodes every running request in one batch
 (``selfspec.core.batch.Batch``), one target forward a step for all of them.
 
-    a request     steps(request) -> queued at once; its Steps as the batch accepts them (closing early: it leaves)
+    a request     steps(job) -> queued at once; its Steps as the batch accepts them (closing early: it leaves)
     the worker    1. take what arrived; block only while nothing decodes
                   2. drop the sequences whose clients went away (their slots free at once)
                   3. admit waiting requests, in order of arrival, while fewer than max_batch decode (prefill each)
@@ -17,18 +17,18 @@ import itertools
 import queue
 import threading
 from collections import deque
-from typing import Any, Iterator
+from typing import Iterator
 
 from selfspec.api import SpecModel
-from selfspec.core.batch import Batch
+from selfspec.core.batch import Batch, Job
 from selfspec.core.generate import Step
 
 
 class _Ticket:
     """One request in the batcher: its Steps come back through ``out``; ``cancelled`` when its client left."""
 
-    def __init__(self, key: int, request: Any):
-        self.key, self.request = key, request
+    def __init__(self, key: int, job: Job):
+        self.key, self.job = key, job
         self.out: queue.Queue = queue.Queue()
         self.cancelled = threading.Event()
 
@@ -79,10 +79,10 @@ class Batcher:
         """sequences decoding now."""
         threading.Thread(target=self._work, daemon=True, name="selfspec-decode").start()
 
-    def steps(self, request: Any) -> "Receipt":
-        """Queue one request (``SpecModel._request``'s) at once -> its Steps as the batch accepts them. Closing the
-        iterator early (the client went away) makes the request leave the batch at the next step."""
-        ticket = _Ticket(next(self._keys), request)
+    def steps(self, job: Job) -> "Receipt":
+        """Queue one request (``SpecModel.job``) at once -> its Steps as the batch accepts them. Closing the iterator
+        early (the client went away) makes the request leave the batch at the next step."""
+        ticket = _Ticket(next(self._keys), job)
         self._arrivals.put(ticket)
         return Receipt(ticket)
 
@@ -106,7 +106,7 @@ class Batcher:
                     ticket.end()
                     continue
                 try:
-                    step, done = batch.add(ticket.key, self.model._job(ticket.request))
+                    step, done = batch.add(ticket.key, ticket.job)
                 except Exception as err:  # noqa: BLE001 - the request's own error, raised on its thread
                     ticket.end(err)
                     continue

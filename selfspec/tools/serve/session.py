@@ -203,7 +203,7 @@ class Session:
             limit = max(1, min(self.default_max_tokens, self.model.target.max_length - int(ids.shape[0])))
         options = options.replace(max_new_tokens=limit)
         if self.batcher is not None:
-            stream = TextStream(self.batcher.steps(self.model._request(ids, options)), self.model.tokenizer)
+            stream = TextStream(self.batcher.steps(self.model.job(ids, options)), self.model.tokenizer)
         else:
             stream = self.model.stream(ids, options)
         try:
