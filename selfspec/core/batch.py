@@ -103,6 +103,7 @@ class Batch:
     def keys(self) -> list[Hashable]:
         return [s.key for s in self.live]
 
+    @torch.inference_mode()
     def add(self, key: Hashable, job: Job) -> tuple[Step, bool]:
         """1. prefill ``job``'s prompt alone and let it join the batch -> (its first Step, whether it is already done:
         then it does not join). Refuses a request plain decoding could not serve either, and a drafter that cannot
@@ -134,6 +135,7 @@ class Batch:
                                new_states=None if pre.states is None else LayerStates.of(pre.states)))
         return step, False
 
+    @torch.inference_mode()
     def remove(self, key: Hashable) -> None:
         """Let a sequence leave the batch before it is done (its client went away)."""
         self._leave({key})
