@@ -443,6 +443,24 @@ def test_several_prompts_get_one_choice_each(server, model):
     assert chunks[-1]["usage"]["completion_tokens"] == 16
 
 
+def test_a_completions_several_choices_decode_together(model):
+    """Six prompts in one completions request: with a batching session they decode in one batch, each answer as
+    generate's."""
+    session = serve.Session(model, "tiny", max_batch=8)
+    srv = serve.make_server(session, port=0, verbose=False)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        prompts = [f"story number {i} is about" for i in range(6)]
+        status, reply = post(srv.server_address[1], "/v1/completions", {"prompt": prompts, "max_tokens": 48})
+        assert status == 200, reply
+        assert [c["text"] for c in reply["choices"]] == [model.generate(p, max_new_tokens=48, chat=False).text
+                                                          for p in prompts]
+        assert session.batcher.most >= 2
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
 def test_logprobs_stop_where_the_stop_string_cuts_the_text(server, model):
     full = model.generate(USER, max_new_tokens=40)
     stop = tiny_chat_model.spanning_stop(model.tokenizer, full.tokens, start=4)

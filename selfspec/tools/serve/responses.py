@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 from selfspec.tools.serve.protocol import Request
@@ -57,11 +58,18 @@ def _usage(finals: list[dict], n: int = 1) -> dict:
 
 
 def complete(session: Session, r: Request) -> dict:
-    """The whole answer (n choices per prompt) as one OpenAI response object."""
+    """The whole answer (n choices per prompt) as one OpenAI response object; with a batching session its choices
+    decode together."""
     choices, finals = [], []
-    for index in range(len(r.prompts) * r.n):
+    count = len(r.prompts) * r.n
+    if session.batcher is not None and count > 1:  # every choice decodes at once, in the running batch
+        with ThreadPoolExecutor(max_workers=count) as pool:
+            answers = list(pool.map(lambda index: list(session.pieces(r, index)), range(count)))
+    else:
+        answers = [list(session.pieces(r, index)) for index in range(count)]
+    for index, pieces in enumerate(answers):
         parts, tokens, final = [], [], {}
-        for piece in session.pieces(r, index):
+        for piece in pieces:
             parts.append(piece.text)
             tokens.extend(piece.tokens)
             final = piece.end or final
