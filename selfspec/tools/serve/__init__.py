@@ -22,7 +22,8 @@ Log-probabilities as OpenAI reports them (chat: ``logprobs: true`` and ``top_log
 and ``echo`` for the prompt's own, what evaluation harnesses score multiple-choice questions with): the target's own,
 before sampling and penalties (``selfspec.core.logprobs``), with each token's own ``bytes`` (a piece of a character split
 across tokens included, ``selfspec.tools.token_bytes``). A completion's ``prompt`` may be text, token ids, or a list of
-either (one choice per prompt, decoded in turn); ``n`` answers each (decoded in turn). ``presence_penalty``,
+either (one choice per prompt); ``n`` answers each (the choices decode together in the batch, in turn with
+``--max-batch 1``). ``presence_penalty``,
 ``frequency_penalty`` and ``logit_bias`` apply as OpenAI applies them. Fields the server cannot honour (tools,
 structured output, suffixes) and unknown fields are refused with a 400 that names them, as OpenAI refuses unknown
 arguments.
