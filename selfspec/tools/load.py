@@ -4,25 +4,32 @@ decoding one request at a time (``--max-batch 1``, the server before batching) a
 
     python infer.py serve-load --drafts none ngram --clients 1,2,4,8 --dtype bf16 --max-new-tokens 128
 
-Every setting runs in this process against a server on a free local port, the model loaded once per draft; each
-client takes the next question from a shared line until all are answered (greedy, ``max_tokens`` each). The table
-goes to stdout and, with ``--out``, as JSON to a file.
+Each server is ``python infer.py serve`` in a process of its own on a free local port (loaded and warmed up before
+the clock starts), every number of clients against it in turn; each client takes the next question from a shared line
+until all are answered (greedy, ``max_tokens`` each). The table goes to stdout and, with ``--out``, as JSON to a file.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import signal
 import statistics
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
-from selfspec import api
-from selfspec.tools import serve
+from selfspec.core.models import DEFAULT_MODEL
 from selfspec.tools.bench import DEFAULT_QUESTIONS
 from selfspec.tools.specbench import load_questions
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -31,6 +38,31 @@ def percentile(values: list[float], q: float) -> float:
     k = (len(ordered) - 1) * q / 100
     lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+@contextmanager
+def served(args: list[str]) -> Iterator[int]:
+    """``python infer.py serve ARGS`` in a process of its own on a free port, once it has loaded and warmed up -> its
+    port; stopped (Ctrl-C) afterwards."""
+    cmd = [sys.executable, str(ROOT / "infer.py"), "serve", "--port", "0", "--quiet", *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        for line in proc.stderr:  # type: ignore[union-attr]
+            seen.append(line)
+            found = re.search(r"serving .* at http://[^:]+:(\d+)/v1", line)
+            if found:
+                break
+        else:
+            raise RuntimeError(f"infer.py serve {' '.join(args)} stopped before serving:\n{''.join(seen[-20:])}")
+        threading.Thread(target=proc.stderr.read, daemon=True).start()  # type: ignore[union-attr]
+        yield int(found.group(1))
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def run_clients(port: int, prompts: list[str], clients: int, max_tokens: int) -> dict:
@@ -74,7 +106,8 @@ def run_clients(port: int, prompts: list[str], clients: int, max_tokens: int) ->
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="infer.py serve-load", description=__doc__.split("\n\n")[0],
                                 allow_abbrev=False)
-    p.add_argument("--model", default=api.DEFAULT_MODEL)
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--tree", default=None, help="every server's --tree (default: each draft's own)")
     p.add_argument("--drafts", nargs="+", default=["none", "ngram"], help="--draft specs (default: none ngram)")
     p.add_argument("--dtype", default="bf16", help="bf16 or fp32 (default: bf16)")
     p.add_argument("--clients", default="1,2,4,8", help="concurrent clients per setting (default: 1,2,4,8)")
@@ -96,27 +129,20 @@ def main(argv: list[str] | None = None) -> int:
     if a.dtype not in ("bf16", "fp32"):
         p.error(f"--dtype: expected bf16 or fp32, found {a.dtype!r}")
     prompts = [q.turns[0] for q in load_questions(DEFAULT_QUESTIONS, limit=a.questions)]
-    dtype = {"bf16": "bfloat16", "fp32": "float32"}[a.dtype]
     rows = []
     for draft in a.drafts:
-        model = api.load(a.model, draft=draft, dtype=dtype)
         servers = [(m, b) for k, m, b in (("one", "one at a time", 1), ("batching", "batching", a.max_batch))
                    if k in a.servers.split(",")]
         for mode, max_batch in servers:
-            extra = {} if a.batch_nodes is None or max_batch == 1 else {"batch_nodes": a.batch_nodes}
-            session = serve.Session(model, "load", max_batch=max_batch, **extra)
-            session.warm_up()
-            server = serve.make_server(session, port=0, verbose=False)
-            threading.Thread(target=server.serve_forever, daemon=True).start()
-            try:
+            args = ["--model", a.model, "--draft", draft, "--dtype", a.dtype, "--max-batch", str(max_batch)]
+            args += [] if a.tree is None else ["--tree", a.tree]
+            args += [] if a.batch_nodes is None else ["--batch-nodes", str(a.batch_nodes)]
+            with served(args) as port:
                 for n in clients:
-                    r = run_clients(server.server_address[1], prompts, n, a.max_new_tokens)
+                    r = run_clients(port, prompts, n, a.max_new_tokens)
                     rows.append({"draft": draft, "server": mode, **r})
                     print(f"{draft:>24} {mode:>14} {n:>2} clients: {r['tokens_per_s']:7.1f} tokens/s, "
                           f"p50 {r['p50_s']:6.2f} s, p95 {r['p95_s']:6.2f} s", flush=True)
-            finally:
-                server.shutdown()
-                server.server_close()
     for row in rows:  # the same answers from either server (greedy)
         alone = next((r for r in rows if r["draft"] == row["draft"] and r["server"] == "one at a time"), None)
         if alone is not None:
