@@ -6,7 +6,7 @@ decoding one request at a time (``--max-batch 1``, the server before batching) a
 
 Each server is ``python infer.py serve`` in a process of its own on a free local port (loaded and warmed up before
 the clock starts), every number of clients against it in turn; each client takes the next question from a shared line
-until all are answered (greedy, ``max_tokens`` each). The table goes to stdout and, with ``--out``, as JSON to a file.
+until all are answered (greedy, ``max_tokens`` each). The table goes to stdout and, with ``--out``, as JSON to a file with a plot beside it (``.png``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Iterator
 
 from selfspec.core.models import DEFAULT_MODEL
 from selfspec.tools.bench import DEFAULT_QUESTIONS
+from selfspec.tools.plots import plot_load
 from selfspec.tools.specbench import load_questions
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(rows, indent=1))
+        print(f"wrote {a.out} and {plot_load(rows, a.out.with_suffix('.png'))}")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""The benchmark's picture: speed-up per category per method (one panel per dtype), and accepted-length histograms.
+"""The benchmark's picture: speed-up per category per method (one panel per dtype), and accepted-length histograms;
+and the serve load test's: total tokens/s and p95 latency against concurrent clients (``plot_load``).
 
 Drawn on a matplotlib ``Figure`` with the Agg canvas directly, so importing this module never changes the global
 matplotlib backend and needs no display.
@@ -53,4 +54,28 @@ def plot_summary(summary: Summary, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
+    return path
+
+
+def plot_load(rows: list[dict], path: str | Path) -> Path:
+    """``infer.py serve-load``'s rows -> left, total tokens/s against concurrent clients; right, p95 latency; one line
+    per draft and server."""
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    speed, wait = fig.subplots(1, 2)
+    lines = list(dict.fromkeys((r["draft"], r["server"]) for r in rows))
+    for j, (draft, server) in enumerate(lines):
+        mine = sorted((r for r in rows if (r["draft"], r["server"]) == (draft, server)), key=lambda r: r["clients"])
+        style = dict(color=f"C{j % 10}", marker="o", linestyle="-" if server == "batching" else "--",
+                     label=f"{draft}, {server}")
+        speed.plot([r["clients"] for r in mine], [r["tokens_per_s"] for r in mine], **style)
+        wait.plot([r["clients"] for r in mine], [r["p95_s"] for r in mine], **style)
+    speed.set(xlabel="concurrent clients", ylabel="total tokens/s", title="throughput")
+    wait.set(xlabel="concurrent clients", ylabel="p95 latency per request (s)", title="waiting")
+    for ax in (speed, wait):
+        ax.set_xticks(sorted({r["clients"] for r in rows}))
+        ax.grid(alpha=0.3)
+    speed.legend(fontsize=8)
+    path = Path(path)
+    fig.savefig(path, dpi=110)
     return path
