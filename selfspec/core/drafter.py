@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from transformers import Cache, PreTrainedTokenizerBase
 
 from selfspec.core.accept import Acceptance
 from selfspec.core.sampling import Sampling
+from selfspec.core.target import Target
 from selfspec.core.tree import Tree
-
-if TYPE_CHECKING:
-    from selfspec.core.target import Target
 
 
 @dataclass(frozen=True)
@@ -144,7 +142,7 @@ class Drafter(Protocol):
         """Hear which path of the last draft the target accepted (adapt tree size, advance own state)."""
         ...
 
-    def verifier(self) -> "Target | None":
+    def verifier(self) -> Target | None:
         """The Target that verifies this drafter's drafts, when it is not the target decoding with it: early exit's
         reuses the early layers' work done while drafting. None (the default): the target itself."""
         return None
@@ -156,7 +154,7 @@ class Drafter(Protocol):
         return None
 
 
-def verifier_for(drafter: Drafter, target: "Target") -> "Target":
+def verifier_for(drafter: Drafter, target: Target) -> Target:
     """The Target that verifies ``drafter``'s drafts: the drafter's own when it has one (``Drafter.verifier``), else
     ``target``."""
     return drafter.verifier() or target
@@ -168,8 +166,6 @@ def fork(drafter: Drafter) -> Drafter:
     if not drafter.batchable:
         raise ValueError(f"{type(drafter).__name__} cannot draft for a batch (it runs the target's own layers on its "
                          "cache): decode its sequences one at a time")
-    from selfspec.core.target import Target
-
     shared: dict[int, Any] = {}
     _share(drafter, (torch.nn.Module, PreTrainedTokenizerBase, Target), shared, set())
     return copy.deepcopy(drafter, shared)
