@@ -31,7 +31,7 @@ from typing import Hashable, Iterator, Sequence
 import torch
 
 from selfspec.core import hf
-from selfspec.core.drafter import Draft, Drafter, DraftState, LayerStates
+from selfspec.core.drafter import Draft, Drafter, DraftState, LayerStates, check_batchable
 from selfspec.core.generate import (AcceptRule, Output, Step, check_accept_rule, check_request, extend, fit_draft, judge,
                                     root_token, scored, timed)
 from selfspec.core.processors import Processors
@@ -111,9 +111,7 @@ class Batch:
         target = self.target
         check_request(target, job.input_ids, job.max_new_tokens, job.logprobs, job.prompt_logprobs, job.min_new_tokens)
         check_accept_rule(job.accept_rule, job.sampling)
-        if not job.drafter.batchable:
-            raise ValueError(f"{type(job.drafter).__name__} cannot draft for a batch (it runs the target's own layers "
-                             "on its cache): decode its sequences one at a time")
+        check_batchable(job.drafter)
         if key in self.keys:
             raise ValueError(f"a sequence with key {key!r} is already in the batch")
         prompt = job.input_ids.reshape(-1).to(target.device)

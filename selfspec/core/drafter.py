@@ -163,12 +163,17 @@ def verifier_for(drafter: Drafter, target: Target) -> Target:
 def fork(drafter: Drafter) -> Drafter:
     """The same draft for another sequence of a batch: a deep copy with state of its own (caches, counters, the tree
     it adapts) that shares every module (the weights), model and tokenizer with ``drafter``."""
-    if not drafter.batchable:
-        raise ValueError(f"{type(drafter).__name__} cannot draft for a batch (it runs the target's own layers on its "
-                         "cache): decode its sequences one at a time")
+    check_batchable(drafter)
     shared: dict[int, Any] = {}
     _share(drafter, (torch.nn.Module, PreTrainedTokenizerBase, Target), shared, set())
     return copy.deepcopy(drafter, shared)
+
+
+def check_batchable(drafter: Drafter) -> None:
+    """Refuse a drafter that cannot draft beside others in a batch (``Drafter.batchable``), saying what to do."""
+    if not drafter.batchable:
+        raise ValueError(f"{type(drafter).__name__} cannot draft for a batch (it runs the target's own layers on its "
+                         "cache): decode its sequences one at a time")
 
 
 def _share(obj: Any, kinds: tuple[type, ...], shared: dict[int, Any], seen: set[int]) -> None:

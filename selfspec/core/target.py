@@ -117,8 +117,10 @@ class Target:
         device = self.device
         ids = torch.zeros(b, n, dtype=torch.long, device=device)
         positions = torch.tensor(lengths, device=device)[:, None].repeat(1, n)  # [B, N]; padding at its row's end
-        allowed = torch.zeros(b, n, start + n, dtype=torch.bool, device=device)  # [B, N, S + N]
-        allowed[:, :, start:] = torch.eye(n, dtype=torch.bool, device=device)
+        plain = b == 1 and lengths[0] == start and trees[0].is_chain  # no mask to build
+        allowed = None if plain else torch.zeros(b, n, start + n, dtype=torch.bool, device=device)  # [B, N, S + N]
+        if allowed is not None:
+            allowed[:, :, start:] = torch.eye(n, dtype=torch.bool, device=device)
         for row, (tree, toks, length) in enumerate(zip(trees, tokens, lengths)):
             if toks.shape != (len(tree),):
                 raise ValueError(f"row {row}: expected {len(tree)} tree tokens (one per node), found shape "
@@ -126,10 +128,10 @@ class Target:
             k = len(tree)
             ids[row, :k] = toks
             positions[row, :k] += tree.depth_tensor.to(device)
-            allowed[row, :k, :length] = True
-            allowed[row, :k, start: start + k] = tree.ancestor_mask.to(device)
-        plain = b == 1 and lengths[0] == start and trees[0].is_chain
-        mask = None if plain else hf.additive_mask(allowed, self._mask_dtype)  # [B, 1, N, S + N]
+            if allowed is not None:
+                allowed[row, :k, :length] = True
+                allowed[row, :k, start: start + k] = tree.ancestor_mask.to(device)
+        mask = None if allowed is None else hf.additive_mask(allowed, self._mask_dtype)  # [B, 1, N, S + N]
         logits, states = hf.forward_rows(self.model, ids, positions, mask, cache)
         return Verified(logits=logits, hidden=states[-1], states=states)
 
