@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from heads.block.dflash import DFlashHead
 from heads.block.model import BlockHead
 from heads.checkpoints.contents import describe, stored_draft_type
 from heads.checkpoints.draft import DraftCheckpoint
@@ -27,20 +28,24 @@ from selfspec.drafts.layerskip import LayerSkipConfig, layerskip_card
 DRAFT_TYPES: dict[str, type[DraftCheckpoint]] = {
     cls.DRAFT_TYPE: cls for cls in (MedusaHeads, ExitHead, EagleHead, HydraHeads, BlockHead)}
 """draft_type -> the module class that reads, loads and cards checkpoints of that kind (those with weights)."""
+SPECULATORS: dict[str, type[DraftCheckpoint]] = {"a speculators eagle3 checkpoint": Eagle3Head,
+                                                 "a speculators dflash checkpoint": DFlashHead}
+"""speculators checkpoints (no draft_type) -> the module class that reads and cards them."""
 
 
 def publish_files(directory: Path, repo_id: str) -> dict[str, Path | bytes]:
     """What a publish of ``directory`` to ``repo_id`` uploads: config.json and model.safetensors as saved (after a
     strict check), and README.md generated from config.json for ``repo_id`` (so its usage snippet names the repo).
     Medusa heads, exit heads (draft_type "exit-head"), EAGLE heads ("eagle"), Hydra heads ("hydra") and block
-    drafters ("block") alike, and an EAGLE-3 draft in the speculators format (``python -m heads.export --format
-    speculators``); a layer-skip config ("layerskip") has no weights: config.json and its card."""
+    drafters ("block") alike, and EAGLE-3 and DFlash drafts in the speculators format (train.py ``method: eagle3`` /
+    ``dflash``, ``python -m heads.export --format speculators``); a layer-skip config ("layerskip") has no weights: config.json and its card."""
     kind = stored_draft_type(directory)
     if kind == "layerskip":  # a searched skip set: config.json alone (the target's own layers draft), read strictly
         return {CONFIG: directory / CONFIG, CARD: layerskip_card(LayerSkipConfig.load(directory), repo_id).encode()}
-    if kind is None and describe(directory) == "a speculators eagle3 checkpoint":  # heads.export --format speculators
-        config, _ = Eagle3Head.read_checkpoint(directory)
-        return {CONFIG: directory / CONFIG, WEIGHTS: directory / WEIGHTS, CARD: Eagle3Head.card_for(config, repo_id).encode()}
+    if kind is None and describe(directory) in SPECULATORS:  # train.py method eagle3 / dflash, heads.export
+        cls = SPECULATORS[describe(directory)]
+        config, _ = cls.read_checkpoint(directory)
+        return {CONFIG: directory / CONFIG, WEIGHTS: directory / WEIGHTS, CARD: cls.card_for(config, repo_id).encode()}
     if kind is None and describe(directory) == "a selfspec draft model":  # train.py method draft_model
         return draft_model_files(directory, repo_id)
     if kind not in DRAFT_TYPES:

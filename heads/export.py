@@ -4,8 +4,8 @@
     python -m heads.export DRAFT exports/eagle3-vllm --format speculators [--verifier HUB_ID] [--model BASE]
 
 --format vllm (the default): Medusa heads in vLLM's Medusa format (heads/medusa/vllm.py).
---format speculators: an EAGLE-3 draft in the format of vLLM's speculators library (heads/eagle/speculators.py);
-selfspec's own EAGLE heads are refused, saying which parts of them the format cannot express.
+--format speculators: an EAGLE-3 or DFlash draft in the format of vLLM's speculators library (heads/speculators_export.py);
+selfspec's own EAGLE and block heads are refused, saying which parts of them the format cannot express.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 from heads.checkpoints.contents import check_output, describe
 from heads.checkpoints.files import CONFIG, resolve
 from heads.cli import report_errors
-from heads.eagle.speculators import export_speculators, refuse, vllm_caveats
 from heads.eagle.speculators_config import Eagle3Config
+from heads.speculators_export import FORMATS, export_speculators, refuse, vllm_caveats
 from heads.medusa.config import read_config
 from heads.medusa.model import load_heads
 from heads.medusa.vllm import export_vllm
@@ -32,8 +32,9 @@ def is_vllm_export(directory: Path) -> bool:
 
 
 def is_speculators_export(directory: Path) -> bool:
-    """A directory holding a speculators EAGLE-3 checkpoint (an earlier export): exporting over it is allowed."""
-    return describe(directory) == "a speculators eagle3 checkpoint"
+    """A directory holding a speculators EAGLE-3 or DFlash checkpoint (an earlier export): exporting over it is
+    allowed."""
+    return describe(directory) in {f"a speculators {kind} checkpoint" for kind in FORMATS}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "earlier export to replace")
     parser.add_argument("--format", choices=["vllm", "speculators"], default="vllm",
                         help="vllm: vLLM's Medusa format (Medusa heads); speculators: the speculators library's "
-                             "format (EAGLE-3 drafts), which vLLM and SGLang load (default vllm)")
+                             "format (EAGLE-3 and DFlash drafts), which vLLM loads (default vllm)")
     parser.add_argument("--model", default=None, help="the base model (default: the one the draft names)")
     parser.add_argument("--revision", default=None, help="Hub revision of the draft")
     parser.add_argument("--original-lm-head", action="store_true",
@@ -85,15 +86,18 @@ def speculators_main(args: argparse.Namespace, source: Path, out_dir: Path) -> i
         raise ValueError("--original-lm-head is an option of the vllm format (Medusa heads)")
     data = read_json_object(source / CONFIG, "the draft's config")
     refuse(data, args.heads)
-    check_output(out_dir, is_speculators_export, "a speculators EAGLE-3 export")
-    config = Eagle3Config.from_json({k: v for k, v in data.items() if k != "selfspec_version"})
+    check_output(out_dir, is_speculators_export, "a speculators export")
+    kind = data["speculators_model_type"]
+    config = FORMATS[kind][0].from_json({k: v for k, v in data.items() if k != "selfspec_version"})
     if not (args.model or config.verifier):
         raise ValueError(f"{source / CONFIG} names no verifier: pass the target it drafts for as --model")
     model, _ = load_model(args.model or config.verifier)
     out = export_speculators(source, out_dir, model, verifier=args.verifier)
-    print(f"exported {args.heads} (EAGLE-3, {config.num_layers} layer(s), draft vocabulary {config.draft_vocab_size}) "
-          f"in the speculators format to {out}; checked by loading it back")
-    for note in vllm_caveats(config):
+    shape = (f"EAGLE-3, {config.num_layers} layer(s)" if kind == "eagle3" else
+             f"DFlash, {config.num_layers} layer(s), blocks of {config.block_size}")
+    print(f"exported {args.heads} ({shape}, draft vocabulary {config.draft_vocab_size}) in the speculators format to "
+          f"{out}; checked by loading it back")
+    for note in vllm_caveats(config) if isinstance(config, Eagle3Config) else []:
         print(f"note: speculators loads it as written, but {note}: vLLM would draft differently", file=sys.stderr)
     return 0
 

@@ -6,16 +6,17 @@ and one line here; the recipe's ``method`` lists the names it accepts (heads/tra
 
 from __future__ import annotations
 
-from heads.block.kind import BlockKind
+from heads.block.kind import BlockKind, DFlashKind
 from heads.draft_model.kind import DraftModelKind
-from heads.eagle.kind import EagleKind
+from heads.eagle.kind import Eagle3Kind, EagleKind
 from heads.exit_head.kind import ExitHeadKind
 from heads.hydra.kind import HydraKind
 from heads.medusa.kind import MedusaKind
 from heads.training.kind import HeadKind
 
 KINDS: dict[str, HeadKind] = {"medusa": MedusaKind(), "hydra": HydraKind(), "exit_head": ExitHeadKind(),
-                              "eagle": EagleKind(), "block": BlockKind(), "draft_model": DraftModelKind()}
+                              "eagle": EagleKind(), "eagle3": Eagle3Kind(), "block": BlockKind(),
+                              "dflash": DFlashKind(), "draft_model": DraftModelKind()}
 """method -> what the trainer asks of that kind."""
 
 

@@ -23,8 +23,8 @@ loaded, then built on the loaded target.
   under entry-point group ``selfspec.drafters``, name X, called as ``load(path_or_repo_id, target, revision=, tree=)``.
   selfspec never imports the package that trains drafts; that package registers its loaders in its pyproject.
   A checkpoint of vLLM's ``speculators`` library names no draft_type but ``"speculators_model_type": T``: its kind is
-  ``SPECULATORS_KINDS[T]`` (``eagle3`` -> ``eagle``: the eagle loader reads both formats), so it drafts, takes trees
-  and is tuned as that kind is
+  ``SPECULATORS_KINDS[T]`` (``eagle3`` -> ``eagle``, ``dflash`` -> ``block``: those loaders read both formats), so
+  it drafts, takes trees and is tuned as that kind is
 
 - ``A+B`` (any number of parts)    the drafts of A and B verified as one tree each step (``merge.MergedDrafter``),
   e.g. ``runs/eagle_head+ngram``: a trained head and prompt lookup; ``--tree`` applies to the first checkpoint part
@@ -70,7 +70,7 @@ ACCEPTED = (
     "'early-exit:layer=E' (optional keys depth, stop_below), 'model:<dir or Hub id>' (a separate draft model with the "
     "target's tokenizer), or a local directory / Hub id of a draft checkpoint whose config.json has \"draft_type\""
 )
-SPECULATORS_KINDS = {"eagle3": "eagle"}
+SPECULATORS_KINDS = {"eagle3": "eagle", "dflash": "block"}
 """speculators_model_type (config.json of a vLLM ``speculators`` checkpoint) -> the draft kind whose entry point loads
 it."""
 TreeArg = str | Tree | DynamicTree | None

@@ -546,6 +546,9 @@ def test_serve_load_measures_both_servers_with_the_same_answers(model_dir, tmp_p
         (d, s, c) for d in ("none", "ngram") for s in ("one at a time", "batching") for c in (1, 3)]
     assert all(r["requests"] == 4 and r["tokens"] > 4 and r["answers_as_one_at_a_time"] == 4 for r in rows)
     assert all(0 < r["p50_s"] <= r["p95_s"] for r in rows)
+    for r in rows:  # one client: side by side, each server's time is the time its own requests took
+        if r["clients"] == 1:
+            assert r["seconds"] == pytest.approx(r["mean_s"] * r["requests"], abs=0.05)
     assert "| `ngram` | batching | 3 |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         load.main(["--clients", "0,2"])

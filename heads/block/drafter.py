@@ -3,11 +3,13 @@ the block's per-position candidates.
 
 Each step:
 
-    1. sync     the head's cache holds the committed pairs; the last step's block entries are dropped, and a new
-                request starts it afresh (as the EAGLE drafter does, heads/eagle/drafter.py)
-    2. forward  one decoder call over the pairs (f_j, x_{j+1}) committed since the last step (causal, over the cache)
-                and the K - 1 mask queries (every pair, every mask): the last pair's output and the masks' are the
-                block, K per-position distributions for x_T .. x_{T+K-1}
+    1. sync     the head's cache holds what it read of the committed text; a new request starts it afresh (as the
+                EAGLE drafter does, heads/eagle/drafter.py)
+    2. forward  one call of the head (``block``) over the positions committed since the last step and the block:
+                K per-position distributions for x_T .. x_{T+K-1}. selfspec's block head (heads/block/model.py)
+                runs the new pairs (f_j, x_{j+1}) causally and K - 1 mask queries (the last pair's output and the
+                masks' are the block); speculators' DFlash draft (heads/block/dflash.py) adds the new positions'
+                context keys and values to its cache and runs [root, mask x K] over them
     3. tree     ``dynamic:N``: the N rank paths of highest product of per-position probabilities (each node's parent
                 kept; ``selfspec.core.position_draft.best_first_draft``, shared with Medusa heads), scored for budget
                 tuning; a static tree (``chain:k``: the top-1 path) is filled with each position's ranked candidates
@@ -15,8 +17,8 @@ Each step:
 Drafts are deterministic (q = None): greedy acceptance is exact, and ``sample_accept`` treats each node as a point mass,
 which keeps sampling lossless too.
 
-Shapes: T tokens so far, A newly committed positions, S head-cache length, K block size, M = K - 1 masks, D hidden
-size, V' draft vocabulary, R ranks.
+Shapes: T tokens so far, A newly committed positions, K block size (tokens one forward drafts), D hidden size,
+V' draft vocabulary, R ranks.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
-
+from heads.block.dflash import DFlashHead
+from heads.block.dflash_config import is_dflash
 from heads.block.model import BlockHead
+from heads.checkpoints.files import CONFIG, resolve
 from heads.eagle.drafter import head_features, new_positions
-from selfspec.core import hf
 from selfspec.core.accept import Acceptance
 from selfspec.core.drafter import Draft, Drafter, DraftState, check_tree
+from selfspec.core.files import read_json_object
 from selfspec.core.position_draft import best_first_draft
 from selfspec.core.target import Target
 from selfspec.core.tree import DynamicTree, Tree
@@ -40,9 +43,9 @@ class BlockDrafter(Drafter):
     """tree: a DynamicTree (its budget best nodes each step, at most its depth deep) or a static tree (a chain of k:
     the block's top-1 path), at most K deep and no wider than the draft vocabulary."""
 
-    def __init__(self, head: BlockHead, tree: Tree | DynamicTree):
+    def __init__(self, head: BlockHead | DFlashHead, tree: Tree | DynamicTree):
         self.head = head.eval()
-        K, V = head.config.block_size, head.config.draft_vocab_size
+        K, V = head.block_size, head.config.draft_vocab_size
         self.dynamic = tree if isinstance(tree, DynamicTree) else None
         if self.dynamic is not None:
             if tree.depth is not None and tree.depth > K:
@@ -59,11 +62,11 @@ class BlockDrafter(Drafter):
             self.depth, self.ranks = tree.depth, tree.max_rank + 1
             # [N - 1] each draft node's block position and candidate rank there
             self._slot = (self.tree.depth_tensor[1:] - 1, torch.tensor(self.tree.ranks[1:]))
-        self.cache: DynamicCache | None = None
-        self.committed = 0  # true pairs in the head's cache
+        self.cache = None  # the head's (new_cache)
+        self.committed = 0  # committed positions the head's cache has read
 
     @classmethod
-    def with_tree(cls, head: BlockHead, tree: Tree | DynamicTree | None) -> "BlockDrafter":
+    def with_tree(cls, head: BlockHead | DFlashHead, tree: Tree | DynamicTree | None) -> "BlockDrafter":
         """tree None: the checkpoint's defaults (its budget, its depth or the whole block)."""
         if tree is None:
             return cls(head, DynamicTree(head.config.budget, depth=head.config.depth))
@@ -72,7 +75,7 @@ class BlockDrafter(Drafter):
     @property
     def max_depth(self) -> int:
         """K: one forward drafts a block of K positions, no deeper."""
-        return self.head.config.block_size
+        return self.head.block_size
 
     def resized(self, depth: int, budget: int) -> "BlockDrafter":
         return BlockDrafter(self.head, DynamicTree.resized(self.dynamic, budget, depth))
@@ -83,7 +86,7 @@ class BlockDrafter(Drafter):
         # 3. the tree from the first ``depth`` positions' top candidates
         logp = torch.log_softmax(self.head.logits(block[: self.depth]).float(), dim=-1)  # [depth, V']
         top = logp.topk(self.ranks, dim=-1)  # [depth, R]
-        tokens = self.head.draft_vocab.base_ids(top.indices)  # [depth, R] base token ids
+        tokens = self.head.base_ids(top.indices)  # [depth, R] base token ids
         root = state.tokens[-1:]
         if self.dynamic is not None:
             return best_first_draft(root, top.values, tokens, self.dynamic.budget, self._trees, self.dynamic.min_logp)
@@ -92,32 +95,20 @@ class BlockDrafter(Drafter):
         return Draft(tree=self.tree, tokens=torch.cat([root, nodes.to(device=root.device, dtype=root.dtype)]))
 
     def _block(self, state: DraftState) -> torch.Tensor:
-        """Steps 1 and 2: the head's outputs for the block, [K, D] (the last true pair's, then the K - 1 masks')."""
+        """Steps 1 and 2: the head's states for the block, [K, D]."""
         tokens, T, A = state.tokens, state.tokens.shape[0], new_positions(state, "the block drafter")
         if A < 1:
             raise ValueError(f"the block drafter drafts after a committed position: expected a text of >= 2 tokens "
                              f"with new hidden states, found {T} tokens and {A} new states")
         if self.cache is None or state.starts_request:  # the first draft sees the whole prompt
-            self.cache, self.committed = DynamicCache(config=self.head.decoder.config), 0
+            self.cache, self.committed = self.head.new_cache(), 0
         elif self.committed + A != T - 1:
             raise RuntimeError(f"the block drafter is out of step: its cache holds {self.committed} committed positions "
                                f"and {A} new ones arrived, but the text has {T - 1} before the root")
-        hf.cache_truncate(self.cache, self.committed)  # 1. drop the last step's block
-        head, device = self.head, tokens.device
-        S, M = self.committed, head.config.block_size - 1
-
-        # 2. the new pairs (f_j, x_{j+1}), j = committed .. T-2, then the masks at positions T-1 .. T+M-2
-        features = head_features(head.config.feature_layers, state, "block drafter")  # [A, D] or [A, L·D]
-        pairs = head.pair_inputs(head.true_features(features)[None], tokens[S + 1:][None])  # [1, A, D]
-        inputs = torch.cat([pairs, head.mask.to(pairs.dtype)[None]], dim=1)  # [1, A + M, D]
-        positions = torch.arange(S, T - 1 + M, device=device)[None]  # [1, A + M]
-        allowed = torch.ones(A + M, S + A + M, dtype=torch.bool)
-        allowed[:A, S:] = False
-        allowed[:A, S:S + A] = torch.ones(A, A, dtype=torch.bool).tril()  # the new pairs: causal, no mask
-        mask = hf.additive_mask(allowed.to(device), head.fc.weight.dtype)  # [1, 1, A + M, S + A + M]
-        out = head.run(inputs, positions, mask, self.cache)[0]  # [A + M, D]
+        features = head_features(self.head.config.feature_layers, state, "block drafter")  # [A, D] or [A, L·D]
+        out = self.head.block(self.cache, features, tokens)  # [K, D]
         self.committed = T - 1
-        return out[A - 1:]  # [K, D]
+        return out
 
     def update(self, draft: Draft, acceptance: Acceptance) -> None:
         return None
@@ -127,6 +118,12 @@ def load_drafter(path_or_repo_id: str | Path, target: Target, revision: str | No
                  tree: Tree | DynamicTree | None = None) -> BlockDrafter:
     """The ``block`` entry point of ``selfspec.drafters``: the head on ``target`` as a BlockDrafter. tree: None (the
     checkpoint's budget and depth), ``dynamic:N[,depth=D]`` (D <= K), ``chain:k`` (the block's top-1 path, k <= K), or
-    any static tree at most K deep."""
-    head = BlockHead.from_pretrained(path_or_repo_id, target.model, revision=revision)
+    any static tree at most K deep.
+
+    Both block formats: selfspec's own block head (config.json with draft_type "block", heads/block/model.py), and a
+    DFlash draft in the format of vLLM's speculators library (speculators_model_type "dflash", heads/block/dflash.py;
+    its drafting defaults: 16 nodes, the whole block deep)."""
+    config = read_json_object(resolve(path_or_repo_id, revision) / CONFIG, "the block draft's config")
+    cls = DFlashHead if is_dflash(config) else BlockHead
+    head = cls.from_pretrained(path_or_repo_id, target.model, revision=revision)
     return BlockDrafter.with_tree(head, tree)

@@ -2,7 +2,11 @@
 ``block.anchors`` blocks of K - 1 mask queries per row (``BlockHead.forward``), scored per block offset
 (heads/block/loss.py), so the trainer's K accuracy rows acc[k][r] are the block offsets; its draft vocabulary is
 counted on the training rows, and the target's logits it distils from are computed by its loss, on that vocabulary
-only (so the target's forward gives hidden states alone)."""
+only (so the target's forward gives hidden states alone).
+
+``DFlashKind`` (method ``dflash``) trains, from the same ``block`` section and loss, a draft of speculators' DFlash
+architecture (heads/block/dflash.py: ``block.anchors`` blocks of [root, mask x K] per row over the target's context),
+and saves it in speculators' format: vLLM and speculators load what it writes as it is."""
 
 from __future__ import annotations
 
@@ -11,11 +15,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from transformers import PreTrainedModel
+
 from heads.block.config import BlockConfig
+from heads.block.dflash import DFlashHead
+from heads.block.dflash_config import DFlashConfig, qwen3_layers_for
 from heads.block.loss import block_loss, sample_anchors
 from heads.block.model import BlockHead
-from heads.eagle.kind import EagleKind
+from heads.eagle.kind import EagleKind, SpeculatorsSaving, draft_size, new_draft
 from heads.training.config import TrainConfig
+from heads.training.kind import HiddenPass, unwrapped
 from heads.training.losses import MedusaLoss
 
 
@@ -28,6 +37,8 @@ class BlockKind(EagleKind):
     CONFIG = BlockConfig
     WHAT = "the block drafter"
     PER = "block offset"
+    FIRST_OFFSET = 1
+    """the first block offset an anchored block trains (offset 0 is every pair's here; a DFlash block trains all)."""
 
     def section(self, cfg: TrainConfig) -> Any:
         return cfg.block
@@ -42,10 +53,60 @@ class BlockKind(EagleKind):
                    features: torch.Tensor, batch: dict, ranks: int, per_row: bool) -> MedusaLoss | list[MedusaLoss]:
         """Every true pair and ``block.anchors`` anchored blocks per row in one forward, scored per block offset."""
         labels = batch["labels"]
-        anchors = sample_anchors(labels, cfg.block.block_size, cfg.block.anchors, cfg.seed, batch["index"])  # [B, A]
-        pairs, blocks = module(features, batch["input_ids"], batch["lengths"], anchors)  # [B, n, D], [B, A, M, D]
+        anchors = sample_anchors(labels, cfg.block.block_size, cfg.block.anchors, cfg.seed, batch["index"],
+                                 self.FIRST_OFFSET)  # [B, A]
+        pairs, blocks = module(features, batch["input_ids"], batch["lengths"], anchors)  # [B, n, D] (None: DFlash), [B, A, M or K, D]
         args = dict(kind=cfg.loss.kind, decay=cfg.loss.decay, ranks=ranks)
         if not per_row:
             return block_loss(pairs, blocks, anchors, final, labels, inner, **args)
-        return [block_loss(pairs[b:b + 1], blocks[b:b + 1], anchors[b:b + 1], final[b:b + 1], labels[b:b + 1], inner,
-                           **args) for b in range(final.shape[0])]
+        return [block_loss(None if pairs is None else pairs[b:b + 1], blocks[b:b + 1], anchors[b:b + 1],
+                           final[b:b + 1], labels[b:b + 1], inner, **args) for b in range(final.shape[0])]
+
+
+class DFlashKind(SpeculatorsSaving, BlockKind):
+    """speculators' DFlash draft (heads/block/dflash.py), trained from the ``block`` section with the block drafter's
+    loss, saved in speculators' format.
+
+    What the section means here: ``num_layers`` Qwen3-style layers sized like the target; ``block_size`` K, the tokens
+    one forward drafts (speculators' block_size is K + 1: the root's slot too); ``anchors`` the blocks trained per row;
+    ``feature_layers`` the aux layers fc fuses (null: speculators' default [2, L // 2, L - 3]; not the final hidden
+    state, as for EAGLE-3); ``draft_vocab`` its d2t / t2d (lm_head: the target's rows, frozen, as in speculators);
+    ``mask_token_id`` the token whose embedding fills the mask slots. ``depth`` and ``budget`` are selfspec's drafting
+    defaults for every such draft (the whole block, 16 nodes), not stored."""
+
+    project = "dflash"
+    MODULE = DFlashHead
+    CONFIG = DFlashConfig
+    WHAT = "the DFlash draft (speculators' format)"
+    FIRST_OFFSET = 0
+
+    def build(self, cfg: TrainConfig, model: PreTrainedModel, train_rows=None, tokenizer=None
+              ) -> tuple[DFlashHead, DFlashConfig]:
+        s = cfg.block
+        config = DFlashConfig(
+            transformer_layer_config=qwen3_layers_for(model, s.num_layers),
+            draft_vocab_size=draft_size(s.draft_vocab, model), block_size=s.block_size + 1,
+            mask_token_id=mask_token(s.mask_token_id, tokenizer), verifier=cfg.model.name,
+            verifier_architectures=list(model.config.architectures or []), aux_hidden_state_layer_ids=s.feature_layers)
+        return new_draft(DFlashHead, config, model, "block.feature_layers (method dflash)", train_rows, tokenizer)
+
+    def hidden_pass(self, cfg: TrainConfig, module: nn.Module) -> HiddenPass:
+        return HiddenPass(feature_layers=unwrapped(module).config.feature_layers)  # resolved: speculators' default
+
+    def stored(self, state: dict[str, torch.Tensor], model: PreTrainedModel) -> dict[str, torch.Tensor]:
+        """lm_head only with a draft vocabulary (without one it is the target's, as speculators saves it)."""
+        if "d2t" not in state:
+            state.pop("lm_head.weight", None)
+        return state
+
+
+def mask_token(configured: int | None, tokenizer) -> int:
+    """The mask slots' token: ``block.mask_token_id``, else the tokenizer's mask, unknown or padding token (one that
+    chat text does not use: its embedding is a fixed input the draft learns to read as "unknown")."""
+    if configured is not None:
+        return configured
+    for name in ("mask_token_id", "unk_token_id", "pad_token_id"):
+        if getattr(tokenizer, name, None) is not None:
+            return int(getattr(tokenizer, name))
+    raise ValueError("block.mask_token_id (method dflash): the tokenizer has no mask, unknown or padding token to "
+                     "fill the mask slots with; set block.mask_token_id to a token id that chat text does not use")

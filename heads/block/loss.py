@@ -4,7 +4,8 @@ offset (``block_loss``), read on the draft vocabulary (selfspec/core/draft_vocab
 The index shift, once. Pair j of a row is (f_j, x_{j+1}); its output predicts x_{j+2} (block offset 0, as drafting's
 last true pair predicts the token after the root). Anchor j's mask i (i = 0 .. K-2) sits at position j + 1 + i and
 predicts x_{j+3+i} (block offset 1 + i). A prediction of token x_t is compared with the target's own distribution for
-it, the LM head at f_{t-1}:
+it, the LM head at f_{t-1} (a DFlash draft, heads/block/dflash.py, has no pair outputs: its anchor j's block drafts
+every offset k = 0 .. K-1 from slot 1 + k, x_{j+2+k}, the same positions):
 
     position          j          j+1         j+2         j+3        ...
     target            f_j ─────▶ f_{j+1} ──▶ p(x_{j+2})  p(x_{j+3}) ...
@@ -40,13 +41,16 @@ SEED_STRIDE = 1_000_003
 collide below a million rows)."""
 
 
-def sample_anchors(labels: torch.Tensor, block_size: int, count: int, seed: int, index: torch.Tensor) -> torch.Tensor:
+def sample_anchors(labels: torch.Tensor, block_size: int, count: int, seed: int, index: torch.Tensor,
+                   first_offset: int = 1) -> torch.Tensor:
     """labels [B, T], index [B] (each row's dataset index) -> anchors [B, A] (A = ``count``): sorted pair indices j
-    whose block (x_{j+3} .. x_{j+K+1}) holds a training token, one per stratum; -1 where a row has fewer."""
+    whose block holds a training token, one per stratum; -1 where a row has fewer. The block anchor j trains is
+    x_{j+2+first_offset} .. x_{j+K+1}: offsets 1..K-1 for selfspec's block head (offset 0 is every pair's), all K
+    (first_offset 0) for a DFlash draft, whose block drafts every offset."""
     B, T = labels.shape
-    M = block_size - 1
-    trained = (labels[:, 3:] != IGNORE_INDEX).int().cpu()  # [B, T - 3] x_t a training token, t >= 3
-    windows = F.pad(trained, (0, block_size)).unfold(1, M, 1)[:, : T - 1]  # [B, n, M] anchor j's targets
+    start, M = 2 + first_offset, block_size - first_offset
+    trained = (labels[:, start:] != IGNORE_INDEX).int().cpu()  # [B, T - start] x_t a training token, t >= start
+    windows = F.pad(trained, (0, block_size + 1)).unfold(1, M, 1)[:, : T - 1]  # [B, n, M] anchor j's targets
     candidates = windows.any(-1)  # [B, n]
     anchors = torch.full((B, count), -1, dtype=torch.long)
     for b in range(B):
@@ -67,15 +71,19 @@ def block_loss(
     pairs: torch.Tensor, blocks: torch.Tensor, anchors: torch.Tensor, features: torch.Tensor, labels: torch.Tensor,
     head, kind: str = "kl", decay: float = 0.8, ranks: int = 5,
 ) -> MedusaLoss:
-    """pairs [B, n, D] and blocks [B, A, M, D] of ``BlockHead.forward`` at ``anchors`` [B, A]; features [B, T, D] the
-    target's final hidden states; labels [B, T] aligned with the input (-100 = not a training token). One row of the
-    result per block offset k = 0 .. K-1. ranks=0 skips the accuracy (a full-vocabulary pass): hits [K, 0], count 0."""
-    B, n, D = pairs.shape
-    A, M = blocks.shape[1:3]
-    T = n + 1
-    if features.shape[:2] != (B, T) or labels.shape != (B, T) or anchors.shape != (B, A):
-        raise ValueError(f"expected features [B, T, D], labels [B, T] and anchors [B, A] with B, T, A = {B}, {T}, {A}, "
-                         f"found {list(features.shape)}, {list(labels.shape)} and {list(anchors.shape)}")
+    """pairs [B, n, D] and blocks [B, A, M, D] of ``BlockHead.forward`` at ``anchors`` [B, A], or pairs None and
+    blocks [B, A, K, D] (a DFlash draft's, heads/block/dflash.py: block offset k from slot k of the block); features
+    [B, T, D] the target's final hidden states; labels [B, T] aligned with the input (-100 = not a training token).
+    One row of the result per block offset k = 0 .. K-1. ranks=0 skips the accuracy (a full-vocabulary pass): hits
+    [K, 0], count 0."""
+    B, T = labels.shape
+    A = blocks.shape[1]
+    M = blocks.shape[2] - (pairs is None)  # the offsets after 0
+    if (features.shape[:2] != (B, T) or anchors.shape != (B, A)
+            or (pairs is not None and pairs.shape[:2] != (B, T - 1))):
+        raise ValueError(f"expected features [B, T, D], pairs [B, T - 1, D] and anchors [B, A] with B, T, A = {B}, {T}, "
+                         f"{A} (labels [B, T]), found {list(features.shape)}, "
+                         f"{None if pairs is None else list(pairs.shape)} and {list(anchors.shape)}")
     if kind not in ("ce", "kl"):
         raise ValueError(f"loss kind: expected 'ce' or 'kl', found {kind!r}")
     losses, hits, counts = [], [], []
@@ -91,20 +99,20 @@ def block_loss(
                       count=torch.tensor(counts, dtype=torch.long))
 
 
-def _offset(k: int, pairs: torch.Tensor, blocks: torch.Tensor, anchors: torch.Tensor,
+def _offset(k: int, pairs: torch.Tensor | None, blocks: torch.Tensor, anchors: torch.Tensor,
             labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block offset k's scored predictions: their outputs [N, D], rows [N] and predicted positions t [N]."""
     T = labels.shape[1]
-    if k == 0:  # pair j predicts x_{j+2}
+    if k == 0 and pairs is not None:  # pair j predicts x_{j+2}
         scored = torch.zeros_like(labels, dtype=torch.bool)[:, : T - 1]  # [B, n]
         scored[:, : T - 2] = labels[:, 2:] != IGNORE_INDEX
         b, j = scored.nonzero(as_tuple=True)
         return pairs[b, j], b, j + 2
-    t = anchors + 2 + k  # [B, A] mask k - 1 of anchor j predicts x_{j+2+k}
+    t = anchors + 2 + k  # [B, A] mask k - 1 (a DFlash draft: slot k) of anchor j predicts x_{j+2+k}
     scored = (anchors >= 0) & (t < T)
     scored &= labels.gather(1, t.clamp(max=T - 1)) != IGNORE_INDEX
     b, a = scored.nonzero(as_tuple=True)
-    return blocks[b, a, k - 1], b, t[b, a]
+    return blocks[b, a, k - (pairs is not None)], b, t[b, a]
 
 
 def _scored(out: torch.Tensor, f_prev: torch.Tensor, y: torch.Tensor, head, kind: str,
@@ -114,8 +122,9 @@ def _scored(out: torch.Tensor, f_prev: torch.Tensor, y: torch.Tensor, head, kind
     q_log = torch.log_softmax(head.logits(out).float(), dim=-1)  # [N, V']
     N = out.shape[0]
     vocab_ids = head.draft_vocab.tokens.to(out.device)  # [V']
+    target_head = head.verifier_lm_head  # the target's LM head (a DFlash draft's own lm_head is another module)
     with torch.no_grad():
-        p_log = torch.log_softmax(head.draft_vocab.linear(head.lm_head, f_prev).float(), dim=-1)  # [N, V']
+        p_log = torch.log_softmax(head.draft_vocab.linear(target_head, f_prev).float(), dim=-1)  # [N, V']
     if kind == "kl":
         loss = (p_log.exp() * (p_log - q_log)).sum() / max(N, 1)
     else:
@@ -127,8 +136,8 @@ def _scored(out: torch.Tensor, f_prev: torch.Tensor, y: torch.Tensor, head, kind
     if not ranks:
         return loss, torch.zeros(0, dtype=torch.long), 0
     with torch.no_grad():
-        weight = head.lm_head.weight.detach()  # [V, D]
-        bias = None if getattr(head.lm_head, "bias", None) is None else head.lm_head.bias.detach()
+        weight = target_head.weight.detach()  # [V, D]
+        bias = None if getattr(target_head, "bias", None) is None else target_head.bias.detach()
         target_top = torch.cat([F.linear(chunk.to(weight.dtype), weight, bias).argmax(-1)
                                 for chunk in f_prev.split(512)]) if N else y.new_empty(0)  # [N] the target's token
         top = vocab_ids[q_log.topk(min(ranks, q_log.shape[-1]), dim=-1).indices]  # [N, R] base token ids

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from heads.base import card_usage
 from heads.block.config import DRAFT_TYPE, BlockConfig
@@ -94,6 +95,33 @@ class BlockHead(EagleHead):
         """features [B, N, D] (f_j, or the fused g_j), tokens [B, N] (x_{j+1}) -> the decoder's inputs [B, N, D]."""
         dtype = self.fc.weight.dtype
         return self.fc(torch.cat([self.embed(tokens).to(dtype), features.to(dtype)], -1))
+
+    @property
+    def block_size(self) -> int:
+        """K: tokens one forward drafts (the last true pair's and the K - 1 masks')."""
+        return self.config.block_size
+
+    def new_cache(self) -> DynamicCache:
+        """The drafter's cache of this head's decoder: the committed pairs (and, between steps, the last block)."""
+        return DynamicCache(config=self.decoder.config)
+
+    def block(self, cache: DynamicCache, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """One drafting forward. cache holds the pairs of positions 0..S-1 (and the last step's block, dropped here);
+        features [A, F] the target's features of the positions committed since (S..T-2, A = T - 1 - S); tokens [T] the
+        text, its last one the root -> the states [K, D] whose ``logits`` draft x_T .. x_{T+K-1} (the last true pair's,
+        then the K - 1 masks'); the new pairs and the block join ``cache``."""
+        T, A = tokens.shape[0], features.shape[0]
+        S, M, device = T - 1 - A, self.config.block_size - 1, tokens.device
+        hf.cache_truncate(cache, S)  # the last step's block
+        # the new pairs (f_j, x_{j+1}), j = S .. T-2, then the masks at positions T-1 .. T+M-2
+        pairs = self.pair_inputs(self.true_features(features)[None], tokens[S + 1:][None])  # [1, A, D]
+        inputs = torch.cat([pairs, self.mask.to(pairs.dtype)[None]], dim=1)  # [1, A + M, D]
+        positions = torch.arange(S, T - 1 + M, device=device)[None]  # [1, A + M]
+        allowed = torch.ones(A + M, S + A + M, dtype=torch.bool)
+        allowed[:A, S:] = False
+        allowed[:A, S:S + A] = torch.ones(A, A, dtype=torch.bool).tril()  # the new pairs: causal, no mask
+        mask = hf.additive_mask(allowed.to(device), self.fc.weight.dtype)  # [1, 1, A + M, S + A + M]
+        return self.run(inputs, positions, mask, cache)[0, A - 1:]  # [K, D]
 
     def run(self, inputs: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
             cache=None) -> torch.Tensor:

@@ -3,9 +3,11 @@
     config.py   EagleConfig (config.json), the decoder's config, feature layers
     model.py    the head, its training unroll, checkpoint and card
     drafter.py  EagleDrafter, and load_drafter (the selfspec.drafters entry point; both formats below)
-    eagle3.py   speculators' EAGLE-3 draft (vLLM's format), read and written as speculators 0.9 does
+    eagle3.py   speculators' EAGLE-3 draft (vLLM's format), read, trained and written as speculators 0.9 does
     speculators_config.py   its config.json (Eagle3Config)
-    speculators.py          heads.export --format speculators: what is written, what is refused and why
     loss.py     the training loss over the unrolled steps
-    kind.py     how the trainer trains it
+    kind.py     how the trainer trains them (methods eagle and eagle3)
+
+heads/speculators_export.py (heads.export --format speculators) says what is written in speculators' format, what is refused
+and why, for these drafts and the block drafters.
 """

@@ -15,7 +15,7 @@ speculators' ``Eagle3DraftModel`` at inference (and vLLM's ``Eagle3LlamaForCausa
 
 selfspec's own EAGLE head (heads/eagle/model.py) computes something else: fc([e, f]) [2D -> D, with bias] before an
 ordinary decoder layer, whose final-norm output is both read by the LM head and fed back; one cannot be written as the
-other (heads/eagle/speculators.py refuses the export, saying so). Both are drafted by the same ``EagleDrafter``, through
+other (heads/speculators_export.py refuses the export, saying so). Both are drafted by the same ``EagleDrafter``, through
 the same few calls: ``true_features``, ``step``, ``logits``, ``base_ids``.
 
 The decoder is transformers' model of transformer_layer_config's kind (``AutoModel.from_config``, Llama or Qwen3), its
@@ -24,6 +24,12 @@ copied. The embeddings are the target's (a plain lookup, as in speculators and v
 other ones in ``embed_tokens.weight`` (a save writes the target's there, as speculators does); lm_head is the
 checkpoint's, or the target's LM head rows of the draft vocabulary where the checkpoint has none (as speculators'
 loader fills it). Tensor names are speculators': the module's state_dict is the checkpoint.
+
+selfspec trains such a draft too (train.py ``method: eagle3``, heads/eagle/kind.py ``Eagle3Kind``): ``forward`` is the
+EAGLE head's training unroll (heads/eagle/model.py ``unrolled``) through ``true_features`` and ``step``, scored by the
+EAGLE head's loss on ``draft_vocab`` (a view of d2t) against ``verifier_lm_head`` (the target's, held by reference);
+``lm_head`` starts as the target's rows of the draft vocabulary (``init_lm_head``) and trains. What it saves is the
+speculators checkpoint itself.
 
 Shapes: B batch, N positions, D hidden size, A aux layers, V target vocabulary, V' draft vocabulary.
 """
@@ -39,9 +45,9 @@ from transformers import PreTrainedModel
 
 from heads.checkpoints.draft import DraftCheckpoint
 from heads.checkpoints.files import CONFIG, WEIGHTS, check_base_sizes, read_tensors, resolve, write_checkpoint
-from heads.eagle.model import build_decoder
+from heads.eagle.model import build_decoder, unrolled
 from heads.eagle.speculators_config import Eagle3Config
-from selfspec.core.draft_vocab import check_draft_tokens
+from selfspec.core.draft_vocab import DraftVocab, check_draft_tokens
 from selfspec.core.files import read_json_object
 
 TRAINING_ONLY = ("verifier_lm_head.weight", "verifier_norm.weight")
@@ -79,36 +85,46 @@ class FirstLayer(nn.Module):
 
 
 def read_eagle3_checkpoint(directory: Path) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
-    """config.json and model.safetensors of a speculators EAGLE-3 checkpoint, checked against each other: every tensor
-    the config implies present with its shape (``OPTIONAL`` ones may be absent), no others (``TRAINING_ONLY`` ones are
-    dropped), d2t / t2d a consistent draft vocabulary. Strict."""
-    data = read_json_object(directory / CONFIG, "the speculators EAGLE-3 config")
+    """config.json and model.safetensors of a speculators EAGLE-3 checkpoint, checked against each other
+    (``read_speculators``; ``TRAINING_ONLY`` tensors dropped, ``OPTIONAL`` ones may be absent). Strict."""
+    return read_speculators(
+        directory, "EAGLE-3", Eagle3Config.from_json, TRAINING_ONLY, OPTIONAL,
+        lambda config, tensors: Eagle3Head(config, nn.Embedding(config.vocab_size, config.hidden_size),
+                                           own_embedding="embed_tokens.weight" in tensors))
+
+
+def read_speculators(directory: Path, what: str, from_json, ignored: tuple[str, ...], optional: tuple[str, ...],
+                     stub) -> tuple:
+    """config.json and model.safetensors of a speculators checkpoint (``what``: EAGLE-3, DFlash), checked against each
+    other: the config read by ``from_json``, every tensor the module ``stub(config, tensors)`` has present with its
+    shape (``optional`` ones may be absent), no others (``ignored`` ones are dropped), d2t / t2d a consistent draft
+    vocabulary. Strict."""
+    data = read_json_object(directory / CONFIG, f"the speculators {what} config")
     data.pop("selfspec_version", None)
     try:
-        config = Eagle3Config.from_json(data)
+        config = from_json(data)
     except ValueError as err:
         raise ValueError(f"{directory / CONFIG}: {err}") from err
     if not (directory / WEIGHTS).is_file() and (directory / f"{WEIGHTS}.index.json").is_file():
         raise ValueError(f"{directory} holds a sharded checkpoint ({WEIGHTS}.index.json); selfspec reads one "
                          f"{WEIGHTS}")
-    tensors = {k: v for k, v in read_tensors(directory).items() if k not in TRAINING_ONLY}
+    tensors = {k: v for k, v in read_tensors(directory).items() if k not in ignored}
     with torch.device("meta"):
-        stub = nn.Embedding(config.vocab_size, config.hidden_size)
-        expected = Eagle3Head(config, stub, own_embedding="embed_tokens.weight" in tensors).state_dict()
+        expected = stub(config, tensors).state_dict()
     expected = {name: tuple(t.shape) for name, t in expected.items()}
     found = {name: tuple(t.shape) for name, t in tensors.items()}
-    missing = sorted(set(expected) - set(found) - set(OPTIONAL))
+    missing = sorted(set(expected) - set(found) - set(optional))
     wrong = {k: (expected[k], found[k]) for k in sorted(set(expected) & set(found)) if expected[k] != found[k]}
     if missing or set(found) - set(expected) or wrong:
         raise ValueError(f"{directory / WEIGHTS} disagrees with config.json: missing tensors {missing[:4]}, unexpected "
                          f"{sorted(set(found) - set(expected))[:4]}, wrong shapes (expected, found) "
                          f"{dict(list(wrong.items())[:4])}")
     if "d2t" in tensors:
-        _check_vocab_maps(tensors, config, directory / WEIGHTS)
+        check_vocab_maps(tensors, config, directory / WEIGHTS)
     return config, tensors
 
 
-def _check_vocab_maps(tensors: dict[str, torch.Tensor], config: Eagle3Config, file: Path) -> None:
+def check_vocab_maps(tensors: dict[str, torch.Tensor], config, file: Path) -> None:
     """d2t (offsets: target id = k + d2t[k]) must name distinct, increasing target ids (speculators' t2d order), and
     t2d, where stored, exactly those."""
     tokens = torch.arange(config.draft_vocab_size) + tensors["d2t"].long()
@@ -156,7 +172,8 @@ class Eagle3Head(nn.Module, DraftCheckpoint):
 
     WHAT = "speculators EAGLE-3 draft"
 
-    def __init__(self, config: Eagle3Config, embed: nn.Module, own_embedding: bool = False):
+    def __init__(self, config: Eagle3Config, embed: nn.Module, own_embedding: bool = False,
+                 verifier_lm_head: nn.Module | None = None):
         super().__init__()
         self.config = config
         layer_config = config.layer_config()
@@ -178,7 +195,7 @@ class Eagle3Head(nn.Module, DraftCheckpoint):
         self.lm_head = nn.Linear(D, Vd, bias=False)  # [D] -> [V']
         self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long) if Vd < V else None)  # [V'] offsets
         self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool) if Vd < V else None)  # [V]
-        self._frozen = (embed,)  # the target's input embeddings, not registered (save_pretrained writes them)
+        self._frozen = (embed, verifier_lm_head)  # the target's, not registered (save_pretrained writes embed)
 
     # ----------------------------------------------------------------------------------- what the drafter calls
     @property
@@ -226,6 +243,37 @@ class Eagle3Head(nn.Module, DraftCheckpoint):
         """Draft-vocabulary indices -> target token ids (k + d2t[k])."""
         return index if self.d2t is None else index + self.d2t.to(index.device)[index]
 
+    # ------------------------------------------------------------------------- training (train.py, method eagle3)
+    @property
+    def verifier_lm_head(self) -> nn.Module:
+        """The target's LM head (frozen, held by reference): what the loss distils from (speculators'
+        ``verifier_lm_head``). Heads built by ``on_base`` hold it."""
+        if self._frozen[1] is None:
+            raise ValueError("this EAGLE-3 draft was built without its target's LM head: build it with on_base")
+        return self._frozen[1]
+
+    @property
+    def draft_vocab(self) -> DraftVocab:
+        """The draft vocabulary as the training loss reads it (heads/eagle/loss.py): its target ids (k + d2t[k], or
+        every id) and the target's LM head on their rows. A view of d2t, so it follows a resumed run's buffers."""
+        vocab = DraftVocab(self.config.draft_vocab_size, self.config.vocab_size)
+        device = self.lm_head.weight.device
+        vocab.tokens = self.base_ids(torch.arange(self.config.draft_vocab_size, device=device))
+        return vocab
+
+    def forward(self, features: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor, unroll: int) -> torch.Tensor:
+        """The training unroll (heads/eagle/model.py ``unrolled``), through this draft's own ``true_features`` and
+        ``step``: [U, B, n, D], each what ``step`` returns (the pre-norm state, or the normed one with norm_output)."""
+        return unrolled(self, features, input_ids, lengths, unroll)
+
+    def init_lm_head(self) -> None:
+        """lm_head := the target's LM head rows of the draft vocabulary (what speculators' trainer starts from, and
+        what its loader fills in where a checkpoint has no lm_head)."""
+        tokens = self.base_ids(torch.arange(self.config.draft_vocab_size))
+        with torch.no_grad():
+            rows = self.verifier_lm_head.weight.detach()[tokens.to(self.verifier_lm_head.weight.device)]
+            self.lm_head.weight.copy_(rows.to(self.lm_head.weight))
+
     # ---------------------------------------------------------------------------------------------------- storage
     card_for = staticmethod(eagle3_card)
     read_checkpoint = staticmethod(read_eagle3_checkpoint)
@@ -240,7 +288,8 @@ class Eagle3Head(nn.Module, DraftCheckpoint):
 
     @classmethod
     def on_base(cls, config: Eagle3Config, base_model: PreTrainedModel, own_embedding: bool = False) -> "Eagle3Head":
-        return cls(config.on_model(base_model), base_model.get_input_embeddings(), own_embedding=own_embedding)
+        return cls(config.on_model(base_model), base_model.get_input_embeddings(), own_embedding=own_embedding,
+                   verifier_lm_head=base_model.get_output_embeddings())
 
     def save_pretrained(self, directory: str | Path, repo_id: str | None = None) -> Path:
         """config.json and model.safetensors as speculators 0.9 reads them (+ README.md), written atomically. The

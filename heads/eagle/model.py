@@ -143,6 +143,11 @@ class EagleHead(nn.Module, DraftCheckpoint):
         return self._frozen[1]
 
     @property
+    def verifier_lm_head(self) -> nn.Module:
+        """What the training loss distils from: the base's LM head (``lm_head`` itself: the head drafts through it)."""
+        return self._frozen[1]
+
+    @property
     def feature_width(self) -> int:
         """F: the width of the target features a true pair reads (D, or L·D for multi-layer features)."""
         return self.config.hidden_size * (len(self.config.feature_layers) if self.config.feature_layers else 1)
@@ -177,35 +182,8 @@ class EagleHead(nn.Module, DraftCheckpoint):
 
     # ------------------------------------------------------------------------------------------------- training
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor, unroll: int) -> torch.Tensor:
-        """The training unroll. features [B, T, F] (the target's features at positions 0..T-1: f_j, or the chosen layers'
-        states, see ``true_features``), input_ids [B, T], lengths [B] (right
-        padding) -> [U, B, n, D]: step u's prediction, at pair i, of f_{i+1}, made from the true pairs up to i - u and
-        the head's own predictions for positions i - u + 1 .. i (exactly what drafting depth u + 1 sees).
-
-        Step 0 is plain causal attention over the true pairs. Step u >= 1 feeds pair i the head's own step-(u-1)
-        prediction of f_i (made at pair i - 1) and attends to step 0's keys at pairs <= i - u, to step m's key at pair
-        i - u + m (m = 1..u-1), and to its own (EAGLE-3's training-time test, as one KV cache growing by n per step).
-        """
-        B, T, _ = features.shape
-        n = T - 1
-        limit = hf.key_limit(self.decoder)
-        if limit is not None and unroll * n > limit:
-            raise ValueError(f"the EAGLE head's unroll attends over {unroll} x {n} keys, but its "
-                             f"{self.decoder.config.model_type} layer attends over at most {limit} "
-                             f"(max_position_embeddings): lower data.max_length to {limit // unroll + 1} or eagle.unroll "
-                             f"to {limit // n}")
-        tokens = input_ids[:, 1:]  # [B, n] x_{i+1}
-        positions = torch.arange(n, device=features.device).expand(B, n)
-        cache = DynamicCache(config=self.decoder.config)
-        outs = []
-        true = self.true_features(features[:, :n])  # [B, n, D] f_i (or g_i)
-        feats = true
-        for u in range(unroll):
-            mask = unroll_mask(u, n, lengths, self.fc.weight.dtype, features.device)  # [B, 1, n, (u + 1) n]
-            out = self.step(feats, tokens, positions, mask, cache)  # [B, n, D]
-            outs.append(out)
-            feats = torch.cat([true[:, :1], out[:, :-1]], dim=1)  # pair i reads the prediction made at i - 1
-        return torch.stack(outs)
+        """The training unroll (``unrolled``): [U, B, n, D]."""
+        return unrolled(self, features, input_ids, lengths, unroll)
 
     # -------------------------------------------------------------- storage (heads.checkpoints.draft.DraftCheckpoint)
     card_for = staticmethod(eagle_card)
@@ -217,8 +195,41 @@ class EagleHead(nn.Module, DraftCheckpoint):
         return cls(config, base_model.get_input_embeddings(), base_model.get_output_embeddings())
 
 
+def unrolled(head, features: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor, unroll: int) -> torch.Tensor:
+    """The training unroll of ``head`` (an ``EagleHead``, or speculators' EAGLE-3 draft, heads/eagle/eagle3.py: what
+    either drafts with, ``true_features`` and ``step``, is what it trains). features [B, T, F] (the target's features
+    at positions 0..T-1: f_j, or the chosen layers' states, see ``true_features``), input_ids [B, T], lengths [B]
+    (right padding) -> [U, B, n, D]: step u's prediction, at pair i, of f_{i+1}, made from the true pairs up to i - u and
+    the head's own predictions for positions i - u + 1 .. i (exactly what drafting depth u + 1 sees).
+
+    Step 0 is plain causal attention over the true pairs. Step u >= 1 feeds pair i the head's own step-(u-1)
+    prediction of f_i (made at pair i - 1) and attends to step 0's keys at pairs <= i - u, to step m's key at pair
+    i - u + m (m = 1..u-1), and to its own (EAGLE-3's training-time test, as one KV cache growing by n per step).
+    """
+    B, T, _ = features.shape
+    n = T - 1
+    limit = hf.key_limit(head.decoder)
+    if limit is not None and unroll * n > limit:
+        raise ValueError(f"the EAGLE head's unroll attends over {unroll} x {n} keys, but its "
+                         f"{head.decoder.config.model_type} layer attends over at most {limit} "
+                         f"(max_position_embeddings): lower data.max_length to {limit // unroll + 1} or eagle.unroll "
+                         f"to {limit // n}")
+    tokens = input_ids[:, 1:]  # [B, n] x_{i+1}
+    positions = torch.arange(n, device=features.device).expand(B, n)
+    cache = DynamicCache(config=head.decoder.config)
+    outs = []
+    true = head.true_features(features[:, :n])  # [B, n, D] f_i (or g_i)
+    feats = true
+    for u in range(unroll):
+        mask = unroll_mask(u, n, lengths, head.fc.weight.dtype, features.device)  # [B, 1, n, (u + 1) n]
+        out = head.step(feats, tokens, positions, mask, cache)  # [B, n, D]
+        outs.append(out)
+        feats = torch.cat([true[:, :1], out[:, :-1]], dim=1)  # pair i reads the prediction made at i - 1
+    return torch.stack(outs)
+
+
 def unroll_mask(u: int, n: int, lengths: torch.Tensor, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
-    """The additive mask of unroll step u: [B, 1, n, (u + 1) n] over the keys of steps 0..u (see EagleHead.forward).
+    """The additive mask of unroll step u: [B, 1, n, (u + 1) n] over the keys of steps 0..u (see ``unrolled``).
 
     Queries of pairs i < u have no full chain behind them; they attend to what exists (their own key at least) and are
     never scored. Keys of padding pairs (i >= length - 1) are masked for every query.

@@ -140,21 +140,12 @@ class Eagle3Config:
         return AutoConfig.for_model(data.pop("model_type"), **data)
 
     def on_model(self, model: PreTrainedModel) -> "Eagle3Config":
-        """This config on a target: its auxiliary layers resolved (speculators' default where null), in increasing
-        order (vLLM gathers the target's aux states in layer order, whatever order the ids are listed in), and checked
-        against the layers whose states selfspec's verifier gives a drafter."""
-        count = int(model.config.get_text_config().num_hidden_layers)
-        ids = sorted(self.eagle_aux_hidden_state_layer_ids or default_aux_layers(count))
+        """This config on a target: its auxiliary layers resolved (``aux_layers_on``); fc fuses as many states as it
+        was built for."""
+        ids = aux_layers_on(self.eagle_aux_hidden_state_layer_ids, model, "eagle_aux_hidden_state_layer_ids")
         if len(ids) != self.num_features:
             raise ValueError(f"eagle_aux_hidden_state_layer_ids {ids}: fc fuses {self.num_features} states")
-        if min(ids) < 0 or max(ids) > count:
-            raise ValueError(f"eagle_aux_hidden_state_layer_ids {ids}: expected ids 0..{count - 1} for a target of "
-                             f"{count} layers")
-        if count in ids:
-            raise ValueError(f"eagle_aux_hidden_state_layer_ids {ids}: id {count} is the last layer's output before "
-                             "the final norm, which selfspec's verifier does not give a drafter (its last hidden state "
-                             "is after the final norm)")
-        return replace(self, eagle_aux_hidden_state_layer_ids=list(ids))
+        return replace(self, eagle_aux_hidden_state_layer_ids=ids)
 
     # ---------------------------------------------------------------------------------------------- config.json
     @classmethod
@@ -210,27 +201,52 @@ class Eagle3Config:
         }
 
 
+def aux_layers_on(ids: list[int] | None, model: PreTrainedModel, field: str) -> list[int]:
+    """A speculators draft's auxiliary layers on a target: speculators' default where null, in increasing order (vLLM
+    gathers the target's aux states in layer order, whatever order the ids are listed in), distinct, and among the
+    layers whose states selfspec's verifier gives a drafter."""
+    count = int(model.config.get_text_config().num_hidden_layers)
+    ids = sorted(ids or default_aux_layers(count))
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{field} {ids}: expected distinct ids (speculators' default for a target of {count} layers "
+                         "repeats one: name them)")
+    if min(ids) < 0 or max(ids) > count:
+        raise ValueError(f"{field} {ids}: expected ids 0..{count - 1} for a target of {count} layers")
+    if count in ids:
+        raise ValueError(f"{field} {ids}: id {count} is the last layer's output before the final norm, which "
+                         "selfspec's verifier does not give a drafter (its last hidden state is after the final norm)")
+    return ids
+
+
 def llama_layers_for(model: PreTrainedModel, num_layers: int = 1) -> dict:
     """transformer_layer_config for a new EAGLE-3 draft on ``model``: Llama layers (what vLLM runs every EAGLE-3 draft
     as) of the target's width, heads, MLP size, norm epsilon and rotary settings; attention biases where the target
     has them (Qwen2's q/k/v: Llama's attention_bias gives o_proj one too)."""
     text = model.config.get_text_config()
+    return layers_for(model, num_layers, LlamaConfig, "EAGLE-3",
+                      attention_bias=bool(getattr(text, "attention_bias", False) or text.model_type == "qwen2"),
+                      mlp_bias=bool(getattr(text, "mlp_bias", False)))
+
+
+def layers_for(model: PreTrainedModel, num_layers: int, config_class: type, what: str, **extra: Any) -> dict:
+    """transformer_layer_config for a new speculators draft (``what``) on ``model``: ``num_layers`` layers of
+    ``config_class`` with the target's width, heads, MLP size, activation, norm epsilon and rotary settings (and
+    ``extra``), as a config.json dict."""
+    text = model.config.get_text_config()
     missing = [k for k in ("intermediate_size", "rms_norm_eps", "num_attention_heads") if getattr(text, k, None) is None]
     if missing:
-        raise ValueError(f"a speculators EAGLE-3 draft on {text.model_type}: its Llama layers are sized from the "
-                         f"target's config, which has no {', '.join(missing)}")
+        raise ValueError(f"a speculators {what} draft on {text.model_type}: its layers are sized from the target's "
+                         f"config, which has no {', '.join(missing)}")
     width, vocab = base_sizes(model)
     heads = int(text.num_attention_heads)
-    config = LlamaConfig(
+    config = config_class(
         vocab_size=vocab, hidden_size=width, intermediate_size=int(text.intermediate_size),
         num_hidden_layers=num_layers, num_attention_heads=heads,
         num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or heads),
         head_dim=int(getattr(text, "head_dim", None) or width // heads), hidden_act=getattr(text, "hidden_act", "silu"),
         rms_norm_eps=float(text.rms_norm_eps), max_position_embeddings=int(text.max_position_embeddings),
-        rope_parameters=copy.deepcopy(getattr(text, "rope_parameters", None)),
-        attention_bias=bool(getattr(text, "attention_bias", False) or text.model_type == "qwen2"),
-        mlp_bias=bool(getattr(text, "mlp_bias", False)), tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        rope_parameters=copy.deepcopy(getattr(text, "rope_parameters", None)), tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, **extra,
     )
     out = config.to_dict()
     for name in ("_name_or_path", "architectures", "dtype", "torch_dtype", "transformers_version", "output_attentions",

@@ -22,7 +22,7 @@ from heads.eagle.config import check_feature_layer_list
 from heads.training.data import DataConfig
 
 FINAL_DIRS = {"medusa": "heads", "hydra": "hydra_heads", "exit_head": "exit_head", "eagle": "eagle_head",
-              "block": "block_head", "draft_model": "draft_model"}
+              "eagle3": "eagle3_head", "block": "block_head", "dflash": "dflash_head", "draft_model": "draft_model"}
 """method -> the subdirectory of output_dir the trained draft is saved to."""
 
 
@@ -168,8 +168,8 @@ class LoggingConfig:
     """log training metrics every this many optimizer steps: the loss averaged over them, the heads' training top-1 /
     top-5 measured on the last one's batches (measuring is a full-vocabulary pass for an EAGLE head)."""
     project: str | None = None
-    """tracker project / run name (null: the method: "medusa", "hydra", "exit", "eagle", "block" or "draft-model";
-    TensorBoard writes to <output_dir>/<project>)."""
+    """tracker project / run name (null: the method: "medusa", "hydra", "exit", "eagle", "eagle3", "block",
+    "dflash" or "draft-model"; TensorBoard writes to <output_dir>/<project>)."""
     progress_bar: bool = True
     """show a tqdm progress bar on the main process."""
 
@@ -252,6 +252,9 @@ class BlockSection:
     budget: int = 16
     """drafting default stored in the checkpoint: draft nodes kept per step (highest product of per-position
     probabilities)."""
+    mask_token_id: int | None = None
+    """method dflash only: the token whose (the target's) embedding fills the mask slots; null: the tokenizer's mask,
+    unknown or padding token."""
 
 
 @dataclass
@@ -298,8 +301,8 @@ class TreeConfig:
 class TrainConfig:
     output_dir: str = "runs/medusa"
     """where checkpoints, logs, the hidden cache and the trained draft go; by method, the draft is saved to
-    <output_dir>/heads (medusa), hydra_heads (hydra), exit_head (exit_head), eagle_head (eagle), block_head
-    (block) or draft_model (draft_model)."""
+    <output_dir>/heads (medusa), hydra_heads (hydra), exit_head (exit_head), eagle_head (eagle), eagle3_head
+    (eagle3), block_head (block), dflash_head (dflash) or draft_model (draft_model)."""
     seed: int = 0
     """seed of the heads' initialisation, data order and everything random."""
     mixed_precision: Literal["no", "fp16", "bf16"] | None = None
@@ -308,19 +311,21 @@ class TrainConfig:
     """force CPU (null: CPU when no GPU is present, unless DeepSpeed is in use)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """the frozen target."""
-    method: Literal["medusa", "hydra", "exit_head", "eagle", "block", "draft_model"] = "medusa"
+    method: Literal["medusa", "hydra", "exit_head", "eagle", "eagle3", "block", "dflash", "draft_model"] = "medusa"
     """what is trained on the frozen target: Medusa heads (section heads), Hydra heads (Medusa heads that also read
     the tokens drafted before them; section heads, heads/hydra/model.py), an early-exit head (section exit), an
-    EAGLE-style sequential head (section eagle), a block drafter (section block, heads/block/model.py) or a small
-    separate draft model distilled from it (section draft_model, heads/draft_model/)."""
+    EAGLE-style sequential head (section eagle), an EAGLE-3 draft of speculators' architecture, saved in the format
+    vLLM loads (section eagle, heads/eagle/eagle3.py), a block drafter (section block, heads/block/model.py), a block
+    drafter of speculators' DFlash architecture, saved in the format vLLM loads (section block, heads/block/dflash.py),
+    or a small separate draft model distilled from it (section draft_model, heads/draft_model/)."""
     heads: HeadsConfig = field(default_factory=HeadsConfig)
     """the Medusa or Hydra heads being trained (method medusa / hydra; Hydra heads use the shared LM head)."""
     exit: ExitConfig = field(default_factory=ExitConfig)
     """the exit head being trained (method exit_head; heads/exit_head/model.py)."""
     eagle: EagleSection = field(default_factory=EagleSection)
-    """the EAGLE-style head being trained (method eagle; heads/eagle/model.py)."""
+    """the EAGLE-style head being trained (method eagle, heads/eagle/model.py; method eagle3, heads/eagle/eagle3.py)."""
     block: BlockSection = field(default_factory=BlockSection)
-    """the block drafter being trained (method block; heads/block/model.py)."""
+    """the block drafter being trained (method block, heads/block/model.py; method dflash, heads/block/dflash.py)."""
     draft_model: DraftModelSection = field(default_factory=DraftModelSection)
     """the draft model being distilled (method draft_model; heads/draft_model/)."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -344,8 +349,8 @@ class TrainConfig:
 
     @property
     def final_dir(self) -> Path:
-        """Where the trained draft is saved: <output_dir>/heads, hydra_heads, exit_head, eagle_head, block_head or
-        draft_model (by method)."""
+        """Where the trained draft is saved: <output_dir>/heads, hydra_heads, exit_head, eagle_head, eagle3_head,
+        block_head, dflash_head or draft_model (by method)."""
         return Path(self.output_dir) / FINAL_DIRS[self.method]
 
     def __post_init__(self) -> None:
@@ -388,6 +393,9 @@ class TrainConfig:
         if not 0.0 <= x.stop_below < 1.0:
             raise ValueError(f"exit.stop_below: expected a probability in [0, 1), found {x.stop_below}")
         check_feature_layer_list(e.feature_layers, "eagle.feature_layers")
+        if self.method == "eagle3" and e.feature_weight != 0:
+            raise ValueError(f"eagle.feature_weight: method eagle3 trains speculators' EAGLE-3 draft, whose state is "
+                             f"not the target's (no feature regression): expected 0, found {e.feature_weight}")
         check_feature_layer_list(b.feature_layers, "block.feature_layers")
         if b.block_size < 2:
             raise ValueError(f"block.block_size: expected >= 2 (the token after the root and at least one mask query), "

@@ -5,8 +5,12 @@ decoding one request at a time (``--max-batch 1``, the server before batching) a
     python infer.py serve-load --drafts none ngram --clients 1,2,4,8 --dtype bf16 --max-new-tokens 128
 
 Each server is ``python infer.py serve`` in a process of its own on a free local port (loaded and warmed up before
-the clock starts), every number of clients against it in turn; each client takes the next question from a shared line
-until all are answered (greedy, ``max_tokens`` each). The table goes to stdout and, with ``--out``, as JSON to a file with a plot beside it (``.png``).
+the clock starts); a draft's servers are up together, and each number of clients runs against one, then the other.
+Each client takes the next question from a shared line until all are answered (greedy, ``max_tokens`` each). One
+client is measured side by side (``run_paired``): every question goes to each server in turn, in alternating order,
+one request in flight at a time, so that the machine's drift over a run (several percent over an hour on a shared
+CPU) falls on both servers alike; a server's tokens/s is then its tokens over the time its own requests took. The
+table goes to stdout and, with ``--out``, as JSON to a file with a plot beside it (``.png``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import sys
 import threading
 import time
 import urllib.request
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -66,6 +70,18 @@ def served(args: list[str]) -> Iterator[int]:
             proc.kill()
 
 
+def ask(port: int, prompt: str, max_tokens: int) -> tuple[float, int, str]:
+    """One chat completion (greedy) -> (seconds it took, completion tokens, the answer)."""
+    body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
+                                 {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=3600) as resp:
+        reply = json.load(resp)
+    return time.perf_counter() - t0, reply["usage"]["completion_tokens"], reply["choices"][0]["message"]["content"]
+
+
 def run_clients(port: int, prompts: list[str], clients: int, max_tokens: int) -> dict:
     """``clients`` threads answer ``prompts`` (each the next one in line) -> tokens/s, latencies, answers."""
     line, lock = list(range(len(prompts)))[::-1], threading.Lock()
@@ -79,17 +95,11 @@ def run_clients(port: int, prompts: list[str], clients: int, max_tokens: int) ->
                 if not line:
                     return
                 i = line.pop()
-            body = json.dumps({"messages": [{"role": "user", "content": prompts[i]}], "max_tokens": max_tokens,
-                               "temperature": 0}).encode()
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
-                                         {"Content-Type": "application/json"})
-            t0 = time.perf_counter()
-            with urllib.request.urlopen(req, timeout=3600) as resp:
-                reply = json.load(resp)
+            seconds, used, answer = ask(port, prompts[i], max_tokens)
             with lock:
-                latencies.append(time.perf_counter() - t0)
-                tokens[0] += reply["usage"]["completion_tokens"]
-                answers[i] = reply["choices"][0]["message"]["content"]
+                latencies.append(seconds)
+                tokens[0] += used
+                answers[i] = answer
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(clients)]
@@ -97,11 +107,26 @@ def run_clients(port: int, prompts: list[str], clients: int, max_tokens: int) ->
         t.start()
     for t in threads:
         t.join()
-    seconds = time.perf_counter() - t0
-    return {"clients": clients, "requests": len(prompts), "tokens": tokens[0], "seconds": round(seconds, 2),
-            "tokens_per_s": round(tokens[0] / seconds, 2), "p50_s": round(percentile(latencies, 50), 2),
+    return summary(clients, tokens[0], time.perf_counter() - t0, latencies, [answers[i] for i in range(len(prompts))])
+
+
+def run_paired(ports: dict[str, int], prompts: list[str], max_tokens: int) -> dict[str, dict]:
+    """One client against every server side by side: question i goes to each server in turn, the order reversed for
+    every other question -> per server, its tokens over the time its own requests took, latencies and answers."""
+    names = list(ports)
+    seen: dict[str, list[tuple[float, int, str]]] = {name: [] for name in names}
+    for i, prompt in enumerate(prompts):
+        for name in names if i % 2 == 0 else names[::-1]:
+            seen[name].append(ask(ports[name], prompt, max_tokens))
+    return {name: summary(1, sum(r[1] for r in rs), sum(r[0] for r in rs), [r[0] for r in rs], [r[2] for r in rs])
+            for name, rs in seen.items()}
+
+
+def summary(clients: int, tokens: int, seconds: float, latencies: list[float], answers: list[str]) -> dict:
+    return {"clients": clients, "requests": len(answers), "tokens": tokens, "seconds": round(seconds, 2),
+            "tokens_per_s": round(tokens / seconds, 2), "p50_s": round(percentile(latencies, 50), 2),
             "p95_s": round(percentile(latencies, 95), 2), "mean_s": round(statistics.mean(latencies), 2),
-            "answers": [answers[i] for i in range(len(prompts))]}
+            "answers": answers}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,16 +159,22 @@ def main(argv: list[str] | None = None) -> int:
     for draft in a.drafts:
         servers = [(m, b) for k, m, b in (("one", "one at a time", 1), ("batching", "batching", a.max_batch))
                    if k in a.servers.split(",")]
-        for mode, max_batch in servers:
-            args = ["--model", a.model, "--draft", draft, "--dtype", a.dtype, "--max-batch", str(max_batch)]
-            args += [] if a.tree is None else ["--tree", a.tree]
-            args += [] if a.batch_nodes is None else ["--batch-nodes", str(a.batch_nodes)]
-            with served(args) as port:
-                for n in clients:
-                    r = run_clients(port, prompts, n, a.max_new_tokens)
+        with ExitStack() as stack:
+            ports = {}
+            for mode, max_batch in servers:
+                args = ["--model", a.model, "--draft", draft, "--dtype", a.dtype, "--max-batch", str(max_batch)]
+                args += [] if a.tree is None else ["--tree", a.tree]
+                args += [] if a.batch_nodes is None else ["--batch-nodes", str(a.batch_nodes)]
+                ports[mode] = stack.enter_context(served(args))
+            for n in clients:
+                results = (run_paired(ports, prompts, a.max_new_tokens) if n == 1 else
+                           {mode: run_clients(port, prompts, n, a.max_new_tokens) for mode, port in ports.items()})
+                for mode, r in results.items():
                     rows.append({"draft": draft, "server": mode, **r})
                     print(f"{draft:>24} {mode:>14} {n:>2} clients: {r['tokens_per_s']:7.1f} tokens/s, "
                           f"p50 {r['p50_s']:6.2f} s, p95 {r['p95_s']:6.2f} s", flush=True)
+    order = {"one at a time": 0, "batching": 1}
+    rows.sort(key=lambda r: (a.drafts.index(r["draft"]), order[r["server"]], r["clients"]))
     for row in rows:  # the same answers from either server (greedy)
         alone = next((r for r in rows if r["draft"] == row["draft"] and r["server"] == "one at a time"), None)
         if alone is not None:

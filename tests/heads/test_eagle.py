@@ -9,6 +9,8 @@ losslessness; what training buys is measured on SmolLM2 in docs/BENCHMARKS.md.""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import datasets
@@ -16,6 +18,7 @@ import pytest
 import torch
 from conftest import (decode_with_tiny_draft, random_prompts, reference, state_after_prefill, tiny_model,
                       train_and_check_resume)
+from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from heads.eagle.config import EagleConfig
@@ -374,6 +377,9 @@ def test_recipe_checks_the_eagle_section():
     assert cfg.method == "eagle" and cfg.loss.kind == "kl" and cfg.eagle.draft_vocab == 8192
     eagle3 = load_config(REPO / "configs/eagle3_smollm2.yaml")
     assert eagle3.eagle.feature_layers == [2, 15, 30] and eagle3.eagle.feature_weight == 0.0
+    speculators = load_config(REPO / "configs/eagle3_speculators_smollm2.yaml")
+    assert speculators.method == "eagle3" and speculators.eagle.feature_layers == [2, 15, 27]
+    assert str(speculators.final_dir) == "runs/eagle3-speculators-smollm2/eagle3_head"
 
 
 def test_train_py_trains_an_eagle_head_that_resumes_exactly_and_decodes_losslessly(tmp_path):
@@ -406,3 +412,59 @@ def test_train_py_trains_an_eagle3_head_from_cached_multi_layer_states(tmp_path)
     assert meta["hidden_size"] == 3 * 64 and meta["fingerprint"]["target"]["feature_layers"] == [0, 1, 2]
     assert meta["fingerprint"]["target"]["stored_layers"] == [0, 1]
     decode_with_tiny_draft(tmp_path / "full" / "eagle_head")
+
+
+def test_train_py_trains_a_speculators_eagle3_draft_that_resumes_exactly_and_decodes_losslessly(tmp_path):
+    """method eagle3: speculators' EAGLE-3 architecture trained from the eagle section (the same unroll and loss), an
+    exact resume, the draft saved in speculators' format (no selfspec keys; the target's embeddings written, as
+    speculators writes them; the agreement in the card), loaded back through --draft and decoding losslessly."""
+    common = ["--config", "configs/medusa_tiny.yaml", "method=eagle3", "loss.kind=kl", "eagle.draft_vocab=64",
+              "eagle.feature_layers=[1,0]", "eagle.feature_weight=0", "optim.scheduler=constant_with_warmup",
+              "optim.epochs=100", "logging.every=1", "eval.every=0", "checkpoint.every=3"]
+    full = train_and_check_resume(tmp_path, common)
+    losses = {r["step"]: r["loss"] for r in map(json.loads, (full / "metrics.jsonl").read_text().splitlines())
+              if "loss" in r}
+    assert min(losses[5], losses[6]) < losses[1]  # it learns
+    out = tmp_path / "full" / "eagle3_head"
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and "draft_type" not in config
+    assert config["draft_vocab_size"] == 64 and config["eagle_aux_hidden_state_layer_ids"] == [0, 1]  # sorted
+    assert config["transformer_layer_config"]["model_type"] == "llama"
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "tiny-random-llama"
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 6  # eagle.depth
+    assert "embed_tokens.weight" in load_file(str(out / "model.safetensors"))
+    assert "Top-1 agreement with the target on held-out data, per step: [" in (out / "README.md").read_text()
+    assert registry.parse_draft(str(out)).kind == "eagle"
+    decode_with_tiny_draft(out)
+
+
+def test_a_speculators_eagle3_draft_starts_from_the_targets_lm_head_rows_and_trains_them():
+    """Eagle3Kind.build: the draft vocabulary counted on the training rows (with the end of turn), lm_head the target's
+    rows of it (speculators' starting point); the loss reads the target's LM head, the logits the draft's own."""
+    from heads.eagle.kind import Eagle3Kind
+    from heads.training.base_model import load_base
+    from heads.training.config import ModelConfig
+
+    model, tokenizer = load_base(ModelConfig(name="tiny-random-llama"))
+    cfg = load_config(REPO / "configs/medusa_tiny.yaml", ["method=eagle3", "eagle.draft_vocab=48",
+                                                         "eagle.feature_layers=[0,1]", "eagle.feature_weight=0"])
+    labels = [[IGNORE_INDEX, 5, 5, 7, tokenizer.eos_token_id], [9, 9, 9, 5, IGNORE_INDEX]]
+    rows = datasets.Dataset.from_dict({"labels": labels})
+    head, config = Eagle3Kind().build(cfg, model, rows, tokenizer)
+    tokens = head.draft_vocab.tokens
+    assert tokens.tolist() == draft_vocabulary(rows, 48, config.vocab_size, (tokenizer.eos_token_id,)).tolist()
+    assert torch.equal(head.lm_head.weight, model.get_output_embeddings().weight[tokens])
+    assert head.verifier_lm_head is model.get_output_embeddings()
+    assert head.lm_head.weight.requires_grad and not any(p is model.get_output_embeddings().weight
+                                                        for p in head.parameters())
+
+
+def test_method_eagle3_refuses_what_speculators_cannot_express(tmp_path):
+    with pytest.raises(ValueError, match=r"eagle.feature_weight: method eagle3 .* expected 0, found 0.1"):
+        load_config(REPO / "configs/medusa_tiny.yaml", ["method=eagle3"])
+    done = subprocess.run([sys.executable, "train.py", "--config", "configs/medusa_tiny.yaml", "method=eagle3",
+                           "eagle.feature_weight=0", "eagle.feature_layers=[0,2]", f"output_dir={tmp_path}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0
+    assert "eagle.feature_layers (method eagle3): eagle_aux_hidden_state_layer_ids [0, 2]: id 2 is the last " \
+           "layer's output before the final norm" in done.stderr

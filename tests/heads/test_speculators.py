@@ -1,10 +1,11 @@
-"""EAGLE-3 drafts in the format of vLLM's speculators library (heads/eagle/eagle3.py, heads/eagle/speculators.py),
-proved by the other side: speculators==0.9.0's own loader and draft model, run in a venv of its own (its pins,
-transformers <= 5.19 and datasets <= 5.1, conflict with selfspec's), read what selfspec exports and compute the same
-draft logits and tokens as selfspec's drafter on the same target features.
+"""EAGLE-3 and DFlash drafts in the format of vLLM's speculators library (heads/eagle/eagle3.py, heads/block/dflash.py,
+heads/speculators_export.py), proved by the other side: speculators==0.9.0's own loader and draft model, run in a venv of its
+own (its pins, transformers <= 5.19 and datasets <= 5.1, conflict with selfspec's), read what selfspec exports (random
+drafts, and drafts trained by train.py's eagle3 and dflash methods) and compute the same draft logits and tokens as
+selfspec's drafters on the same target features.
 
-The venv is created once per machine under selfspec's cache (``SPECULATORS_VENV``; ~2 minutes the first time, from
-the local package registries) and reused; the cross-check then costs one subprocess (~15 s, most of it importing
+The venv is created once per machine under selfspec's cache (heads/speculators_check.py ``SPECULATORS_VENV``; ~2
+minutes the first time, from the local package registries) and reused; the cross-check then costs one subprocess (~15 s, most of it importing
 speculators) for all cases. Where the venv cannot be created (pip fails), those tests skip with pip's own words; a
 venv that installs but cannot import speculators fails.
 
@@ -16,7 +17,6 @@ top tokens and the drafted chain agree exactly.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -24,64 +24,35 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_prompts, reference, state_after_prefill, tiny_model
+from conftest import random_prompts, reference, tiny_model
 from safetensors.torch import load_file, save_file
 from tiny_chat_model import build_tokenizer
-from transformers import DynamicCache, Qwen3Config
+from transformers import Qwen3Config
 
 from heads import export as export_cli
+from heads.block.dflash import DFlashHead
+from heads.block.dflash_config import DFlashConfig, qwen3_layers_for
 from heads.draft_types import push_folder
-from heads.eagle.drafter import EagleDrafter
 from heads.eagle.eagle3 import Eagle3Head
-from heads.eagle.speculators import refuse
 from heads.eagle.speculators_config import Eagle3Config, llama_layers_for
+from heads.speculators_export import refuse
+from heads.speculators_check import ATOL, RTOL, VenvError, dflash_side, eagle3_side, run_speculators
+from heads.speculators_check import speculators_python as venv_python
 from selfspec import registry
 from selfspec.base_check import check_drafts
 from selfspec.core.generate import generate
-from selfspec.core.models import cache_dir
 from selfspec.core.models import resolve as resolve_model
 from selfspec.core.target import Target
-from selfspec.core.tree import Tree
 
-SIDE = Path(__file__).with_name("speculators_side.py")
-PINS = ("torch==2.13.0", "speculators==0.9.0")
-SPECULATORS_VENV = cache_dir() / "speculators-0.9.0-venv"
 STEPS = 3  # drafted tokens compared per chain (speculators' ttt_steps)
-ATOL = RTOL = 1e-4
 
 
 def speculators_python() -> Path:
-    """The python of a venv with speculators==0.9.0, created on first use (in a temporary directory renamed into place,
-    so a half-made venv is never reused). torchvision and torchaudio, which pip pulls in for speculators but
-    speculators never imports, are removed: the registry's wheels are built for CUDA torch, and with the CPU torch
-    torchvision's operators fail to register, which breaks transformers' import of its image utilities."""
-    python = SPECULATORS_VENV / "bin" / "python"
-    if (SPECULATORS_VENV / "READY").is_file():
-        return python
-    base = shutil.which("python3.11") or sys.executable
-    tmp = SPECULATORS_VENV.with_name(f"{SPECULATORS_VENV.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    steps = {f"{Path(base).name} -m venv": [base, "-m", "venv", str(tmp)],
-             f"pip install {' '.join(PINS)}": [str(tmp / "bin" / "python"), "-m", "pip", "install", "-q",
-                                               "--disable-pip-version-check", *PINS]}
-    for what, step in steps.items():
-        done = subprocess.run(step, capture_output=True, text=True, timeout=900)
-        if done.returncode != 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            lines = [line for line in done.stderr.splitlines() if "is ignored: it is neither" not in line]
-            pytest.skip(f"cannot create the speculators venv ({what}): " + " | ".join(lines[-6:]))
-    subprocess.run([str(tmp / "bin" / "python"), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio"],
-                   capture_output=True, timeout=300)
-    check = subprocess.run([str(tmp / "bin" / "python"), "-c", "import speculators.models.eagle3"],
-                           capture_output=True, text=True, timeout=300)
-    assert check.returncode == 0, f"speculators installed but does not import: {check.stderr[-2000:]}"
-    (tmp / "READY").write_text(" ".join(PINS) + "\n")
+    """The speculators venv (heads/speculators_check.py), or a skip quoting pip where it cannot be created."""
     try:
-        os.rename(tmp, SPECULATORS_VENV)
-    except OSError:  # another session made it meanwhile
-        shutil.rmtree(tmp, ignore_errors=True)
-    return python
+        return venv_python()
+    except VenvError as err:
+        pytest.skip(str(err))
 
 
 # ----------------------------------------------------------------------------------------------------- the cases
@@ -107,6 +78,66 @@ CASES = {
     "qwen3-layers": dict(arch="llama", layers=8, aux=None, flags=dict(norm_before_fc=True), draft_vocab=96,
                          own_embedding=True, layer_kind="qwen3"),
 }
+
+
+TRAINED = "trained"
+"""the case of a draft trained by train.py (method eagle3) on the tiny recipe's target, then exported."""
+COMPARED = [*CASES, TRAINED]
+
+
+TRAIN_ARGS = {
+    "eagle3": ["method=eagle3", "eagle.draft_vocab=64", "eagle.feature_layers=[0,1]", "eagle.feature_weight=0",
+               "eagle.depth=3"],
+    "dflash": ["method=dflash", "block.draft_vocab=64", "block.feature_layers=[0,1]", "block.block_size=3",
+               "block.anchors=8"],
+}
+
+
+def trained_draft(root: Path, method: str = "eagle3"):
+    """train.py ``method`` (eagle3 or dflash) for a few steps on configs/medusa_tiny.yaml's target, exported with
+    heads.export naming the target's saved directory as the verifier (speculators' loader reads it): (target, the
+    export loaded back)."""
+    from heads.training.base_model import load_base
+    from heads.training.config import ModelConfig
+
+    model, tokenizer = load_base(ModelConfig(name="tiny-random-llama"))
+    model.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    done = subprocess.run([sys.executable, "train.py", "--config", "configs/medusa_tiny.yaml", *TRAIN_ARGS[method],
+                           "optim.max_steps=4", "eval.every=0", "logging.log_with=[]", f"output_dir={root / 'run'}"],
+                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert export_cli.main([str(root / "run" / f"{method}_head"), str(root / "draft"), "--format", "speculators",
+                            "--model", str(root / "target"), "--verifier", str(root / "target")]) == 0
+    cls = Eagle3Head if method == "eagle3" else DFlashHead
+    return model, cls.from_pretrained(root / "draft", model)
+
+
+DFLASH_CASES = {
+    # a Llama target, 3 aux layers, a draft vocabulary, blocks of 4 drafted tokens
+    "llama": dict(arch="llama", layers=4, aux=[1, 2, 3], draft_vocab=64, block=4, draft_layers=1),
+    # a Qwen2 target, speculators' default aux layers, the whole vocabulary (no lm_head stored), 2 layers, blocks of 3
+    "qwen2": dict(arch="qwen2", layers=8, aux=None, draft_vocab=96, block=3, draft_layers=2),
+}
+DFLASH_COMPARED = [*DFLASH_CASES, TRAINED]
+
+
+def make_dflash(case: dict, model, verifier: Path, seed: int = 0) -> DFlashHead:
+    """A random DFlash draft on ``model``, built by selfspec."""
+    config = DFlashConfig(transformer_layer_config=qwen3_layers_for(model, case["draft_layers"]),
+                          draft_vocab_size=case["draft_vocab"], block_size=case["block"] + 1, mask_token_id=5,
+                          verifier=str(verifier), verifier_architectures=list(model.config.architectures or []),
+                          aux_hidden_state_layer_ids=case["aux"])
+    torch.manual_seed(seed)
+    head = DFlashHead.on_base(config, model)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name != "lm_head.weight":
+                p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    if case["draft_vocab"] < 96:
+        head.set_draft_vocab(torch.randperm(96, generator=torch.Generator().manual_seed(seed))[: case["draft_vocab"]])
+    head.init_lm_head()
+    return head.eval()
 
 
 def target_for(case: dict, directory: Path):
@@ -135,57 +166,42 @@ def make_draft(case: dict, model, verifier: Path, seed: int = 0) -> Eagle3Head:
     return head.eval()
 
 
-def selfspec_side(head: Eagle3Head, model, prompt: torch.Tensor) -> dict:
-    """What selfspec's drafter computes on ``prompt``: the aux states of its n = T-1 committed positions, the chain it
-    drafts (chain:STEPS), and the draft logits [STEPS, n, V'] of every pair's chain, step u of the chain at pair i
-    fed the tokens the speculators side is fed (the data's, then the drafted chain: ``ids``)."""
-    state = state_after_prefill(model, prompt)
-    features = state.new_states.take(head.config.feature_layers)  # [n, A·D]
-    drafted = EagleDrafter.with_tree(head, Tree.chain(STEPS)).draft(state).tokens[1:]  # [STEPS] base ids
-    n = prompt.shape[0] - 1
-    ids = torch.cat([prompt[1:], drafted[:-1]])  # [n + STEPS - 1]: pair i's step u reads ids[i + u]
-    logits = torch.full((STEPS, n, head.config.draft_vocab_size), float("nan"))
-    with torch.inference_mode():
-        g = head.true_features(features)[None]  # [1, n, D]
-        for i in range(n):
-            cache = DynamicCache(config=head.decoder.config)
-            f = head.step(g[:, : i + 1], ids[None, : i + 1], torch.arange(i + 1)[None], None, cache)[:, -1:]
-            for u in range(STEPS):
-                logits[u, i] = head.logits(f)[0, -1]
-                if u + 1 < STEPS:
-                    f = head.step(f, ids[None, i + u + 1: i + u + 2], torch.tensor([[i + u + 1]]), None, cache)
-    hidden = torch.cat([features, features.new_zeros(STEPS - 1, features.shape[1])])[None]  # [1, n + STEPS - 1, A·D]
-    return {"features": hidden, "ids": ids[None], "drafted": drafted, "logits": logits}
-
-
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory):
-    """Every case exported by selfspec, then loaded and run by speculators in its venv (one subprocess)."""
+    """Every case exported by selfspec, then loaded and run by speculators in its venv (one subprocess):
+    {"eagle3" | "dflash": {name: (selfspec's side, speculators' outputs)}}."""
     python = speculators_python()
     root = tmp_path_factory.mktemp("speculators")
-    ours, job = {}, []
+    ours, cases = {}, []
     prompt = random_prompts(1, 96, seed=7, min_len=12, max_len=12)[0]
-    for name, case in CASES.items():
-        model = target_for(case, root / name / "target")
-        head = make_draft(case, model, root / name / "target")
-        head.save_pretrained(root / name / "draft")
-        ours[name] = dict(selfspec_side(head, model, prompt), head=head)
-        save_file({"hidden_states": ours[name]["features"].contiguous(), "input_ids": ours[name]["ids"].contiguous()},
-                  str(root / name / "inputs.safetensors"))
-        job.append({"checkpoint": str(root / name / "draft"), "inputs": str(root / name / "inputs.safetensors"),
-                    "ttt_steps": STEPS, "out": str(root / name / "out.safetensors")})
-    (root / "job.json").write_text(json.dumps(job))
-    done = subprocess.run([str(python), str(SIDE), str(root / "job.json")], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"})
-    assert done.returncode == 0, done.stderr[-4000:]
-    return {name: (ours[name], load_file(str(root / name / "out.safetensors"))) for name in CASES}
+    for kind, names in (("eagle3", COMPARED), ("dflash", DFLASH_COMPARED)):
+        for name in names:
+            where = root / kind / name
+            if name == TRAINED:
+                model, head = trained_draft(where, kind)
+            elif kind == "eagle3":
+                model = target_for(CASES[name], where / "target")
+                head = make_draft(CASES[name], model, where / "target")
+                head.save_pretrained(where / "draft")
+            else:
+                model = target_for(DFLASH_CASES[name], where / "target")
+                head = make_dflash(DFLASH_CASES[name], model, where / "target")
+                head.save_pretrained(where / "draft")
+            ours[kind, name] = dict(eagle3_side(head, model, prompt, STEPS) if kind == "eagle3" else
+                                    dflash_side(head, model, prompt), head=head)
+            cases.append((where / "draft", ours[kind, name], STEPS))
+    theirs = run_speculators(python, cases, root)
+    out: dict[str, dict] = {"eagle3": {}, "dflash": {}}
+    for (kind, name), result in zip(ours, theirs):
+        out[kind][name] = (ours[kind, name], result)
+    return out
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", COMPARED)
 def test_speculators_computes_the_draft_logits_selfspec_computes(compared, name):
     """speculators' loader and model on selfspec's export: the same draft logits at every pair and chain step, the
     same top tokens, the same draft vocabulary."""
-    ours, theirs = compared[name]
+    ours, theirs = compared["eagle3"][name]
     n = ours["logits"].shape[1]
     for u in range(STEPS):
         got = theirs["logits"][u, :n]  # step u at pair i (speculators keeps the pair's index across steps)
@@ -197,13 +213,40 @@ def test_speculators_computes_the_draft_logits_selfspec_computes(compared, name)
         assert torch.equal(theirs["d2t"], head.d2t)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", COMPARED)
 def test_speculators_drafts_the_tokens_selfspec_drafts(compared, name):
     """The chain selfspec's EagleDrafter drafts after the prompt is speculators' greedy chain at the last pair (fed
     the same tokens), mapped to target ids through the d2t speculators loaded."""
-    ours, theirs = compared[name]
+    ours, theirs = compared["eagle3"][name]
     n = ours["logits"].shape[1]
     top = theirs["logits"][:, n - 1].argmax(-1)  # [STEPS] draft-vocabulary indices
+    target_ids = top if ours["head"].d2t is None else top + theirs["d2t"][top]
+    assert target_ids.tolist() == ours["drafted"].tolist()
+
+
+@pytest.mark.parametrize("name", DFLASH_COMPARED)
+def test_speculators_computes_the_dflash_logits_selfspec_computes(compared, name):
+    """speculators' loader and DFlash model on selfspec's export (its anchored-block pass, every position an anchor):
+    at every anchor, the block's draft logits are the ones selfspec's drafter computes with that prefix, slot by slot;
+    the same top tokens, the same draft vocabulary."""
+    ours, theirs = compared["dflash"][name]
+    n = ours["logits"].shape[0] - 1
+    got = theirs["logits"][1: n + 1, 1:]  # [n, K, V'] anchors 1..n, slots 1..K (slot 0 is the root: not drafted)
+    torch.testing.assert_close(got, ours["logits"][1:], atol=ATOL, rtol=RTOL)
+    print(f"dflash {name}: max |logit difference| {float((got - ours['logits'][1:]).abs().max()):.2e}")
+    assert torch.equal(got.argmax(-1), ours["logits"][1:].argmax(-1))
+    head = ours["head"]
+    if head.d2t is not None:
+        assert torch.equal(theirs["d2t"], head.d2t)
+
+
+@pytest.mark.parametrize("name", DFLASH_COMPARED)
+def test_speculators_drafts_the_block_selfspec_drafts(compared, name):
+    """The chain selfspec's block drafter drafts after the prompt is speculators' block at the last root, greedily,
+    mapped to target ids through the d2t speculators loaded."""
+    ours, theirs = compared["dflash"][name]
+    n = ours["logits"].shape[0] - 1
+    top = theirs["logits"][n, 1:].argmax(-1)  # [K]
     target_ids = top if ours["head"].d2t is None else top + theirs["d2t"][top]
     assert target_ids.tolist() == ours["drafted"].tolist()
 
