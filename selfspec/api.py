@@ -44,7 +44,7 @@ from selfspec.core.logprobs import TokenLogprob, token_logprobs
 from selfspec.core.models import DEFAULT_MODEL, load_model
 from selfspec.core.request import GenerationOptions, options_from, split_options
 from selfspec.core.sampling import PresencePenalty, Sampling
-from selfspec.core.stopping import stop_strings
+from selfspec.core.stopping import first_stop, stop_strings
 from selfspec.core.target import Target
 from selfspec.core.text_stream import (  # noqa: F401 - IncrementalDecoder: re-exported, the API's own name
     BatchStream, IncrementalDecoder, Result, Stats, StepCounter, TextStream)
@@ -255,13 +255,17 @@ class SpecModel:
                    logprobs=o.logprobs, prompt_logprobs=o.prompt_logprobs, processors=procs)
 
     @torch.inference_mode()
-    def generate_plain(self, prompt: Prompt, options: GenerationOptions | None = None, **kwargs: Any) -> Result:
+    def generate_plain(self, prompt: Prompt, options: GenerationOptions | None = None,
+                       **kwargs: Any) -> Result | list[Result]:
         """The same request through transformers' ``model.generate``: ``options`` and keyword overrides of its fields
         as ``stream`` takes them; other keywords (e.g. prompt_lookup_num_tokens=10) go to ``model.generate``.
         accept_lengths are the tokens each of its steps added, as its streamer sees them; logprobs from its
-        ``output_logits``, prompt_logprobs from a forward over the prompt (outside the timing)."""
+        ``output_logits``, prompt_logprobs from a forward over the prompt (outside the timing). A list of prompts
+        (``is_batch``) goes to ``model.generate`` as one left-padded batch -> one Result per prompt (``_plain_batch``)."""
         overrides, hf_kwargs = split_options(kwargs)
         o = options_from(options, overrides)
+        if is_batch(prompt):
+            return self._plain_batch([self._request(p, o) for p in prompt], hf_kwargs)
         r = self._request(prompt, o)
         check_request(self.target, r.ids, o.max_new_tokens, o.logprobs, o.prompt_logprobs, r.min_new_tokens)  # as stream
         ids = r.ids[None]  # [1, T]
@@ -287,6 +291,59 @@ class SpecModel:
         return Result(text=self.decode(tokens), tokens=tokens,
                       stats=Stats(new_tokens=len(tokens), seconds=seconds, accept_lengths=tuple(counter.lengths)),
                       logprobs=lps, prompt_logprobs=prompt_lps)
+
+    def _plain_batch(self, requests: list["_Request"], hf_kwargs: dict[str, Any]) -> list[Result]:
+        """``requests`` (the same options) through ``model.generate`` as one batch, left-padded with the pad token and
+        masked: transformers' static batching, the peer of ``generate``'s batch (every row waits for the batch's
+        longest; a seeded sampled batch draws from one generator, so its rows are not those of one-at-a-time runs).
+        Each row's answer ends where plain decoding of it alone would (its first end-of-sequence token or stop string,
+        ``first_stop``; what follows is padding); every row's seconds are the batch's."""
+        first, o = requests[0], requests[0].options
+        for r in requests:
+            check_request(self.target, r.ids, o.max_new_tokens, o.logprobs, o.prompt_logprobs, r.min_new_tokens)
+        if len({r.min_new_tokens for r in requests}) > 1:  # only the generation config's min_length does this
+            raise ValueError(f"the prompts need different min_new_tokens ({sorted({r.min_new_tokens for r in requests})}"
+                             ", from the generation config's min_length): one padded batch takes one; decode them "
+                             "one at a time, or give min_new_tokens")
+        kwargs = {**self._plain_kwargs(first), **hf_kwargs}
+        pad = kwargs["pad_token_id"]
+        if pad is None:
+            raise ValueError(f"{self.name or 'this model'} has no pad or end-of-sequence token to pad a batch with: "
+                             "set model.generation_config.pad_token_id")
+        width = max(r.ids.shape[0] for r in requests)
+        ids = torch.full((len(requests), width), pad, dtype=torch.long, device=self.target.device)  # [B, T]
+        mask = torch.zeros_like(ids)
+        for b, r in enumerate(requests):  # left padding: every row's next token at the same column
+            ids[b, width - r.ids.shape[0]:], mask[b, width - r.ids.shape[0]:] = r.ids, 1
+        if o.presence_penalty or o.frequency_penalty:  # the answer starts after the padded prompt in every row
+            kwargs["logits_processor"] = LogitsProcessorList(
+                [PresencePenalty(width, o.presence_penalty, o.frequency_penalty)])
+        with _set(self.model.generation_config, min_p=(o.min_p or None) if o.sampled else None,
+                  stop_strings=list(first.stops) or None, min_length=None,
+                  min_new_tokens=first.min_new_tokens or None):
+            t0 = time.perf_counter()
+            out = self.model.generate(ids, attention_mask=mask, output_logits=o.logprobs is not None,
+                                      return_dict_in_generate=True, **kwargs)
+        if self.target.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        new = out.sequences[:, width:]  # [B, N]
+        eos = set(self.eos_token_id or ())
+        results = []
+        for b, r in enumerate(requests):
+            end = first_stop(first.criteria, torch.cat([r.ids, new[b]]), new.shape[1], eos)
+            tokens = new[b, : new.shape[1] if end is None else end + 1].tolist()
+            lps = prompt_lps = None
+            if o.logprobs is not None:
+                lps = token_logprobs(torch.stack([step[b] for step in out.logits[: len(tokens)]]),
+                                     new[b, : len(tokens)], o.logprobs)
+            if o.prompt_logprobs is not None:
+                prompt_lps = token_logprobs(self.model(r.ids[None]).logits[0, :-1], r.ids[1:], o.prompt_logprobs)
+            results.append(Result(text=self.decode(tokens), tokens=tokens,
+                                  stats=Stats(new_tokens=len(tokens), seconds=seconds,
+                                              accept_lengths=(1,) * len(tokens)),
+                                  logprobs=lps, prompt_logprobs=prompt_lps))
+        return results
 
     def _plain_kwargs(self, r: "_Request") -> dict[str, Any]:
         """``model.generate``'s arguments for request ``r`` (seeding torch's global generator when it samples with a

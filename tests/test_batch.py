@@ -214,6 +214,28 @@ def test_api_generates_a_list_of_prompts(api_model):
         [m.generate(row, max_new_tokens=6).tokens for row in rows]
 
 
+def test_generate_plain_pads_a_list_of_prompts_into_one_batch(api_model):
+    """transformers' generate on a left-padded batch, the peer of a selfspec batch: each row's answer is its answer
+    alone (fp32 greedy), ending at its own stop string or EOS with the padding after it cut; one time for all rows;
+    logprobs per row as alone."""
+    m = api_model
+    prompts = ["hello there", [{"role": "user", "content": "count to five"}], "a", "what is the time"]
+    assert len({m.encode(p).shape[0] for p in prompts}) == len(prompts)  # every row padded differently
+    for stop in (None, ["e"], ["th", "o"]):
+        alone = [m.generate_plain(p, max_new_tokens=24, stop=stop) for p in prompts]
+        padded = m.generate_plain(prompts, max_new_tokens=24, stop=stop)
+        assert [r.tokens for r in padded] == [r.tokens for r in alone], stop
+        assert [r.text for r in padded] == [r.text for r in alone]
+        assert all(r.stats.new_tokens == len(r.tokens) == sum(r.stats.accept_lengths) for r in padded)
+        assert len({r.stats.seconds for r in padded}) == 1
+    assert len({len(r.tokens) for r in m.generate_plain(prompts, max_new_tokens=24, stop=["th", "o"])}) > 1
+    padded = m.generate_plain(prompts[:2], max_new_tokens=6, logprobs=2)
+    alone = [m.generate_plain(p, max_new_tokens=6, logprobs=2) for p in prompts[:2]]
+    for x, y in zip(padded, alone):
+        assert [t.token for t in x.logprobs] == [t.token for t in y.logprobs]
+        assert [t.logprob for t in x.logprobs] == pytest.approx([t.logprob for t in y.logprobs], abs=1e-4)
+
+
 def test_api_streams_a_list_of_prompts(api_model):
     m = api_model
     prompts = ["hello there", "count to five", "a"]

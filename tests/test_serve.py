@@ -534,16 +534,18 @@ def test_vllms_tokenizer_endpoints_tokenize_as_the_model_reads(server, model):
 
 
 def test_serve_load_measures_both_servers_with_the_same_answers(model_dir, tmp_path, capsys):
-    """``infer.py serve-load``: every draft against the one-at-a-time and the batching server, each number of
-    clients; greedy answers the same from both; a table and the JSON."""
+    """``infer.py serve-load``: every draft against the one-at-a-time and the batching server, and plain decoding
+    also against transformers' generate on padded batches, each number of clients; greedy answers the same from all
+    (fp32); a table and the JSON."""
     from selfspec.tools import load
 
     out = tmp_path / "load.json"
     assert load.main(["--model", str(model_dir), "--drafts", "none", "ngram", "--clients", "1,3", "--questions", "4",
                       "--max-new-tokens", "6", "--dtype", "fp32", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
+    servers = {"none": ("one at a time", "batching", "transformers, padded"), "ngram": ("one at a time", "batching")}
     assert [(r["draft"], r["server"], r["clients"]) for r in rows] == [
-        (d, s, c) for d in ("none", "ngram") for s in ("one at a time", "batching") for c in (1, 3)]
+        (d, s, c) for d in ("none", "ngram") for s in servers[d] for c in (1, 3)]
     assert all(r["requests"] == 4 and r["tokens"] > 4 and r["answers_as_one_at_a_time"] == 4 for r in rows)
     assert all(0 < r["p50_s"] <= r["p95_s"] for r in rows)
     for r in rows:  # one client: side by side, each server's time is the time its own requests took
@@ -552,3 +554,5 @@ def test_serve_load_measures_both_servers_with_the_same_answers(model_dir, tmp_p
     assert "| `ngram` | batching | 3 |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         load.main(["--clients", "0,2"])
+    with pytest.raises(SystemExit):
+        load.main(["--servers", "one,vllm"])

@@ -66,7 +66,7 @@ def plot_load(rows: list[dict], path: str | Path) -> Path:
     lines = list(dict.fromkeys((r["draft"], r["server"]) for r in rows))
     for j, (draft, server) in enumerate(lines):
         mine = sorted((r for r in rows if (r["draft"], r["server"]) == (draft, server)), key=lambda r: r["clients"])
-        style = dict(color=f"C{j % 10}", marker="o", linestyle="-" if server == "batching" else "--",
+        style = dict(color=f"C{j % 10}", marker="o", linestyle={"batching": "-", "one at a time": "--"}.get(server, ":"),
                      label=f"{draft}, {server}")
         speed.plot([r["clients"] for r in mine], [r["tokens_per_s"] for r in mine], **style)
         wait.plot([r["clients"] for r in mine], [r["p95_s"] for r in mine], **style)
