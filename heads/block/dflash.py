@@ -49,7 +49,7 @@ from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 from heads.block.dflash_config import DFlashConfig
 from heads.checkpoints.draft import DraftCheckpoint
 from heads.checkpoints.files import check_base_sizes, resolve, write_checkpoint
-from heads.eagle.eagle3 import read_speculators, vocab_mask
+from heads.eagle.eagle3 import load_speculators_state, read_speculators, vocab_mask
 from heads.eagle.model import build_decoder
 from selfspec.core.draft_vocab import DraftVocab, check_draft_tokens
 
@@ -268,17 +268,7 @@ class DFlashHead(nn.Module, DraftCheckpoint):
         directory = resolve(path_or_repo_id, revision)
         config, tensors = read_dflash_checkpoint(directory)
         check_base_sizes(config, base_model, path_or_repo_id, cls.WHAT)
-        head = cls.on_base(config, base_model)
-        if head.d2t is not None:
-            tokens = torch.arange(config.draft_vocab_size) + tensors["d2t"].long()
-            tensors.setdefault("t2d", vocab_mask(tokens, config.vocab_size))
-        else:
-            tokens = torch.arange(config.vocab_size)
-        if "lm_head.weight" not in tensors:
-            tensors["lm_head.weight"] = base_model.get_output_embeddings().weight.detach()[tokens].float().cpu()
-        head.load_state_dict(tensors, strict=True)
-        weight = base_model.get_output_embeddings().weight
-        return head.to(device=weight.device, dtype=weight.dtype).eval()
+        return load_speculators_state(cls.on_base(config, base_model), tensors, base_model)
 
 
 def _layer(layer: nn.Module, block: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], cos: torch.Tensor,

@@ -29,7 +29,7 @@ from typing import Any
 
 from transformers import AutoConfig, PreTrainedModel, Qwen3Config
 
-from heads.eagle.speculators_config import SPECULATORS_VERSION, aux_layers_on, layers_for
+from heads.eagle.speculators_config import SpeculatorsDraft, layers_for
 from selfspec.core import typed
 
 SPECULATORS_MODEL_TYPE = "dflash"
@@ -44,7 +44,7 @@ Qwen3RMSNorm, the rotary embedding)."""
 
 
 @dataclass
-class DFlashConfig:
+class DFlashConfig(SpeculatorsDraft):
     """A DFlash draft in speculators' format (see the module docstring); ``from_json`` / ``to_dict`` read and write its
     config.json. Strict: see ``__post_init__``."""
 
@@ -56,57 +56,22 @@ class DFlashConfig:
     verifier_architectures: list[str] = field(default_factory=list)
     aux_hidden_state_layer_ids: list[int] | None = None
 
+    MODEL_TYPE = SPECULATORS_MODEL_TYPE
+    AUX_FIELD = "aux_hidden_state_layer_ids"
+
     def __post_init__(self) -> None:
         typed.check(self)
-        layer = self.transformer_layer_config
-        for name in ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads"):
-            if not isinstance(layer.get(name), int) or layer[name] < 1:
-                raise ValueError(f"transformer_layer_config.{name}: expected an integer >= 1, found {layer.get(name)!r}")
-        if layer.get("use_sliding_window") or any(t != "full_attention" for t in layer.get("layer_types") or []):
-            raise ValueError("transformer_layer_config: draft layers with sliding-window attention are not supported "
-                             "(selfspec's drafter attends over every committed position)")
-        if not 1 <= self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size: expected 1..{self.vocab_size} (the target's vocabulary), found "
-                             f"{self.draft_vocab_size}")
+        self.check_common()
         if self.block_size < 2:
             raise ValueError(f"block_size: expected >= 2 (the anchor and at least one mask slot), found "
                              f"{self.block_size}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id: expected a token id in [0, {self.vocab_size}), found {self.mask_token_id}")
-        ids = self.aux_hidden_state_layer_ids
-        if ids is not None and (not ids or min(ids) < 0 or len(set(ids)) != len(ids)):
-            raise ValueError(f"aux_hidden_state_layer_ids: expected null or distinct layer ids >= 0, found {ids}")
-
-    # ----------------------------------------------------------------------------- what selfspec's drafter reads
-    @property
-    def hidden_size(self) -> int:
-        return self.transformer_layer_config["hidden_size"]
-
-    @property
-    def vocab_size(self) -> int:
-        return self.transformer_layer_config["vocab_size"]
-
-    @property
-    def num_layers(self) -> int:
-        return self.transformer_layer_config["num_hidden_layers"]
 
     @property
     def drafted(self) -> int:
         """K: tokens one forward drafts (the mask slots)."""
         return self.block_size - 1
-
-    @property
-    def base_model(self) -> str:
-        return self.verifier or "its verifier (config.json names none)"
-
-    @property
-    def feature_layers(self) -> list[int] | None:
-        return self.aux_hidden_state_layer_ids
-
-    @property
-    def num_features(self) -> int:
-        ids = self.aux_hidden_state_layer_ids
-        return len(ids) if ids else 3
 
     @property
     def budget(self) -> int:
@@ -127,62 +92,25 @@ class DFlashConfig:
 
     def on_model(self, model: PreTrainedModel) -> "DFlashConfig":
         """This config on a target: its auxiliary layers resolved (``aux_layers_on``)."""
-        return replace(self, aux_hidden_state_layer_ids=aux_layers_on(self.aux_hidden_state_layer_ids, model,
-                                                                       "aux_hidden_state_layer_ids"))
+        return replace(self, **self.aux_on(model))
 
     # ---------------------------------------------------------------------------------------------- config.json
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "DFlashConfig":
         """config.json as speculators writes it -> DFlashConfig; what it cannot express raises, saying which field."""
-        if data.get("speculators_model_type") != SPECULATORS_MODEL_TYPE:
-            raise ValueError(f"speculators_model_type {data.get('speculators_model_type')!r}: expected "
-                             f"{SPECULATORS_MODEL_TYPE!r}")
-        layer = data.get("transformer_layer_config")
-        if not isinstance(layer, dict):
-            raise ValueError(f"transformer_layer_config: expected an object, found {type(layer).__name__}")
-        spec = data.get("speculators_config")
-        try:
-            verifier = spec["verifier"]
-        except (KeyError, TypeError):
-            raise ValueError(f"speculators_config: expected {{'verifier': {{'name_or_path': ...}}, ...}}, found "
-                             f"{spec!r:.200}") from None
+        common = cls.read_common(data)
         if data.get("sample_from_anchor"):
             raise ValueError("sample_from_anchor true: the anchor slot drafts too, which selfspec's block drafter "
                              "does not run (and vLLM may not); expected false")
         if data.get("mask_token_id") is None:
             raise ValueError("mask_token_id: expected the token id of the mask slots, found null")
-        width = data.get("target_hidden_size")
-        if width is not None and width != layer.get("hidden_size"):
-            raise ValueError(f"target_hidden_size {width}: the draft is {layer.get('hidden_size')} wide, and fc reads "
-                             "aux states of the draft's width")
-        return cls(transformer_layer_config=layer, draft_vocab_size=data.get("draft_vocab_size", 32000),
-                   block_size=data.get("block_size", 8), mask_token_id=data["mask_token_id"],
-                   verifier=verifier.get("name_or_path"), verifier_architectures=verifier.get("architectures") or [],
-                   aux_hidden_state_layer_ids=data.get("aux_hidden_state_layer_ids"))
+        return cls(**common, block_size=data.get("block_size", 8), mask_token_id=data["mask_token_id"])
 
     def to_dict(self) -> dict[str, Any]:
         """config.json, keyed and nested as speculators 0.9 writes it."""
-        return {
-            "architectures": ["DFlashDraftModel"],
-            "speculators_model_type": SPECULATORS_MODEL_TYPE,
-            "speculators_version": SPECULATORS_VERSION,
-            "transformer_layer_config": self.transformer_layer_config,
-            "draft_vocab_size": self.draft_vocab_size,
-            "block_size": self.block_size,
-            "target_hidden_size": None,
-            "aux_hidden_state_layer_ids": self.aux_hidden_state_layer_ids,
-            "mask_token_id": self.mask_token_id,
-            "sliding_window_non_causal": False,
-            "sample_from_anchor": False,
-            "tie_word_embeddings": False,
-            "speculators_config": {
-                "algorithm": SPECULATORS_MODEL_TYPE,
-                "default_proposal_method": "greedy",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": self.drafted,
-                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                "verifier": {"name_or_path": self.verifier, "architectures": self.verifier_architectures},
-            },
-        }
+        return self.write_common("DFlashDraftModel", {"block_size": self.block_size, "mask_token_id": self.mask_token_id,
+                                                      "sliding_window_non_causal": False, "sample_from_anchor": False},
+                                 self.drafted)
 
 
 def qwen3_layers_for(model: PreTrainedModel, num_layers: int = 1) -> dict:

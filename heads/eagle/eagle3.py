@@ -37,6 +37,7 @@ Shapes: B batch, N positions, D hidden size, A aux layers, V target vocabulary, 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,7 @@ TRAINING_ONLY = ("verifier_lm_head.weight", "verifier_norm.weight")
 """tensors some speculators checkpoints carry for training (the target's own head and norm): ignored."""
 OPTIONAL = ("lm_head.weight", "t2d")
 """tensors a checkpoint may leave out: lm_head is then the target's rows of the draft vocabulary, t2d follows d2t."""
+H = TypeVar("H", bound=nn.Module)
 
 
 class FirstLayer(nn.Module):
@@ -313,13 +315,21 @@ class Eagle3Head(nn.Module, DraftCheckpoint):
         if stored is not None and torch.equal(stored.to(embed.device, embed.dtype), embed.detach()):
             del tensors["embed_tokens.weight"]  # the target's own (as exports write them): held by reference
         head = cls.on_base(config, base_model, own_embedding="embed_tokens.weight" in tensors)
-        if head.d2t is not None:
-            tokens = torch.arange(config.draft_vocab_size) + tensors["d2t"].long()
-            tensors.setdefault("t2d", vocab_mask(tokens, config.vocab_size))
-        else:
-            tokens = torch.arange(config.vocab_size)
-        if "lm_head.weight" not in tensors:  # speculators' loader: the target's LM head rows, in t2d order
-            tensors["lm_head.weight"] = base_model.get_output_embeddings().weight.detach()[tokens].float().cpu()
-        head.load_state_dict(tensors, strict=True)
-        weight = base_model.get_output_embeddings().weight
-        return head.to(device=weight.device, dtype=weight.dtype).eval()
+        return load_speculators_state(head, tensors, base_model)
+
+
+def load_speculators_state(head: H, tensors: dict[str, torch.Tensor], base_model: PreTrainedModel) -> H:
+    """A speculators checkpoint's tensors into ``head`` (strictly), completed as speculators' loader completes them:
+    t2d from d2t where only d2t is stored, lm_head as the target's LM head rows of the draft vocabulary (in t2d order)
+    where none is stored -> the head on the target's device and dtype, in eval mode."""
+    config = head.config
+    if head.d2t is not None:
+        tokens = torch.arange(config.draft_vocab_size) + tensors["d2t"].long()
+        tensors.setdefault("t2d", vocab_mask(tokens, config.vocab_size))
+    else:
+        tokens = torch.arange(config.vocab_size)
+    if "lm_head.weight" not in tensors:
+        tensors["lm_head.weight"] = base_model.get_output_embeddings().weight.detach()[tokens].float().cpu()
+    head.load_state_dict(tensors, strict=True)
+    weight = base_model.get_output_embeddings().weight
+    return head.to(device=weight.device, dtype=weight.dtype).eval()

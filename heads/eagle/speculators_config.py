@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from transformers import AutoConfig, LlamaConfig, PretrainedConfig, PreTrainedModel
 
@@ -54,46 +54,34 @@ def default_aux_layers(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
-@dataclass
-class Eagle3Config:
-    """An EAGLE-3 draft in speculators' format (see the module docstring); ``from_json`` / ``to_dict`` read and write
-    its config.json. Strict where it matters: see ``__post_init__``."""
+class SpeculatorsDraft:
+    """What the configs of speculators' drafts share (``Eagle3Config``, ``heads.block.dflash_config.DFlashConfig``):
+    the draft layers' transformers config, the draft vocabulary, the verifier, the auxiliary layers (under each
+    format's own key, ``AUX_FIELD``), read and written the same way."""
 
+    MODEL_TYPE: ClassVar[str]
+    """speculators_model_type."""
+    AUX_FIELD: ClassVar[str]
+    """config.json's key of the auxiliary layer ids."""
     transformer_layer_config: dict
     draft_vocab_size: int
     verifier: str | None
-    """speculators_config.verifier.name_or_path: the target (a Hub id, or a local path on the machine that wrote it)."""
-    verifier_architectures: list[str] = field(default_factory=list)
-    eagle_aux_hidden_state_layer_ids: list[int] | None = None
-    speculative_tokens: int = 3
-    norm_before_residual: bool = False
-    norm_output: bool = False
-    norm_before_fc: bool = False
-    fc_norm: bool = False
 
-    def __post_init__(self) -> None:
-        typed.check(self)
+    def check_common(self) -> None:
+        """The checks every format makes: the layers' sizes, full attention, the draft vocabulary, the aux ids."""
         layer = self.transformer_layer_config
-        kind = layer.get("model_type")
-        if kind not in LAYER_TYPES:
-            raise ValueError(f"transformer_layer_config.model_type: speculators 0.9 builds EAGLE-3 drafts of "
-                             f"{' or '.join(LAYER_TYPES)} layers, found {kind!r}")
         for name in ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads"):
             if not isinstance(layer.get(name), int) or layer[name] < 1:
                 raise ValueError(f"transformer_layer_config.{name}: expected an integer >= 1, found {layer.get(name)!r}")
         if layer.get("use_sliding_window") or any(t != "full_attention" for t in layer.get("layer_types") or []):
             raise ValueError("transformer_layer_config: draft layers with sliding-window attention are not supported "
-                             "(selfspec's drafter attends over every committed pair)")
+                             "(selfspec's drafter attends over every committed position)")
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size: expected 1..{self.vocab_size} (the target's vocabulary), found "
                              f"{self.draft_vocab_size}")
-        if self.norm_before_fc and self.fc_norm:
-            raise ValueError("norm_before_fc and fc_norm are mutually exclusive (as in speculators)")
-        ids = self.eagle_aux_hidden_state_layer_ids
+        ids = self.feature_layers
         if ids is not None and (not ids or min(ids) < 0 or len(set(ids)) != len(ids)):
-            raise ValueError(f"eagle_aux_hidden_state_layer_ids: expected null or distinct layer ids >= 0, found {ids}")
-        if self.speculative_tokens < 1:
-            raise ValueError(f"speculative_tokens: expected >= 1, found {self.speculative_tokens}")
+            raise ValueError(f"{self.AUX_FIELD}: expected null or distinct layer ids >= 0, found {ids}")
 
     # ----------------------------------------------------------------------------- what selfspec's drafter reads
     @property
@@ -114,13 +102,99 @@ class Eagle3Config:
 
     @property
     def feature_layers(self) -> list[int] | None:
-        return self.eagle_aux_hidden_state_layer_ids
+        return getattr(self, self.AUX_FIELD)
 
     @property
     def num_features(self) -> int:
         """How many target states fc fuses (speculators: 3 when the ids are left to its default)."""
-        ids = self.eagle_aux_hidden_state_layer_ids
+        ids = self.feature_layers
         return len(ids) if ids else 3
+
+    def aux_on(self, model: PreTrainedModel) -> dict[str, list[int]]:
+        """The auxiliary layers on a target (``aux_layers_on``), keyed for ``dataclasses.replace``."""
+        return {self.AUX_FIELD: aux_layers_on(self.feature_layers, model, self.AUX_FIELD)}
+
+    # ---------------------------------------------------------------------------------------------- config.json
+    @classmethod
+    def read_common(cls, data: dict[str, Any], proposal: bool = False) -> dict[str, Any]:
+        """What every format's config.json holds -> the shared fields (and, with ``proposal``, the proposal's
+        speculative_tokens); a wrong model type, layer config, verifier or target width raises, naming the field."""
+        if data.get("speculators_model_type") != cls.MODEL_TYPE:
+            raise ValueError(f"speculators_model_type {data.get('speculators_model_type')!r}: expected "
+                             f"{cls.MODEL_TYPE!r} ({cls.__name__} reads speculators' {cls.MODEL_TYPE} drafts only; "
+                             "--draft picks the loader from the checkpoint's model type)")
+        layer = data.get("transformer_layer_config")
+        if not isinstance(layer, dict):
+            raise ValueError(f"transformer_layer_config: expected an object, found {type(layer).__name__}")
+        spec = data.get("speculators_config")
+        try:
+            verifier = spec["verifier"]
+            tokens = {"speculative_tokens": spec["proposal_methods"][0]["speculative_tokens"]} if proposal else {}
+        except (KeyError, IndexError, TypeError):
+            wanted = ", 'proposal_methods': [{'speculative_tokens': K, ...}]" if proposal else ""
+            raise ValueError(f"speculators_config: expected {{'verifier': {{'name_or_path': ...}}{wanted}, ...}}, found "
+                             f"{spec!r:.200}") from None
+        width = data.get("target_hidden_size")
+        if width is not None and width != layer.get("hidden_size"):
+            raise ValueError(f"target_hidden_size {width}: the draft is {layer.get('hidden_size')} wide, and fc reads "
+                             "aux states of the draft's width")
+        return dict(transformer_layer_config=layer, draft_vocab_size=data.get("draft_vocab_size", 32000),
+                    verifier=verifier.get("name_or_path"), verifier_architectures=verifier.get("architectures") or [],
+                    **{cls.AUX_FIELD: data.get(cls.AUX_FIELD)}, **tokens)
+
+    def write_common(self, architecture: str, fields: dict[str, Any], speculative_tokens: int) -> dict[str, Any]:
+        """config.json, keyed and nested as speculators 0.9 writes it: the shared keys around a format's ``fields``."""
+        return {
+            "architectures": [architecture],
+            "speculators_model_type": self.MODEL_TYPE,
+            "speculators_version": SPECULATORS_VERSION,
+            "transformer_layer_config": self.transformer_layer_config,
+            "draft_vocab_size": self.draft_vocab_size,
+            self.AUX_FIELD: self.feature_layers,
+            **fields,
+            "target_hidden_size": None,
+            "tie_word_embeddings": False,
+            "speculators_config": {
+                "algorithm": self.MODEL_TYPE,
+                "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                "verifier": {"name_or_path": self.verifier, "architectures": self.verifier_architectures},
+            },
+        }
+
+
+@dataclass
+class Eagle3Config(SpeculatorsDraft):
+    """An EAGLE-3 draft in speculators' format (see the module docstring); ``from_json`` / ``to_dict`` read and write
+    its config.json. Strict where it matters: see ``__post_init__``."""
+
+    transformer_layer_config: dict
+    draft_vocab_size: int
+    verifier: str | None
+    """speculators_config.verifier.name_or_path: the target (a Hub id, or a local path on the machine that wrote it)."""
+    verifier_architectures: list[str] = field(default_factory=list)
+    eagle_aux_hidden_state_layer_ids: list[int] | None = None
+    speculative_tokens: int = 3
+    norm_before_residual: bool = False
+    norm_output: bool = False
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+
+    MODEL_TYPE = SPECULATORS_MODEL_TYPE
+    AUX_FIELD = "eagle_aux_hidden_state_layer_ids"
+
+    def __post_init__(self) -> None:
+        typed.check(self)
+        kind = self.transformer_layer_config.get("model_type")
+        if kind not in LAYER_TYPES:
+            raise ValueError(f"transformer_layer_config.model_type: speculators 0.9 builds EAGLE-3 drafts of "
+                             f"{' or '.join(LAYER_TYPES)} layers, found {kind!r}")
+        self.check_common()
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc and fc_norm are mutually exclusive (as in speculators)")
+        if self.speculative_tokens < 1:
+            raise ValueError(f"speculative_tokens: expected >= 1, found {self.speculative_tokens}")
 
     @property
     def depth(self) -> int:
@@ -142,63 +216,23 @@ class Eagle3Config:
     def on_model(self, model: PreTrainedModel) -> "Eagle3Config":
         """This config on a target: its auxiliary layers resolved (``aux_layers_on``); fc fuses as many states as it
         was built for."""
-        ids = aux_layers_on(self.eagle_aux_hidden_state_layer_ids, model, "eagle_aux_hidden_state_layer_ids")
-        if len(ids) != self.num_features:
-            raise ValueError(f"eagle_aux_hidden_state_layer_ids {ids}: fc fuses {self.num_features} states")
-        return replace(self, eagle_aux_hidden_state_layer_ids=ids)
+        aux = self.aux_on(model)
+        if len(aux[self.AUX_FIELD]) != self.num_features:
+            raise ValueError(f"{self.AUX_FIELD} {aux[self.AUX_FIELD]}: fc fuses {self.num_features} states")
+        return replace(self, **aux)
 
     # ---------------------------------------------------------------------------------------------- config.json
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Eagle3Config":
         """config.json as speculators writes it -> Eagle3Config; what it cannot express raises, saying which field."""
-        if data.get("speculators_model_type") != SPECULATORS_MODEL_TYPE:
-            raise ValueError(f"speculators_model_type {data.get('speculators_model_type')!r}: selfspec loads "
-                             f"speculators' {SPECULATORS_MODEL_TYPE!r} drafts only")
-        layer = data.get("transformer_layer_config")
-        if not isinstance(layer, dict):
-            raise ValueError(f"transformer_layer_config: expected an object, found {type(layer).__name__}")
-        spec = data.get("speculators_config")
-        try:
-            verifier = spec["verifier"]
-            tokens = spec["proposal_methods"][0]["speculative_tokens"]
-        except (KeyError, IndexError, TypeError):
-            raise ValueError("speculators_config: expected {'verifier': {'name_or_path': ...}, 'proposal_methods': "
-                             f"[{{'speculative_tokens': K, ...}}], ...}}, found {spec!r:.200}") from None
-        target_width = data.get("target_hidden_size")
-        if target_width is not None and target_width != layer.get("hidden_size"):
-            raise ValueError(f"target_hidden_size {target_width}: the draft is {layer.get('hidden_size')} wide, and "
-                             "speculators' fc reads aux states of the draft's width")
         flags = {k: data.get(k, False) for k in ("norm_before_residual", "norm_output", "norm_before_fc", "fc_norm")}
-        return cls(transformer_layer_config=layer, draft_vocab_size=data.get("draft_vocab_size", 32000),
-                   verifier=verifier.get("name_or_path"), verifier_architectures=verifier.get("architectures") or [],
-                   eagle_aux_hidden_state_layer_ids=data.get("eagle_aux_hidden_state_layer_ids"),
-                   speculative_tokens=tokens, **flags)
+        return cls(**cls.read_common(data, proposal=True), **flags)
 
     def to_dict(self) -> dict[str, Any]:
         """config.json, keyed and nested as speculators 0.9 writes it (every flag written: vLLM reads a missing
         norm_before_residual as true)."""
-        return {
-            "architectures": ["Eagle3DraftModel"],
-            "speculators_model_type": SPECULATORS_MODEL_TYPE,
-            "speculators_version": SPECULATORS_VERSION,
-            "transformer_layer_config": self.transformer_layer_config,
-            "draft_vocab_size": self.draft_vocab_size,
-            "eagle_aux_hidden_state_layer_ids": self.eagle_aux_hidden_state_layer_ids,
-            "norm_before_residual": self.norm_before_residual,
-            "norm_output": self.norm_output,
-            "norm_before_fc": self.norm_before_fc,
-            "fc_norm": self.fc_norm,
-            "target_hidden_size": None,
-            "embed_requires_grad": False,
-            "tie_word_embeddings": False,
-            "speculators_config": {
-                "algorithm": SPECULATORS_MODEL_TYPE,
-                "default_proposal_method": "greedy",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": self.speculative_tokens,
-                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                "verifier": {"name_or_path": self.verifier, "architectures": self.verifier_architectures},
-            },
-        }
+        flags = {k: getattr(self, k) for k in ("norm_before_residual", "norm_output", "norm_before_fc", "fc_norm")}
+        return self.write_common("Eagle3DraftModel", {**flags, "embed_requires_grad": False}, self.speculative_tokens)
 
 
 def aux_layers_on(ids: list[int] | None, model: PreTrainedModel, field: str) -> list[int]:

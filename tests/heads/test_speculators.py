@@ -357,7 +357,7 @@ def test_speculators_checkpoints_are_read_strictly(drafts, tmp_path):
     d2t = load_file(str(draft / "model.safetensors"))["d2t"]
     layer = json.loads((draft / "config.json").read_text())["transformer_layer_config"]
     refused = {
-        broken(draft, tmp_path, {"speculators_model_type": "dflash"}): "selfspec loads speculators' 'eagle3' drafts only",
+        broken(draft, tmp_path, {"speculators_model_type": "dflash"}): "'dflash': expected 'eagle3'",
         broken(draft, tmp_path, {"transformer_layer_config": {**layer, "model_type": "mistral"}}): "llama or qwen3 layers",
         broken(draft, tmp_path, {"target_hidden_size": 64}): "target_hidden_size 64: the draft is 32 wide",
         broken(draft, tmp_path, tensors={"layers.0.hidden_norm.weight": None}): r"missing tensors \['layers.0.hidden_no",
