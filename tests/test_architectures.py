@@ -95,14 +95,14 @@ def eagle(model) -> EagleDrafter:
     torch.manual_seed(0)
     head = EagleHead(EagleConfig.for_model(model, draft_vocab_size=64), model.get_input_embeddings(),
                      model.get_output_embeddings())
-    return EagleDrafter(head.eval(), depth=4, topk=3, budget=10)
+    return EagleDrafter(head.to(model.device).eval(), depth=4, topk=3, budget=10)
 
 
 def block(model) -> BlockDrafter:
     torch.manual_seed(0)
     head = BlockHead(BlockConfig.for_model(model, block_size=4, draft_vocab_size=64), model.get_input_embeddings(),
                      model.get_output_embeddings())
-    return BlockDrafter(head.eval(), DynamicTree(10))
+    return BlockDrafter(head.to(model.device).eval(), DynamicTree(10))
 
 
 @pytest.mark.parametrize("model_type", sorted(SUPPORTED))

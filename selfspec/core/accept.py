@@ -77,7 +77,7 @@ def sample_accept(
             else:
                 accept_prob = min(1.0, float(p[c]) / max(float(q[c]), 1e-30))
                 residual = (p - q).clamp(min=0.0)
-            if float(torch.rand((), generator=generator, dtype=torch.float64)) < accept_prob:
+            if float(torch.rand((), generator=generator, dtype=torch.float64, device=p.device)) < accept_prob:
                 kept = child
                 break
             total = float(residual.sum())
