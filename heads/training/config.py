@@ -96,6 +96,10 @@ class OptimConfig:
     """passes over the training split."""
     max_steps: int | None = None
     """stop after this many optimizer steps (null: run all epochs)."""
+    max_minutes: float | None = None
+    """stop at the first optimizer step after this many minutes of training (null: no limit), as at the last step: the
+    held-out measure and the draft saved (a lease's time on a GPU; with a schedule that decays over the planned steps,
+    the rate has not decayed where the clock stops it: constant_with_warmup fits). A resumed run counts anew."""
 
     def __post_init__(self) -> None:
         # what torch's AdamW, transformers' get_scheduler and clipping would refuse (or misread) after the model loaded
@@ -118,6 +122,8 @@ class OptimConfig:
             raise ValueError(f"optim.warmup_steps: expected a value >= 0, found {self.warmup_steps}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"optim.max_steps: expected null or a value >= 1, found {self.max_steps}")
+        if self.max_minutes is not None and not (math.isfinite(self.max_minutes) and self.max_minutes > 0):
+            raise ValueError(f"optim.max_minutes: expected null or a finite value > 0, found {self.max_minutes}")
 
 
 @functools.cache

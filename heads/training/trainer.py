@@ -94,6 +94,8 @@ class Run:
     progress: Progress = field(default_factory=Progress)
     last_ckpt: Path | None = None
     """the last checkpoint written or resumed from."""
+    deadline: float | None = None
+    """time.monotonic() at which optim.max_minutes ends the run (None: no limit)."""
 
     @property
     def ckpt_root(self) -> Path:
@@ -208,6 +210,8 @@ def train_loop(run: Run) -> int | None:
                disable=not (run.accelerator.is_main_process and run.cfg.logging.progress_bar))
     window = Window(run.kind.predictions(run.cfg))
     stopped = None
+    if run.cfg.optim.max_minutes is not None:
+        run.deadline = time.monotonic() + 60 * run.cfg.optim.max_minutes
     with StopFlag() as stop:
         while run.progress.step < run.total_steps and stopped is None:
             stopped = train_epoch(run, stop, bar, window)
@@ -226,11 +230,13 @@ def train_epoch(run: Run, stop: StopFlag, bar: tqdm, window: Window) -> int | No
         batches = accelerator.skip_first_batches(run.train_dl, progress.batch_in_epoch)
     stopped = None
     for batch in batches:
-        out, signalled = train_step(run, batch, stop)
+        out, signalled, late = train_step(run, batch, stop)
         progress.batch_in_epoch += 1
         window.add(out, run.states.take_seconds())
         if not accelerator.sync_gradients:
             continue
+        if late:  # optim.max_minutes: this optimizer step is the last
+            run.total_steps = bar.total = progress.step + 1
         stopped = after_step(run, bar, window, stop if signalled else None)
         if stopped is not None or progress.step >= run.total_steps:
             break
@@ -242,9 +248,9 @@ def train_epoch(run: Run, stop: StopFlag, bar: tqdm, window: Window) -> int | No
     return stopped
 
 
-def train_step(run: Run, batch: dict, stop: StopFlag) -> tuple[MedusaLoss, bool]:
+def train_step(run: Run, batch: dict, stop: StopFlag) -> tuple[MedusaLoss, bool, bool]:
     """One micro-batch: the loss, backward, and the optimizer step when the accumulated batches are complete; (the
-    loss, whether a signal arrived on any process)."""
+    loss, whether a signal arrived on any process, whether any process is past optim.max_minutes)."""
     cfg, progress, accelerator = run.cfg, run.progress, run.accelerator
     # training accuracy is measured on the batches of each logged step only (for an EAGLE head it is a
     # full-vocabulary pass, a sizeable share of a step on a CPU); the loss is logged for every batch
@@ -252,7 +258,8 @@ def train_step(run: Run, batch: dict, stop: StopFlag) -> tuple[MedusaLoss, bool]
     with accelerator.accumulate(run.heads):
         out = heads_loss(cfg, run.heads, run.states, batch, "train", ranks=5 if logged else 0)
         # every process learns of a NaN or a signal on any of them, before backward's all-reduce
-        flags = torch.tensor([float(not torch.isfinite(out.total)), float(stop.signum is not None)])
+        late = run.deadline is not None and time.monotonic() >= run.deadline
+        flags = torch.tensor([float(not torch.isfinite(out.total)), float(stop.signum is not None), float(late)])
         flags = accelerator.reduce(flags.to(accelerator.device), "sum")
         if flags[0] > 0:
             raise TrainingDiverged(
@@ -266,7 +273,7 @@ def train_step(run: Run, batch: dict, stop: StopFlag) -> tuple[MedusaLoss, bool]
         run.optimizer.step()
         run.scheduler.step()
         run.optimizer.zero_grad()
-    return out, bool(flags[1] > 0)
+    return out, bool(flags[1] > 0), bool(flags[2] > 0)
 
 
 def after_step(run: Run, bar: tqdm, window: Window, signalled: StopFlag | None) -> int | None:

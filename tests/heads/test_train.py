@@ -153,6 +153,19 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, signum):
     assert "Traceback" not in output
 
 
+def test_max_minutes_ends_the_run_as_at_its_last_step(tmp_path):
+    """optim.max_minutes: the run stops at the first optimizer step past the clock, long before max_steps, and ends as
+    a finished run does: the last step logged, the held-out measure, the draft saved."""
+    out = tmp_path / "clock"
+    result = run(train_cmd(out, *LONG, "optim.max_steps=100000", "optim.max_minutes=0.05", "eval.every=0"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    last = max(r["step"] for r in records if "loss" in r)
+    assert 1 <= last < 1000 and any(r.get("final") and r["step"] == last for r in records)
+    assert (out / "heads" / "config.json").exists()
+    assert run(train_cmd(tmp_path / "bad", "optim.max_minutes=0")).returncode == 2
+
+
 def test_nan_loss_stops_naming_the_step_and_the_last_good_checkpoint(tmp_path):
     out = tmp_path / "nan"
     # lr 1e30 makes two stacked residual blocks overflow float32 at the second step
