@@ -35,6 +35,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from selfspec import api
 from selfspec.core.models import DEFAULT_MODEL
 from selfspec.tools.bench import DEFAULT_QUESTIONS
 from selfspec.tools.plots import plot_load
@@ -202,8 +203,6 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [q.turns[0] for q in load_questions(DEFAULT_QUESTIONS, limit=a.questions)]
     peer = None
     if "hf" in chosen and "none" in a.drafts:
-        from selfspec import api
-
         peer = api.load(a.model, draft="none", dtype=a.dtype)
         peer.generate_plain(prompts[:2], max_new_tokens=2)  # warmed up, as the servers are
     rows = []
