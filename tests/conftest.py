@@ -41,13 +41,13 @@ torch.set_num_threads(1)
 
 GPU = os.environ.get("SELFSPEC_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else None)
 """The device the ``cuda``-marked tests decode on: CUDA where torch sees it; SELFSPEC_TEST_DEVICE names another (``cpu``:
-their dry run, bench/gpu.sh --device cpu); None: they are skipped, saying why."""
+their dry run, selfspec/tools/gpu.py dry-run); None: they are skipped, saying why."""
 
 
 def pytest_collection_modifyitems(config, items):
     if GPU is not None:
         return
-    skip = pytest.mark.skip(reason="cuda: torch sees no CUDA device here (they run on a GPU, bench/gpu.sh; "
+    skip = pytest.mark.skip(reason="cuda: torch sees no CUDA device here (they run on a GPU: selfspec/tools/gpu.py; "
                                    "SELFSPEC_TEST_DEVICE=cpu runs them on the CPU)")
     for item in items:
         if "cuda" in item.keywords:

@@ -114,8 +114,8 @@ def test_schedulers_are_transformers_own_names_that_run_without_extra_arguments(
         ("data.max_length=1", "data.max_length: expected a value >= 2, found 1"),
         ("data.eval_fraction=1", "data.eval_fraction: expected a value in [0, 1), found 1.0"),
         ("optim.foo=1", "unknown key 'optim.foo' (expected one of ['lr', 'weight_decay', 'betas', 'scheduler', "
-                        "'warmup_steps', 'max_grad_norm', 'batch_size', 'grad_accum', 'epochs', 'max_steps'] in section "
-                        "'optim')"),
+                        "'warmup_steps', 'max_grad_norm', 'batch_size', 'grad_accum', 'epochs', 'max_steps', "
+                        "'max_minutes'] in section 'optim')"),
         ("optim=0.1", "optim: expected a section (a mapping of optim.* keys), found float 0.1"),
     ],
 )
