@@ -8,7 +8,7 @@ included), 8 files of 16 MiB back per call, and /tmp kept only while it stays wa
 
 packs the wheels selfspec needs beyond the machine's own packages (its dependencies at the versions installed here,
 for Python 3.12), the built-in model's GGUF in parts, the draft to benchmark (bf16) and the conversations to
-regenerate (user turns, parquet), into as many calls as the 64 MiB allow. Each call there runs
+regenerate (user turns, parquet), into as many calls as the 64 MiB allow (56 MiB each, beside the working tree). Each call there runs
 
     python3 -P selfspec/tools/gpu.py there --call K --out $OUT
 
@@ -49,8 +49,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PACK = ROOT / ".gpu"
 STATE = Path(os.environ.get("SELFSPEC_GPU_STATE", "/tmp/selfspec-gpu"))
 """what calls leave for the next ones on the machine (lost when it goes back)."""
-BUDGET_MIB = 60
-"""of the 64 MiB a call may send: the rest is the working tree (about 3 MiB)."""
+BUDGET_MIB = 56
+"""of the 64 MiB a call may send: the rest is the working tree (about 3 MiB) and room for it to grow."""
 PART_MIB = 15
 """the size of a file sent back (the limit is 16 MiB)."""
 WHEELS = ("transformers", "tokenizers", "huggingface_hub", "hf-xet", "httpx2", "click", "kernels", "regex",
@@ -297,7 +297,7 @@ def bench(out: Path, device: str, quick: bool) -> None:
         run_logged([sys.executable, "infer.py", "tune-tree", "--draft", d, "--dtype", dtypes, "--device", device,
                     "--no-progress", *size], log, 150)
     methods = ",".join(["plain", "pld", "ngram", f"{draft}@auto", f"{merge}@auto"])
-    subset = ["--limit", "1", "--max-new-tokens", "8"] if quick else ["--per-category", "1", "--max-new-tokens", "256"]
+    subset = ["--limit", "1", "--max-new-tokens", "8"] if quick else ["--per-category", "1", "--max-new-tokens", "128"]
     run_logged([sys.executable, "infer.py", "bench", "--device", device, "--dtype", dtypes, "--methods", methods,
                 *subset, "--out-dir", str(out / "bench"), "--no-progress"], log, 330)
 
