@@ -171,6 +171,15 @@ def train_losses(out: Path, args: list[str]) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
 
 
+def spread_weights(module: torch.nn.Module, keep: tuple[str, ...] = ()) -> None:
+    """Random weights of a draft's own scale (nn.Linear's default init is too flat to test with): norms around 1, the
+    rest at 0.3 standard deviation; the parameters named in ``keep`` left as they are."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name not in keep:
+                p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+
+
 def state_after_prefill(model: PreTrainedModel, prompt: torch.Tensor) -> DraftState:
     """The DraftState a drafter sees at the first step of ``prompt`` (its last token the root, the rest prefilled)."""
     from selfspec.core.drafter import LayerStates

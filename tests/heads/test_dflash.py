@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (decode_with_tiny_draft, random_prompts, reference, state_after_prefill, tiny_model,
-                      train_and_check_resume)
+from conftest import (decode_with_tiny_draft, random_prompts, reference, spread_weights, state_after_prefill,
+                      tiny_model, train_and_check_resume)
 from safetensors.torch import load_file, save_file
 from tiny_chat_model import build_tokenizer
 
@@ -45,10 +45,7 @@ def make_dflash(model, seed: int = 0, block_size: int = 4, draft_vocab: int = 64
                           aux_hidden_state_layer_ids=AUX)
     torch.manual_seed(seed)
     head = DFlashHead.on_base(config, model)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if name != "lm_head.weight":
-                p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    spread_weights(head, keep=("lm_head.weight",))
     if draft_vocab < VOCAB:
         head.set_draft_vocab(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:draft_vocab])
     head.init_lm_head()

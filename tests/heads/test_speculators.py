@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_prompts, reference, tiny_model
+from conftest import random_prompts, reference, spread_weights, tiny_model
 from safetensors.torch import load_file, save_file
 from tiny_chat_model import build_tokenizer
 from transformers import Qwen3Config
@@ -130,10 +130,7 @@ def make_dflash(case: dict, model, verifier: Path, seed: int = 0) -> DFlashHead:
                           aux_hidden_state_layer_ids=case["aux"])
     torch.manual_seed(seed)
     head = DFlashHead.on_base(config, model)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if name != "lm_head.weight":
-                p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    spread_weights(head, keep=("lm_head.weight",))
     if case["draft_vocab"] < 96:
         head.set_draft_vocab(torch.randperm(96, generator=torch.Generator().manual_seed(seed))[: case["draft_vocab"]])
     head.init_lm_head()
@@ -159,9 +156,7 @@ def make_draft(case: dict, model, verifier: Path, seed: int = 0) -> Eagle3Head:
                           eagle_aux_hidden_state_layer_ids=case["aux"], speculative_tokens=STEPS, **case["flags"])
     torch.manual_seed(seed)
     head = Eagle3Head.on_base(config, model, own_embedding=case["own_embedding"])
-    with torch.no_grad():  # weights of the draft's own scale (nn.Linear's default init is too flat to test with)
-        for name, p in head.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    spread_weights(head)
     head.set_draft_vocab(torch.randperm(96, generator=torch.Generator().manual_seed(seed))[: case["draft_vocab"]])
     return head.eval()
 
