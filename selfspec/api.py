@@ -270,18 +270,8 @@ class SpecModel:
         check_request(self.target, r.ids, o.max_new_tokens, o.logprobs, o.prompt_logprobs, r.min_new_tokens)  # as stream
         ids = r.ids[None]  # [1, T]
         counter = StepCounter()
-        # min-p, the stop strings and the minimum length as selfspec decodes with them, set on the generation config
-        # for the call: generate takes an argument of None (min_p=0, stop=[]) as "unset" and falls back to the config's;
-        # min_length None, not 0 (min_new_tokens already counts it): a min_length beside min_new_tokens makes it warn
-        with _set(self.model.generation_config, min_p=(o.min_p or None) if o.sampled else None,
-                  stop_strings=list(r.stops) or None, min_length=None, min_new_tokens=r.min_new_tokens or None):
-            t0 = time.perf_counter()
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), streamer=counter,
-                                      output_logits=o.logprobs is not None, return_dict_in_generate=True,
-                                      **{**self._plain_kwargs(r), **hf_kwargs})
-        if self.target.device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
+        out, seconds = self._hf_generate(r, ids, torch.ones_like(ids),
+                                         {**self._plain_kwargs(r), **hf_kwargs, "streamer": counter})
         tokens = out.sequences[0, ids.shape[1]:].tolist()
         lps = None if o.logprobs is None else token_logprobs(torch.cat(out.logits), out.sequences[0, ids.shape[1]:],
                                                              o.logprobs)
@@ -291,6 +281,22 @@ class SpecModel:
         return Result(text=self.decode(tokens), tokens=tokens,
                       stats=Stats(new_tokens=len(tokens), seconds=seconds, accept_lengths=tuple(counter.lengths)),
                       logprobs=lps, prompt_logprobs=prompt_lps)
+
+    def _hf_generate(self, r: "_Request", ids: torch.Tensor, mask: torch.Tensor,
+                     kwargs: dict[str, Any]) -> tuple[Any, float]:
+        """``model.generate`` on ids [B, T] with request ``r``'s settings -> (its output, seconds). min-p, the stop
+        strings and the minimum length as selfspec decodes with them are set on the generation config for the call:
+        generate takes an argument of None (min_p=0, stop=[]) as "unset" and falls back to the config's; min_length
+        None, not 0 (min_new_tokens already counts it): a min_length beside min_new_tokens makes it warn."""
+        o = r.options
+        with _set(self.model.generation_config, min_p=(o.min_p or None) if o.sampled else None,
+                  stop_strings=list(r.stops) or None, min_length=None, min_new_tokens=r.min_new_tokens or None):
+            t0 = time.perf_counter()
+            out = self.model.generate(ids, attention_mask=mask, output_logits=o.logprobs is not None,
+                                      return_dict_in_generate=True, **kwargs)
+        if self.target.device.type == "cuda":
+            torch.cuda.synchronize()
+        return out, time.perf_counter() - t0
 
     def _plain_batch(self, requests: list["_Request"], hf_kwargs: dict[str, Any]) -> list[Result]:
         """``requests`` (the same options) through ``model.generate`` as one batch, left-padded with the pad token and
@@ -318,15 +324,7 @@ class SpecModel:
         if o.presence_penalty or o.frequency_penalty:  # the answer starts after the padded prompt in every row
             kwargs["logits_processor"] = LogitsProcessorList(
                 [PresencePenalty(width, o.presence_penalty, o.frequency_penalty)])
-        with _set(self.model.generation_config, min_p=(o.min_p or None) if o.sampled else None,
-                  stop_strings=list(first.stops) or None, min_length=None,
-                  min_new_tokens=first.min_new_tokens or None):
-            t0 = time.perf_counter()
-            out = self.model.generate(ids, attention_mask=mask, output_logits=o.logprobs is not None,
-                                      return_dict_in_generate=True, **kwargs)
-        if self.target.device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
+        out, seconds = self._hf_generate(first, ids, mask, kwargs)
         new = out.sequences[:, width:]  # [B, N]
         eos = set(self.eos_token_id or ())
         results = []
