@@ -45,10 +45,9 @@ from heads.cli import report_errors
 from heads.eagle.drafter import EagleDrafter
 from heads.eagle.eagle3 import Eagle3Head
 from heads.speculators_export import export_speculators, module_for
-from selfspec.core.drafter import DraftState, LayerStates
+from selfspec.core.drafter import DraftState
 from selfspec.core.models import cache_dir, load_model
 from selfspec.core.models import resolve as resolve_model
-from selfspec.core.sampling import Sampling
 from selfspec.core.target import Target
 from selfspec.core.tree import Tree
 from selfspec.tools.bench import DEFAULT_QUESTIONS
@@ -104,12 +103,8 @@ def speculators_python(venv: Path = SPECULATORS_VENV) -> Path:
 
 # ----------------------------------------------------------------------------------------------- selfspec's side
 def prefilled(model: PreTrainedModel, prompt: torch.Tensor) -> DraftState:
-    """The DraftState a drafter sees at the first step of ``prompt`` (its last token the root, the rest prefilled)."""
-    target = Target(model)
-    cache = target.new_cache()
-    pre = target.prefill(prompt[:-1], cache)
-    return DraftState(tokens=prompt, prompt_length=len(prompt), hidden=pre.hidden[-1], cache=cache,
-                      sampling=Sampling(), new_hidden=pre.hidden, new_states=LayerStates.of(pre.states))
+    """The DraftState a drafter sees at the first step of ``prompt`` on ``model``."""
+    return DraftState.after_prefill(Target(model), prompt)
 
 
 def eagle3_side(head: Eagle3Head, model: PreTrainedModel, prompt: torch.Tensor, steps: int) -> dict:

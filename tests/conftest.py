@@ -182,15 +182,9 @@ def spread_weights(module: torch.nn.Module, keep: tuple[str, ...] = ()) -> None:
 
 def state_after_prefill(model: PreTrainedModel, prompt: torch.Tensor) -> DraftState:
     """The DraftState a drafter sees at the first step of ``prompt`` (its last token the root, the rest prefilled)."""
-    from selfspec.core.drafter import LayerStates
-    from selfspec.core.sampling import Sampling
     from selfspec.core.target import Target
 
-    target = Target(model)
-    cache = target.new_cache()
-    pre = target.prefill(prompt[:-1], cache)
-    return DraftState(tokens=prompt, prompt_length=len(prompt), hidden=pre.hidden[-1], cache=cache,
-                      sampling=Sampling(), new_hidden=pre.hidden, new_states=LayerStates.of(pre.states))
+    return DraftState.after_prefill(Target(model), prompt)
 
 
 def decode_with_tiny_draft(checkpoint: Path, max_new_tokens: int = 16):

@@ -72,6 +72,15 @@ class DraftState:
     """the request's random generator (seeded sampling), for drafters that sample their drafts (a draft model drawing
     from its own q): one seed then reproduces the whole decode. None: torch's global generator."""
 
+    @classmethod
+    def after_prefill(cls, target: Target, prompt: torch.Tensor) -> "DraftState":
+        """What a drafter sees at the first step of greedy decoding of ``prompt`` [T]: its last token the root, the
+        rest prefilled into a new cache, every layer's states (for tools and tests that call a drafter directly)."""
+        cache = target.new_cache()
+        pre = target.prefill(prompt[:-1], cache)
+        return cls(tokens=prompt, prompt_length=len(prompt), hidden=pre.hidden[-1], cache=cache, sampling=Sampling(),
+                   new_hidden=pre.hidden, new_states=LayerStates.of(pre.states))
+
     @property
     def starts_request(self) -> bool:
         """The first draft of a request: new_hidden covers the whole text before the root (the prompt). False when
