@@ -30,7 +30,8 @@ loaded, then built on the loaded target.
   e.g. ``runs/eagle_head+ngram``: a trained head and prompt lookup; ``--tree`` applies to the first checkpoint part
   (``auto``: the budget ``infer.py tune-tree --draft A+B`` tuned inside this merge, else the one tuned for the part);
   a trailing ``+skip_after=K`` lets a part sit out the steps where an earlier part had K of its tokens accepted
-  (``ngram+runs/eagle_head+skip_after=3``: the head rests while prompt lookup is copying)
+  (``ngram+runs/eagle_head+skip_after=3``: the head rests while prompt lookup is copying), ``+skip_match=K`` the
+  steps where prompt lookup's draft continues a match of K of the text's last tokens (judged at the step itself)
 
 ``--tree`` accepts ``chain:K``, ``full:3,2,1`` (children per level), Medusa-style JSON choices ``[[0], [0, 0], [1]]``
 or a ``.json`` file holding such a list, ``dynamic:N`` / ``dynamic:N,depth=D``, and ``auto``.
@@ -62,7 +63,7 @@ from selfspec.drafts.ngram import NGramDrafter
 from selfspec.drafts.policy import PolicyDrafter, read_policy
 
 ENTRY_POINT_GROUP = "selfspec.drafters"
-MERGE_OPTION = re.compile(r"skip_after=\d+")  # a trailing option of 'A+B': '+skip_after=3'  (merge.MergedDrafter)
+MERGE_OPTION = re.compile(r"(skip_after|skip_match)=\d+")  # a trailing option of 'A+B': '+skip_after=3' (MergedDrafter)
 NGRAM_KEYS = ("max_ngram", "min_ngram", "depth", "max_nodes", "max_matches")
 EARLY_EXIT_KEYS = {"layer": int, "depth": int, "stop_below": float}
 ACCEPTED = (
@@ -177,6 +178,7 @@ def parse_draft(spec: str, revision: str | None = None, tree: TreeArg = None) ->
         while pieces and MERGE_OPTION.fullmatch(pieces[-1]):
             key, _, value = pieces.pop().partition("=")
             options[key] = int(value)
+        options = dict(sorted(options.items()))  # one name (and one tuning cache key) however they were given
         parts = tuple(parse_draft(p, revision) for p in pieces)
         if len(parts) < 2:
             raise ValueError(f"--draft {spec!r}: expected at least two drafts joined by '+', found {len(parts)}")
@@ -426,7 +428,7 @@ def build_drafter(spec: DraftSpec, target: Target, tree: Tree | DynamicTree | No
     if spec.parts:
         takes_tree = tree_part(spec)
         return MergedDrafter([build_drafter(p, target, tree if p is takes_tree else None) for p in spec.parts],
-                             skip_after=spec.config.get("skip_after"))
+                             skip_after=spec.config.get("skip_after"), skip_match=spec.config.get("skip_match"))
     check_tree_applies(spec, tree)
     if spec.kind == "ngram":
         return NGramDrafter(**spec.config, **(_ngram_size(tree) if isinstance(tree, DynamicTree) else {}))

@@ -509,7 +509,7 @@ def test_merged_run_rests_a_part_after_an_earlier_part_had_skip_after_tokens_acc
     assert [c.resting for c in merge_budget.merged_run(steps, 4, 2, skip_after=1)][4] == frozenset({1})
     # the prediction: verify of each replayed tree at its size, plus the rest of a step less the resting part's time
     curve = {1: 10.0, 2: 12.0, 4: 14.0}
-    choice = merge_budget.merged_choice(steps, 4, 2, 2, curve, ratio=0.5, other_ms=6.0)
+    choice = merge_budget.merged_choice(steps, 4, 2, (2, None), curve, ratio=0.5, other_ms=6.0)
     sizes = [c.nodes for c in merge_budget.merged_run(steps, 4, 2, 2)]
     assert sizes == [4, 3, 4, 4, 4]  # root + 5, 6 + the head's 1 (resting at step 1: root + 5, 6)
     assert choice.step_ms == pytest.approx(0.5 * (4 * 14.0 + 13.0) / 5 + 6.0 - 4.0 / 5)
@@ -518,6 +518,31 @@ def test_merged_run_rests_a_part_after_an_earlier_part_had_skip_after_tokens_acc
     first = [merge_budget.MergedStep(own=own, others=lookup, accepted=a, tuned=0, starts=i == 0)
              for i, a in enumerate([(1, 2), (5, 6, 9)])]
     assert [c.gained for c in merge_budget.merged_run(first, 4, 2, skip_after=1)] == [2, 1]
+
+
+def test_merged_run_rests_a_part_where_an_earlier_part_continues_a_match_of_skip_match_tokens_this_step():
+    """skip_match replayed: a part sits out the very step where an earlier part that drafted continues a match of at
+    least skip_match tokens (the recorded ``copying``), the first step of a request included; a part that sat out
+    rests nobody; with skip_after too, either rule rests it."""
+    own = (torch.tensor([0.0, -0.1]), (0, 1), [(), (1,)])
+    lookup = (frozenset({(5,), (5, 6)}),)
+
+    def step(accepted, copying, starts=False):
+        return merge_budget.MergedStep(own=own, others=lookup, accepted=accepted, tuned=1, starts=starts,
+                                       part_ms=(0.5, 4.0), copying=(copying, 0))
+
+    steps = [step((5, 6, 9), 3, starts=True), step((1, 2), 1), step((5, 6, 9), 2), step((5, 9), 0)]
+    rests = [c.resting for c in merge_budget.merged_run(steps, 4, 2, None, skip_match=2)]
+    assert rests == [frozenset({1}), frozenset(), frozenset({1}), frozenset()]
+    assert [c.gained for c in merge_budget.merged_run(steps, 4, 2, None, skip_match=2)] == [3, 2, 3, 2]
+    assert [c.resting for c in merge_budget.merged_run(steps, 4, 2, None, skip_match=3)][2] == frozenset()
+    both = [c.resting for c in merge_budget.merged_run(steps, 4, 2, 2, skip_match=3)]
+    assert both == [frozenset({1}), frozenset({1}), frozenset(), frozenset({1})]  # match, after, neither, after
+    # the head listed first and copying nothing: prompt lookup (second) never rests for a match
+    first = [merge_budget.MergedStep(own=own, others=lookup, accepted=(5, 6, 9), tuned=0, copying=(0, 3))]
+    assert merge_budget.merged_run(first, 4, 2, None, skip_match=1)[0].resting == frozenset()
+    choice = merge_budget.merged_choice(steps, 4, 2, (None, 2), {1: 10.0, 2: 12.0, 4: 14.0}, ratio=1.0, other_ms=6.0)
+    assert choice.step_ms == pytest.approx((13.0 + 14.0 + 13.0 + 14.0) / 4 + 6.0 - 2 * 4.0 / 4)
 
 
 def test_recorded_merge_predicts_what_the_merge_with_a_smaller_head_budget_and_a_skip_after_accepts(setup):
@@ -537,12 +562,14 @@ def test_recorded_merge_predicts_what_the_merge_with_a_smaller_head_budget_and_a
 
     prompts = random_prompts(12, VOCAB, seed=4)
     compared = rested = 0
-    for small, skip, cut_at in ((16, 1, 0), (16, 2, 0), (6, 2, 0), (3, None, 0), (1, 1, 0), (16, 2, 0.05)):
+    for small, skip, cut_at, match in ((16, 1, 0, None), (16, 2, 0, None), (6, 2, 0, None), (3, None, 0, None),
+                                       (1, 1, 0, None), (16, 2, 0.05, None), (16, None, 0, 1), (6, 3, 0, 2)):
         for p in prompts:
             recorder = merge_budget._MergedRecorder(parts(16), tuned=1)
             recorded = generate(target, recorder, p, max_new_tokens=32)
-            cuts = merge_budget.merged_run(recorder.steps, small, 4, skip, math.log(cut_at) if cut_at else -math.inf)
-            real_drafter = MergedDrafter(parts(small, cut_at), skip_after=skip)
+            cuts = merge_budget.merged_run(recorder.steps, small, 4, skip, math.log(cut_at) if cut_at else -math.inf,
+                                           skip_match=match)
+            real_drafter = MergedDrafter(parts(small, cut_at), skip_after=skip, skip_match=match)
             real, real_rested = [], []
             for n, s in enumerate(stream(target, real_drafter, p, max_new_tokens=32)):
                 if n:  # after the prefill, each step as it is yielded: this step's part drafts are still held
@@ -587,11 +614,13 @@ def test_tune_tree_tunes_a_draft_inside_a_merge_and_tree_auto_prefers_that_tunin
     assert cli.main(["tune-tree", *common, "--draft", merge, "--budgets", "2,6"]) == 0
     printed = capsys.readouterr().out
     assert "| mean tree nodes |" in printed and f"inside {merge}" in printed
-    assert "| skip_after | best tree |" in printed and "| 2 (this merge) | dynamic:" in printed and "| never |" in printed
+    assert "| skip_after | skip_match | best tree |" in printed and "| 2 | never (this merge) | dynamic:" in printed
+    assert "| never | never | dynamic:" in printed and "| 3 | 2 | dynamic:" in printed
     files = [json.loads(f.read_text()) for f in (tmp_path / "cache").rglob("tree-*.json")]
     merges = {f["key"].get("merged"): f["best"] for f in files}
-    assert len(files) == 1 + 6 and set(merges) == {None, *("ngram:depth=4,max_nodes=6+*" + ("" if k is None else f"+skip_after={k}")
-                                                           for k in (1, 2, 3, 4, 6, None))}
+    gates = [("" if a is None else f"+skip_after={a}") + ("" if m is None else f"+skip_match={m}")
+             for a in (1, 2, 3, 4, 6, None) for m in (2, 3, None)]
+    assert len(files) == 1 + 18 and set(merges) == {None, *(f"ngram:depth=4,max_nodes=6+*{g}" for g in gates)}
     inside = merges["ngram:depth=4,max_nodes=6+*+skip_after=2"]
     assert inside["budget"] in (2, 6) and inside["nodes"] > 1
     assert load(merge).drafters[1].dynamic == DynamicTree(inside["budget"], depth=2, min_prob=inside["min_prob"])

@@ -82,3 +82,10 @@ def test_a_plus_b_in_the_registry_and_the_bench():
         registry.parse_draft("ngram+skip_after=3")
     with pytest.raises(ValueError, match="skip_after must be >= 1"):
         registry.build_drafter(registry.parse_draft("ngram+ngram+skip_after=0"), Target(model))
+    both = registry.parse_draft("ngram+ngram:depth=4+skip_match=2+skip_after=3")  # one name in either order
+    assert (both.label, both.config) == ("ngram+ngram:depth=4+skip_after=3+skip_match=2",
+                                         {"skip_after": 3, "skip_match": 2})
+    built = registry.build_drafter(both, Target(model))
+    assert (built.skip_after, built.skip_match) == (3, 2)
+    with pytest.raises(ValueError, match="skip_match must be >= 1 \\(or None\\), found 0"):
+        registry.build_drafter(registry.parse_draft("ngram+ngram+skip_match=0"), Target(model))

@@ -32,7 +32,17 @@ def test_min_ngram():
 
 def test_no_match_drafts_the_root_alone():
     d = NGramDrafter().draft(state([1, 2, 3]))
-    assert d.tree == Tree.chain(0) and d.tokens.tolist() == [3] and d.q is None
+    assert d.tree == Tree.chain(0) and d.tokens.tolist() == [3] and d.q is None and d.copying == 0
+
+
+def test_a_draft_says_how_long_a_suffix_its_first_continuation_matched():
+    """Draft.copying: the n of the longest n-gram match (what a merge's skip_match reads), kept when the loop cuts
+    the draft."""
+    assert NGramDrafter().draft(state([1, 2, 3, 4, 1, 2, 3])).copying == 3
+    assert NGramDrafter().draft(state([5, 1, 7, 5, 1, 8, 5, 1])).copying == 2  # [5, 1] occurred before, [8, 5, 1] not
+    assert NGramDrafter(max_ngram=1).draft(state([5, 1, 7, 5, 1])).copying == 1
+    assert NGramDrafter().matches(torch.tensor([4, 6, 9, 6])) == ([[9, 6]], 1)
+    assert NGramDrafter().draft(state([1, 2, 3, 4, 1, 2, 3])).truncated(1).copying == 3
 
 
 def test_draft_is_a_trie_of_the_continuations():

@@ -98,6 +98,10 @@ class Draft:
     scores: torch.Tensor | None = None
     """[N] each node's cumulative draft log-probability (0 for the root), from drafters that grow their tree by score
     under a budget (EAGLE heads); what budget tuning (selfspec/tools/budget.py) reads. None otherwise."""
+    copying: int = 0
+    """prompt lookup: how many of the text's last tokens its first continuation matched earlier in the text (0: no
+    match, or a drafter that does not copy): the longer the match, the likelier the copy goes on. What a merge's
+    ``skip_match`` reads to rest a costlier drafter this step (selfspec/drafts/merge.py)."""
 
     def __post_init__(self) -> None:
         if self.tokens.shape != (len(self.tree),):
@@ -126,7 +130,7 @@ class Draft:
         )
         idx = torch.tensor(keep, dtype=torch.long)
         return Draft(tree=tree, tokens=self.tokens[idx], q=None if self.q is None else self.q[idx],
-                     scores=None if self.scores is None else self.scores[idx])
+                     scores=None if self.scores is None else self.scores[idx], copying=self.copying)
 
 
 @runtime_checkable

@@ -12,7 +12,10 @@ costs").
                order, which the acceptance rules follow
     3. update  every drafter hears the verdict on its own draft, in its own node indices
 
-Optionally (``skip_after``) a costly drafter sits out the steps where a cheap one listed before it is copying a span.
+Optionally a costly drafter sits out the steps where a cheap one listed before it is copying a span: judged from the
+previous step (``skip_after``: the cheap one had that many tokens accepted) or from this one (``skip_match``: its draft
+continues a match of that many of the text's last tokens, ``Draft.copying``), which needs no step of delay: a copy is
+caught at its first step, and the costly drafter is back the step the copy ends.
 
 The merged draft is deterministic (q = None): a draft node is treated as a point mass on its token, which keeps
 sampling lossless whatever drew the candidates (``accept.sample_accept``). Drafters that verify with their own
@@ -72,18 +75,24 @@ class MergedDrafter(Drafter):
     skip_after: a drafter sits out a step while an earlier one (in the order given) had at least this many of its own
     tokens accepted at the previous step: when prompt lookup is copying a span, a head's guesses rarely add to it and
     its drafting time is saved (None: every drafter drafts every step). A drafter that sat out is handed the target's
-    hidden states of every position committed since it last drafted, so a head with its own cache stays in step."""
+    hidden states of every position committed since it last drafted, so a head with its own cache stays in step.
 
-    def __init__(self, drafters: Sequence[Drafter], skip_after: int | None = None):
+    skip_match: a drafter sits out a step where an earlier one's draft this step continues a match of at least this
+    many of the text's last tokens (prompt lookup's ``Draft.copying``; None: never). On MT-bench a 2-token match's copy
+    is accepted for 1.5 tokens a step and a head adds 0.2 to it, less than its drafting and its nodes cost
+    (docs/BENCHMARKS.md §33)."""
+
+    def __init__(self, drafters: Sequence[Drafter], skip_after: int | None = None, skip_match: int | None = None):
         if len(drafters) < 2:
             raise ValueError(f"merging needs at least two drafters, found {len(drafters)}")
-        if skip_after is not None and skip_after < 1:
-            raise ValueError(f"skip_after must be >= 1 (or None), found {skip_after}")
+        for name, value in (("skip_after", skip_after), ("skip_match", skip_match)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 (or None), found {value}")
         for d in drafters:
             if d.verifier() is not None:
                 raise ValueError(f"{type(d).__name__} verifies its drafts with its own target (it reuses the work it "
                                  "did while drafting), so it cannot share a tree with other drafters; use it alone")
-        self.drafters, self.skip_after = list(drafters), skip_after
+        self.drafters, self.skip_after, self.skip_match = list(drafters), skip_after, skip_match
         self.part_drafts: list[Draft | None] = []  # this step's draft of each drafter, None where it sat out
         self.part_seconds: list[float] = []  # this step's time in each drafter (its draft and its update)
         self._accepted = [0] * len(self.drafters)  # each drafter's own tokens accepted at the previous step
@@ -101,7 +110,7 @@ class MergedDrafter(Drafter):
         # 1. draft: each drafter, unless an earlier one is copying a span
         self.part_drafts, self.part_seconds = [], [0.0] * len(self.drafters)
         for k, d in enumerate(self.drafters):
-            if self.skip_after is not None and any(a >= self.skip_after for a in self._accepted[:k]):
+            if self._rests(k):
                 if state.new_hidden is not None:
                     self._pending[k].append((state.new_hidden, state.new_states))
                 self.part_drafts.append(None)
@@ -118,6 +127,13 @@ class MergedDrafter(Drafter):
             self.part_seconds[k] += time.perf_counter() - t0
         # 2. merge
         return merge_drafts([d for d in self.part_drafts if d is not None])
+
+    def _rests(self, k: int) -> bool:
+        """Whether drafter k sits out this step (the drafts of the drafters before it are in ``part_drafts``)."""
+        if self.skip_after is not None and any(a >= self.skip_after for a in self._accepted[:k]):
+            return True
+        return self.skip_match is not None and any(d is not None and d.copying >= self.skip_match
+                                                   for d in self.part_drafts[:k])
 
     def update(self, draft: Draft, acceptance: Acceptance) -> None:
         # 3. each drafter that drafted hears the verdict on its own draft

@@ -25,9 +25,14 @@ class NGramDrafter(Drafter):
 
     def continuations(self, tokens: torch.Tensor) -> list[list[int]]:
         """Token runs that followed earlier occurrences of the current suffix, best first. tokens [T]."""
+        return self.matches(tokens)[0]
+
+    def matches(self, tokens: torch.Tensor) -> tuple[list[list[int]], int]:
+        """``continuations(tokens)`` and the length of the suffix the first of them matched (0: none). tokens [T]."""
         t = tokens.shape[0]
         found: list[list[int]] = []
         seen: set[tuple[int, ...]] = set()
+        longest = 0
         for n in range(min(self.max_ngram, t - 1), self.min_ngram - 1, -1):
             windows = tokens[: t - 1].unfold(0, n, 1)  # [T - n, n] every earlier n-gram that has a successor
             hits = (windows == tokens[t - n :]).all(dim=-1).nonzero().flatten().tolist()
@@ -37,15 +42,16 @@ class NGramDrafter(Drafter):
                 if cont and key not in seen:
                     seen.add(key)
                     found.append(cont)
+                    longest = longest or n
                 if len(found) >= self.max_matches:
-                    return found
-        return found
+                    return found, longest
+        return found, longest
 
-    def trie(self, tokens: torch.Tensor) -> TokenTrie:
-        """The continuations of ``continuations(tokens)`` merged into a trie under the root tokens[-1], in order, until
-        it holds ``max_nodes`` drafts. tokens [T]."""
+    def trie(self, tokens: torch.Tensor, continuations: list[list[int]] | None = None) -> TokenTrie:
+        """The continuations (default: ``continuations(tokens)``) merged into a trie under the root tokens[-1], in
+        order, until it holds ``max_nodes`` drafts. tokens [T]."""
         trie = TokenTrie(int(tokens[-1]))
-        for cont in self.continuations(tokens):
+        for cont in self.continuations(tokens) if continuations is None else continuations:
             node = 0
             for tok in cont:
                 nxt = trie.child(node, tok)
@@ -57,8 +63,10 @@ class NGramDrafter(Drafter):
         return trie
 
     def draft(self, state: DraftState) -> Draft:
-        trie = self.trie(state.tokens)
-        return Draft(tree=trie.tree(), tokens=torch.tensor(trie.tokens, dtype=torch.long, device=state.tokens.device))
+        found, copying = self.matches(state.tokens)
+        trie = self.trie(state.tokens, found)
+        return Draft(tree=trie.tree(), tokens=torch.tensor(trie.tokens, dtype=torch.long, device=state.tokens.device),
+                     copying=copying)
 
     def update(self, draft: Draft, acceptance: Acceptance) -> None:
         return None

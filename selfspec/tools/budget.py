@@ -16,7 +16,7 @@
 It needs a drafter that grows its tree by score under a budget and a depth and reports the scores (``Draft.scores``):
 EAGLE heads, and Medusa heads with a dynamic tree. Nothing is guessed: accepted lengths come from the target's own verdicts on this machine's dtype.
 
-Inside a merge (``--draft ngram+HEADS``) a part's budget and the merge's ``skip_after`` are tuned on the same kind of
+Inside a merge (``--draft ngram+HEADS``) a part's budget and the merge's ``skip_after`` and ``skip_match`` are tuned on the same kind of
 recording, every part drafting: ``selfspec.tools.merge_budget``.
 
 Prompt lookup (``--draft ngram``, ``tune_lookup``) has no scores, but its trie under ``max_nodes`` is the first
@@ -215,7 +215,7 @@ class Choice:
     nodes: float | None = None
     """in a merge, or for prompt lookup: the tree's mean size with its root (a tuned head alone: budget + 1)."""
     resting: float = 0.0
-    """in a merge: the share of steps the tuned part sits out (skip_after)."""
+    """in a merge: the share of steps the tuned part sits out (skip_after, skip_match)."""
     min_prob: float = 0.0
     """the adaptive length: no node of cumulative draft probability below it (0: none left out)."""
 

@@ -265,7 +265,7 @@ def build_tune_parser() -> argparse.ArgumentParser:
                    "on prompts like your workload's); or a merged draft such as "
                    "'ngram+DIR+skip_after=3', whose checkpoint part is tuned with the other parts drafting beside it "
                    "(cached for that merge; --tree auto on the merge prefers it to the part's own tuning), and the "
-                   "merge tuned for every skip_after besides its own (1, 2, 3, 4, 6, never; each cached)")
+                   "merge tuned for every skip_after (1, 2, 3, 4, 6, never) with every skip_match (2, 3, never) besides its own, each cached")
     p.add_argument("--draft-revision", default=None, help="Hub revision of a --draft checkpoint (each revision is "
                    "tuned on its own; --tree auto with the same --draft-revision uses it)")
     p.add_argument("--depths", type=integers(1), default=(3, 4, 5, 6, 8),
@@ -321,7 +321,7 @@ def _tune_one(a: argparse.Namespace, merge: registry.DraftSpec, spec: registry.D
     prompts = _calibration(a, tokenizer, target.device)
     if merge.parts:
         tunings = _tune_merge(a, merge, spec, target, drafter, prompts, curve, depths, budgets)
-        tuning = tunings[merge.config.get("skip_after")]
+        tuning = tunings[_gate(merge)]
     elif lookup:
         tuning = budget.tune_lookup(target, drafter, prompts, curve, depths, budgets, a.max_new_tokens,
                                     progress=not a.no_progress)
@@ -355,17 +355,24 @@ def _tune_one(a: argparse.Namespace, merge: registry.DraftSpec, spec: registry.D
     return 0
 
 
-def _skip_variants(merge: registry.DraftSpec) -> dict[int | None, registry.DraftSpec]:
-    """The same merge with each skip_after tune-tree tunes (its own first, then ``merge_budget.SKIPS``)."""
-    own = merge.config.get("skip_after")
-    return {k: replace(merge, config={} if k is None else {"skip_after": k}) for k in dict.fromkeys([own, *merge_budget.SKIPS])}
+def _gate(merge: registry.DraftSpec) -> merge_budget.Gate:
+    return merge.config.get("skip_after"), merge.config.get("skip_match")
+
+
+def _skip_variants(merge: registry.DraftSpec) -> dict[merge_budget.Gate, registry.DraftSpec]:
+    """The same merge with each gate (skip_after, skip_match) tune-tree tunes (its own first, then
+    ``merge_budget.GATES``)."""
+    def variant(gate: merge_budget.Gate) -> registry.DraftSpec:
+        config = {k: v for k, v in zip(("skip_after", "skip_match"), gate) if v is not None}
+        return replace(merge, config=config)
+    return {g: variant(g) for g in dict.fromkeys([_gate(merge), *merge_budget.GATES])}
 
 
 def _tune_merge(a: argparse.Namespace, merge: registry.DraftSpec, spec: registry.DraftSpec, target: Target,
                 drafter: Drafter, prompts: list[torch.Tensor], curve: dict[int, float], depths: list[int],
-                budgets: list[int]) -> dict[int | None, budget.Tuning]:
+                budgets: list[int]) -> dict[merge_budget.Gate, budget.Tuning]:
     """The part ``spec`` of ``merge`` (built: ``drafter``) tuned with the other parts drafting beside it, each depth's
-    merge built afresh, for every skip_after of ``_skip_variants``."""
+    merge built afresh, for every gate of ``_skip_variants``."""
     tuned_at = merge.parts.index(spec)
 
     def make_parts(d: int, n: int) -> list[Drafter]:
@@ -377,9 +384,9 @@ def _tune_merge(a: argparse.Namespace, merge: registry.DraftSpec, spec: registry
 
 
 def _report_skips(a: argparse.Namespace, merge: registry.DraftSpec, spec: registry.DraftSpec, target: Target,
-                  tunings: dict[int | None, budget.Tuning], out: TextIO) -> None:
-    """Every skip_after's best, each cached for its own merge; the fastest named where it beats the merge's own."""
-    own = merge.config.get("skip_after")
+                  tunings: dict[merge_budget.Gate, budget.Tuning], out: TextIO) -> None:
+    """Every gate's best, each cached for its own merge; the fastest named where it beats the merge's own."""
+    own = _gate(merge)
     variants = _skip_variants(merge)
     for k, variant in variants.items():
         if k != own:

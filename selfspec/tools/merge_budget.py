@@ -1,13 +1,14 @@
 """The tree budget of one part of a merge (``--draft ngram+HEADS``), tuned with the other parts drafting beside it,
-and the merge's ``skip_after`` (``tune_merged``; the budget alone: ``selfspec.tools.budget``).
+and the merge's ``skip_after`` and ``skip_match`` (``tune_merged``; the budget alone: ``selfspec.tools.budget``).
 
 Inside a merge the head's budget is tuned with the other parts drafting beside it: at each recorded step, a budget-N
 merged tree is the trie of the other parts' drafts and the head's N best-scored nodes, its accepted length the accepted
 tokens that trie holds, its cost the verify of its own size. The head's best budget there can differ from its best
 alone: prompt lookup's nodes already take verify time, and on the steps where it copies a span they already hold what
-the head would add. The merge's ``skip_after`` is tuned on the same recording (made with every part drafting every
-step): the steps are replayed in order, a part sitting out where the replayed previous step says it would, its nodes
-left out of that step's trie and its drafting time off the step. A replayed step keeps its recorded position in the
+the head would add. The merge's rests are tuned on the same recording (made with every part drafting every step): the
+steps are replayed in order, a part sitting out where the replayed previous step (``skip_after``) or an earlier part's
+recorded match this step (``skip_match``) says it would, its nodes left out of that step's trie and its drafting time
+off the step. A replayed step keeps its recorded position in the
 text, so a smaller tree's shorter accepts do not shift the later steps; the prediction is exact step for step until the
 first step that accepts less than the recording did.
 
@@ -47,6 +48,9 @@ class MergedStep:
     """the first drafted step of a request (no part has had tokens accepted yet)."""
     part_ms: tuple[float, ...] = ()
     """each part's drafting time this step (its draft and its update), in merge order."""
+    copying: tuple[int, ...] = ()
+    """each part's ``Draft.copying`` this step (prompt lookup's match length; 0 for other drafts), in merge order: what
+    skip_match reads."""
 
 
 class Cut(NamedTuple):
@@ -82,18 +86,29 @@ def merged_at(step: MergedStep, budget: int, depth: int, resting: frozenset[int]
 
 
 
+Gate = tuple[int | None, int | None]
+"""a merge's rests: (skip_after, skip_match), None where unset (``MergedDrafter``)."""
+
+
 def merged_run(steps: Sequence[MergedStep], budget: int, depth: int, skip_after: int | None,
-               min_logp: float = -math.inf) -> list[Cut]:
-    """The recorded steps replayed in order as a merge with ``skip_after`` (``MergedDrafter``'s rule: a part sits out
-    while an earlier one had at least that many of its own tokens accepted at the previous step, within a request)."""
+               min_logp: float = -math.inf, skip_match: int | None = None) -> list[Cut]:
+    """The recorded steps replayed in order as a merge with ``skip_after`` and ``skip_match`` (``MergedDrafter``'s
+    rules: a part sits out while an earlier one had at least skip_after of its own tokens accepted at the previous step,
+    within a request, or where an earlier part that drafted this step continues a match of at least skip_match
+    tokens)."""
     cuts: list[Cut] = []
     last: tuple[int, ...] = ()
     for step in steps:
         if step.starts or not last:
             last = (0,) * (len(step.others) + 1)
-        resting = frozenset() if skip_after is None else frozenset(
-            k for k in range(len(last)) if any(a >= skip_after for a in last[:k]))
-        cuts.append(merged_at(step, budget, depth, resting, min_logp))
+        resting: set[int] = set()
+        for k in range(len(last)):
+            after = skip_after is not None and any(a >= skip_after for a in last[:k])
+            match = skip_match is not None and any(step.copying[j] >= skip_match
+                                                   for j in range(k) if j not in resting)
+            if after or match:
+                resting.add(k)
+        cuts.append(merged_at(step, budget, depth, frozenset(resting), min_logp))
         last = cuts[-1].own
     return cuts
 
@@ -123,42 +138,47 @@ class _MergedRecorder:
             own=(own.scores, tuple(own.tree.depths), token_paths(own)),
             others=tuple(frozenset(token_paths(d)[1:]) for k, d in enumerate(parts) if k != self.tuned),
             accepted=tuple(int(draft.tokens[i]) for i in acceptance.path[1:]) + (acceptance.bonus,),
-            tuned=self.tuned, starts=self._starts, part_ms=tuple(1000 * t for t in self.merged.part_seconds)))
+            tuned=self.tuned, starts=self._starts, part_ms=tuple(1000 * t for t in self.merged.part_seconds),
+            copying=tuple(d.copying for d in parts)))
 
 
 SKIPS = (1, 2, 3, 4, 6, None)
 """the skip_after values a merge is tuned for besides its own (None: every part drafts every step)."""
+MATCHES = (2, 3, None)
+"""the skip_match values a merge is tuned for besides its own, each with every skip_after of SKIPS."""
+GATES: tuple[Gate, ...] = tuple((a, m) for m in MATCHES for a in SKIPS)
 
 
 def tune_merged(target, make_parts: Callable[[int, int], Sequence[Drafter]], tuned: int,
                 prompts: Sequence[torch.Tensor], curve: dict[int, float], depths: Sequence[int],
-                budgets: Sequence[int], skips: Sequence[int | None] = SKIPS, max_new_tokens: int = 64,
-                progress: bool = False, min_probs: Sequence[float] = (0.0,)) -> dict[int | None, Tuning]:
+                budgets: Sequence[int], gates: Sequence[Gate] = GATES, max_new_tokens: int = 64,
+                progress: bool = False, min_probs: Sequence[float] = (0.0,)) -> dict[Gate, Tuning]:
     """``tune`` for part ``tuned`` of a merge (``make_parts(depth, budget)``: the merge's drafters, in order, that part
     at this depth and budget), the other parts drafting beside it, for every ``skip_after`` in ``skips``: one greedy
     decode per depth at the largest budget with every part drafting every step; the steps replayed in order for each
-    skip_after (``merged_run``: which parts sit out, from the previous step's replayed verdict), each merged tree cut
+    gate, (skip_after, skip_match) (``merged_run``: which parts sit out, from the previous step's replayed verdict and
+    this step's recorded matches), each merged tree cut
     to each smaller budget (and each ``min_probs`` cut), its verify cost at its own size, the drafting time of the parts that sat out taken off.
-    Returns {skip_after: Tuning}."""
+    Returns {gate: Tuning}."""
     big = max(budgets)
     recorded, ratio = record_decodes(target, lambda d: _MergedRecorder(make_parts(d, big), tuned), prompts, curve,
                                      depths, max_new_tokens, progress)
     tunings = {}
-    for skip in skips:
-        table = [merged_choice(records, n, d, skip, curve, ratio, other_ms, p)
+    for gate in gates:
+        table = [merged_choice(records, n, d, gate, curve, ratio, other_ms, p)
                  for d, records, other_ms in recorded for n in budgets for p in min_probs]
-        tunings[skip] = Tuning(best=max(table, key=lambda c: c.tokens_per_s), plain_ms=ratio * curve[1], table=table,
+        tunings[gate] = Tuning(best=max(table, key=lambda c: c.tokens_per_s), plain_ms=ratio * curve[1], table=table,
                                verify_ratio=ratio)
     return tunings
 
 
-def merged_choice(steps: Sequence[MergedStep], budget: int, depth: int, skip_after: int | None,
+def merged_choice(steps: Sequence[MergedStep], budget: int, depth: int, gate: Gate,
                   curve: dict[int, float], ratio: float, other_ms: float, min_prob: float = 0.0) -> Choice:
-    """The recorded steps of one depth replayed at this budget and skip_after (``merged_run``): mean tokens per step,
-    and a step's predicted ms: the verify of each replayed tree at its own size (the cached curve at this run's level,
+    """The recorded steps of one depth replayed at this budget and gate (skip_after, skip_match; ``merged_run``): mean
+    tokens per step, and a step's predicted ms: the verify of each replayed tree at its own size (the cached curve at this run's level,
     ``ratio``), plus the recording's median rest of a step (``other_ms``, every part drafting) less the mean drafting
     time of the parts that sat out."""
-    cuts = merged_run(steps, budget, depth, skip_after, cut_logp(min_prob))
+    cuts = merged_run(steps, budget, depth, gate[0], cut_logp(min_prob), skip_match=gate[1])
     k = max(len(cuts), 1)
     verify = sum(interpolate(curve, c.nodes) for c in cuts) / k
     saved = sum(step.part_ms[p] for step, c in zip(steps, cuts) for p in c.resting) / k
@@ -168,16 +188,20 @@ def merged_choice(steps: Sequence[MergedStep], budget: int, depth: int, skip_aft
                   resting=sum(tuned in c.resting for c in cuts) / k, min_prob=min_prob)
 
 
-def format_skips(tunings: dict[int | None, Tuning], own: int | None) -> str:
-    """One row per skip_after: its best tree and what it is predicted to give."""
+def format_skips(tunings: dict[Gate, Tuning], own: Gate) -> str:
+    """One row per gate (skip_after, skip_match): its best tree and what it is predicted to give."""
     plain = 1000 / next(iter(tunings.values())).plain_ms
-    lines = ["| skip_after | best tree | merged tree nodes | tuned part sits out | mean accepted | predicted tokens/s | vs "
-             "one-token step |", "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| skip_after | skip_match | best tree | merged tree nodes | tuned part sits out | mean accepted | predicted "
+             "tokens/s | vs one-token step |", "|---|---|---|---:|---:|---:|---:|---:|"]
     fastest = max(t.best.tokens_per_s for t in tunings.values())
-    for k, t in sorted(tunings.items(), key=lambda kt: (kt[0] is None, kt[0] or 0)):
+
+    def order(value: int | None) -> tuple[bool, int]:
+        return value is None, value or 0
+
+    for k, t in sorted(tunings.items(), key=lambda kt: (order(kt[0][1]), order(kt[0][0]))):
         c = t.best
-        name = ("never" if k is None else str(k)) + (" (this merge)" if k == own else "")
+        after, match = ("never" if v is None else str(v) for v in k)
         mark = " **best**" if c.tokens_per_s == fastest else ""
-        lines.append(f"| {name} | {c.tree.spec} | {c.nodes:.1f} | {c.resting:.0%} | "
-                     f"{c.accepted:.2f} | {c.tokens_per_s:.1f}{mark} | {c.tokens_per_s / plain:.2f}× |")
+        lines.append(f"| {after} | {match}{' (this merge)' if k == own else ''} | {c.tree.spec} | {c.nodes:.1f} | "
+                     f"{c.resting:.0%} | {c.accepted:.2f} | {c.tokens_per_s:.1f}{mark} | {c.tokens_per_s / plain:.2f}× |")
     return "\n".join(lines)

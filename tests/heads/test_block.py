@@ -304,6 +304,27 @@ def test_a_block_drafter_that_sits_out_steps_of_a_merged_draft_stays_in_step():
     assert block.committed > 0
 
 
+def test_a_block_drafter_rests_at_the_very_steps_prompt_lookup_continues_a_match_of_skip_match_tokens():
+    """ngram+block with skip_match=2: the drafter sits out exactly the steps whose prompt-lookup draft continues a
+    2-token match (``Draft.copying``), drafts at every other, stays in step, and the output is the target's own."""
+    model = tiny_model("llama", initializer_range=0.5)
+    block = BlockDrafter(make_head(model, feature_layers=FEATURES), DynamicTree(6))
+    merged = MergedDrafter([NGramDrafter(depth=4, max_nodes=6), block], skip_match=2)
+    steps = []
+    draft = merged.draft
+
+    def watched(state):
+        out = draft(state)
+        steps.append((merged.part_drafts[0].copying, merged.part_drafts[1] is None))
+        return out
+
+    merged.draft = watched
+    for prompt in random_prompts(6, VOCAB, seed=9):
+        assert generate(Target(model), merged, prompt, max_new_tokens=32).tokens == reference(model, prompt, 32)
+    assert all(rested == (copying >= 2) for copying, rested in steps), steps
+    assert sum(r for _, r in steps) >= 3 and sum(not r for _, r in steps) >= 5, steps  # both kinds of step happened
+
+
 def test_a_block_drafter_reading_feature_layers_stays_token_identical(tiny_models):
     model = tiny_models["gemma3"]
     drafter = BlockDrafter(make_head(model, feature_layers=FEATURES), DynamicTree(8))
