@@ -75,6 +75,8 @@ class BenchConfig:
     """answer only the first N questions."""
     per_category: int | None = None
     """answer only the first N questions of each category (a balanced subset)."""
+    skip_per_category: int = 0
+    """skip the first K questions of each category (before per_category): questions a choice was not tuned on."""
     repeats: int = 1
     """time each turn this many times; the median is reported."""
     warmup_tokens: int = 32
@@ -111,6 +113,8 @@ class BenchConfig:
             raise ValueError(f"limit must be >= 1, found {self.limit}")
         if self.per_category is not None and self.per_category < 1:
             raise ValueError(f"per_category must be >= 1, found {self.per_category}")
+        if self.skip_per_category < 0:
+            raise ValueError(f"skip_per_category must be >= 0, found {self.skip_per_category}")
         if not self.methods or not self.dtypes:
             raise ValueError("expected at least one method and one dtype")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or not 0 <= self.min_p <= 1:
@@ -330,7 +334,7 @@ def _code() -> dict[str, Any]:
 
 def run_bench(cfg: BenchConfig) -> specbench.Summary:
     # 1. validate everything a run needs, and the log of the run it may resume, before any model is loaded
-    questions = specbench.load_questions(cfg.questions, cfg.limit, cfg.per_category)
+    questions = specbench.load_questions(cfg.questions, cfg.limit, cfg.per_category, cfg.skip_per_category)
     dtypes = [DTYPE_NAMES[d] for d in dict.fromkeys(parse_dtype(d) for d in cfg.dtypes)]
     methods = parse_methods(cfg.methods, target_info(cfg.model, cfg.revision).num_layers, cfg.draft_revision)
     check_drafts(cfg.model, [m.draft for m in methods if m.draft is not None], cfg.revision,

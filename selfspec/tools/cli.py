@@ -146,7 +146,8 @@ def run_bench_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
     a = build_bench_parser().parse_args(argv)
     cfg = BenchConfig(questions=a.questions, out_dir=a.out_dir, methods=registry.split_drafts(a.methods),
                       dtypes=names(a.dtype), model=a.model, revision=a.revision, draft_revision=a.draft_revision,
-                      max_new_tokens=a.max_new_tokens, limit=a.limit, per_category=a.per_category, repeats=a.repeats,
+                      max_new_tokens=a.max_new_tokens, limit=a.limit, per_category=a.per_category,
+                      skip_per_category=a.skip_per_category, repeats=a.repeats,
                       warmup_tokens=a.warmup_tokens, device=a.device, allow_other_base=a.allow_other_base,
                       progress=not a.no_progress, resume=a.resume, temperature=a.temperature, top_p=a.top_p,
                       top_k=a.top_k, min_p=a.min_p, seed=a.seed, repetition_penalty=a.repetition_penalty,

@@ -134,6 +134,10 @@ def build_bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="answer only the first N questions")
     p.add_argument("--per-category", type=int, default=None,
                    help="answer only the first N questions of each category (a balanced subset)")
+    p.add_argument("--skip-per-category", type=int, default=0, metavar="K",
+                   help="skip the first K questions of each category, before --per-category: measure a choice on "
+                   "questions it was not tuned or looked at on (--skip-per-category 4 --per-category 4: the 5th to "
+                   "8th of each)")
     p.add_argument("--repeats", type=int, default=1, help="time every turn R times and report the median")
     p.add_argument("--warmup-tokens", type=int, default=32, help="tokens per method in the untimed warm-up (0 = none)")
     p.add_argument("--temperature", type=float, default=0.0,

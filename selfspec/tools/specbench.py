@@ -62,10 +62,12 @@ class Answer:
         return {"question_id": self.question_id, "category": self.category, "model_id": model_id, "choices": [choice]}
 
 
-def load_questions(path: str | Path, limit: int | None = None, per_category: int | None = None) -> list[Question]:
+def load_questions(path: str | Path, limit: int | None = None, per_category: int | None = None,
+                   skip_per_category: int = 0) -> list[Question]:
     """Read and validate a Spec-Bench question file; any malformed line fails with its line number.
 
-    per_category keeps the first N questions of each category (a balanced subset, in file order); limit then keeps
+    skip_per_category drops the first K questions of each category (those a choice was tuned or looked at on, say);
+    per_category then keeps the first N of each category left (a balanced subset, in file order); limit then keeps
     the first N questions of what is left.
     """
     path = Path(path)
@@ -100,14 +102,16 @@ def load_questions(path: str | Path, limit: int | None = None, per_category: int
         out.append(Question(question_id=qid, category=category, turns=tuple(turns)))
     if not out:
         raise ValueError(f"{path} holds no questions")
-    if per_category is not None:
+    if per_category is not None or skip_per_category:
         taken: dict[str, int] = {}
         balanced = []
         for q in out:
             taken[q.category] = taken.get(q.category, 0) + 1
-            if taken[q.category] <= per_category:
+            if skip_per_category < taken[q.category] <= skip_per_category + (per_category or len(out)):
                 balanced.append(q)
         out = balanced
+        if not out:
+            raise ValueError(f"{path}: no question is left after skipping the first {skip_per_category} of each category")
     return out[:limit] if limit is not None else out
 
 
