@@ -64,7 +64,7 @@ from selfspec.drafts.policy import PolicyDrafter, read_policy
 
 ENTRY_POINT_GROUP = "selfspec.drafters"
 MERGE_OPTION = re.compile(r"(skip_after|skip_match)=\d+")  # a trailing option of 'A+B': '+skip_after=3' (MergedDrafter)
-NGRAM_KEYS = ("max_ngram", "min_ngram", "depth", "max_nodes", "max_matches")
+NGRAM_KEYS = ("max_ngram", "min_ngram", "depth", "max_nodes", "max_matches", "copy_depth")
 EARLY_EXIT_KEYS = {"layer": int, "depth": int, "stop_below": float}
 ACCEPTED = (
     "'none', 'ngram' (optionally 'ngram:depth=8,max_nodes=24' with keys " + ", ".join(NGRAM_KEYS) + "), "

@@ -82,3 +82,21 @@ def test_node_budget():
 def test_bad_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
         NGramDrafter(**kwargs)
+
+
+def test_copy_depth_runs_a_whole_max_ngram_match_deeper_and_nothing_else():
+    """copy_depth: the first continuation of a match of the whole max_ngram runs copy_depth deep, with that many more
+    nodes in the trie; a shorter match, and the continuations after the first, stay ``depth`` deep."""
+    text = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2, 3]  # [1, 2, 3] matched: the copy 4 .. 11, 1, 2, 3 follows
+    plain, deep = NGramDrafter(depth=3, max_nodes=4), NGramDrafter(depth=3, max_nodes=4, copy_depth=8)
+    assert plain.draft(state(text)).tokens.tolist() == [3, 4, 5, 6]
+    d = deep.draft(state(text))
+    assert d.tokens.tolist() == [3, 4, 5, 6, 7, 8, 9, 10, 11] and d.tree == Tree.chain(8) and d.copying == 3
+    two = [9, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]  # only [2, 3] matches: depth 3
+    assert deep.draft(state(two)).tokens.tolist() == [3, 4, 5, 6]
+    several = [5, 1, 7, 7, 7, 5, 1, 8, 8, 8, 9, 5, 1]  # max_ngram 2: the newest match copies deep, the older one not
+    d = NGramDrafter(max_ngram=2, depth=2, max_nodes=8, copy_depth=4).draft(state(several))
+    assert [d.tokens[i].item() for i in range(len(d.tree)) if d.tree.depths[i] == 1] == [8, 7]
+    assert d.tree.depth == 4 and len(d.tree) == 1 + 4 + 2
+    with pytest.raises(ValueError, match="copy_depth .* must be >= depth \\(3\\), found 2"):
+        NGramDrafter(depth=3, copy_depth=2)

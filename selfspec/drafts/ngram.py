@@ -3,6 +3,9 @@
 The last n tokens (n from ``max_ngram`` down to ``min_ngram``) are looked up earlier in the prompt and the text
 generated so far; the continuations that followed each match, most recent first and longest match first, are merged
 into a trie under a node budget. Code, extraction and summarisation repeat their input, so their drafts run deep.
+
+A match of the whole ``max_ngram`` is the likeliest to go on copying: with ``copy_depth`` its first continuation runs
+that deep (the trie ``copy_depth - depth`` nodes bigger), the others and shorter matches ``depth`` deep.
 """
 
 from __future__ import annotations
@@ -15,13 +18,18 @@ from selfspec.core.tree import TokenTrie
 
 
 class NGramDrafter(Drafter):
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, depth: int = 8, max_nodes: int = 24, max_matches: int = 8):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, depth: int = 8, max_nodes: int = 24, max_matches: int = 8,
+                 copy_depth: int | None = None):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"expected 1 <= min_ngram <= max_ngram, found min_ngram={min_ngram}, max_ngram={max_ngram}")
         if depth < 1 or max_nodes < 1 or max_matches < 1:
             raise ValueError(f"depth, max_nodes and max_matches must be >= 1, found {depth}, {max_nodes}, {max_matches}")
+        if copy_depth is not None and copy_depth < depth:
+            raise ValueError(f"copy_depth (how deep a whole-max_ngram match's continuation runs) must be >= depth "
+                             f"({depth}), found {copy_depth}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.depth, self.max_nodes, self.max_matches = depth, max_nodes, max_matches
+        self.copy_depth = copy_depth
 
     def continuations(self, tokens: torch.Tensor) -> list[list[int]]:
         """Token runs that followed earlier occurrences of the current suffix, best first. tokens [T]."""
@@ -37,7 +45,8 @@ class NGramDrafter(Drafter):
             windows = tokens[: t - 1].unfold(0, n, 1)  # [T - n, n] every earlier n-gram that has a successor
             hits = (windows == tokens[t - n :]).all(dim=-1).nonzero().flatten().tolist()
             for start in reversed(hits):  # most recent first
-                cont = tokens[start + n : start + n + self.depth].tolist()
+                deep = self.copy_depth if self.copy_depth and n == self.max_ngram and not found else self.depth
+                cont = tokens[start + n : start + n + deep].tolist()
                 key = tuple(cont)
                 if cont and key not in seen:
                     seen.add(key)
@@ -49,14 +58,17 @@ class NGramDrafter(Drafter):
 
     def trie(self, tokens: torch.Tensor, continuations: list[list[int]] | None = None) -> TokenTrie:
         """The continuations (default: ``continuations(tokens)``) merged into a trie under the root tokens[-1], in
-        order, until it holds ``max_nodes`` drafts. tokens [T]."""
+        order, until it holds ``max_nodes`` drafts (and the extra nodes of a ``copy_depth`` continuation). tokens
+        [T]."""
+        found = self.continuations(tokens) if continuations is None else continuations
+        extra = max(len(found[0]) - self.depth, 0) if found else 0  # a copy_depth continuation's nodes beyond depth
         trie = TokenTrie(int(tokens[-1]))
-        for cont in self.continuations(tokens) if continuations is None else continuations:
+        for cont in found:
             node = 0
             for tok in cont:
                 nxt = trie.child(node, tok)
                 if nxt is None:
-                    if len(trie) >= self.max_nodes + 1:
+                    if len(trie) >= self.max_nodes + extra + 1:
                         break
                     nxt = trie.add(node, tok)
                 node = nxt

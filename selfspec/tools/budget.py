@@ -328,7 +328,8 @@ def tune_lookup(target, lookup: NGramDrafter, prompts: Sequence[torch.Tensor], c
     replayed on it (``lookup_at``), its step's cost the verify of its own trie's size plus the recording's rest of a
     step (prompt lookup's drafting costs little whatever its size)."""
     def sized(d: int, n: int) -> NGramDrafter:
-        return NGramDrafter(lookup.max_ngram, lookup.min_ngram, depth=d, max_nodes=n, max_matches=lookup.max_matches)
+        return NGramDrafter(lookup.max_ngram, lookup.min_ngram, depth=d, max_nodes=n, max_matches=lookup.max_matches,
+                            copy_depth=None if lookup.copy_depth is None else max(lookup.copy_depth, d))
 
     big = sized(max(depths), max(budgets))
     [(_, records, other_ms)], ratio = record_decodes(target, lambda d: _LookupRecorder(big), prompts, curve,
