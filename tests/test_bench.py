@@ -165,7 +165,8 @@ def test_the_shipped_mt_bench_file_is_valid():
     assert len(balanced) == 16 and all(sum(q.category == c for q in balanced) == 2 for c in {q.category for q in balanced})
     assert [q.question_id for q in balanced if q.category == "math"] == [q.question_id for q in questions if q.category == "math"][:2]
     later = specbench.load_questions(bench.DEFAULT_QUESTIONS, per_category=3, skip_per_category=2)
-    assert [q.question_id for q in later if q.category == "math"] == [q.question_id for q in questions if q.category == "math"][2:5]
+    math = [q.question_id for q in questions if q.category == "math"]
+    assert [q.question_id for q in later if q.category == "math"] == math[2:5]
     assert len(later) == 24 and not {q.question_id for q in later} & {q.question_id for q in balanced}
     assert len(specbench.load_questions(bench.DEFAULT_QUESTIONS, skip_per_category=9)) == 8  # the last of each
     with pytest.raises(ValueError, match="no question is left after skipping the first 10 of each category"):

@@ -69,6 +69,16 @@ def restrict(accepted: Sequence[int], own: Draft) -> Acceptance:
     return Acceptance(path=tuple(path), bonus=accepted[len(path) - 1])
 
 
+def sits_out(k: int, accepted: Sequence[int], copying: Sequence[int | None], skip_after: int | None,
+             skip_match: int | None) -> bool:
+    """Whether part k of a merge sits out this step. accepted: each part's own tokens accepted at the previous step;
+    copying: this step's ``Draft.copying`` of the parts before k, None for a part that sat out. The rule
+    ``MergedDrafter`` decodes with and ``selfspec.tools.merge_budget.merged_run`` replays."""
+    if skip_after is not None and any(a >= skip_after for a in accepted[:k]):
+        return True
+    return skip_match is not None and any(c is not None and c >= skip_match for c in copying[:k])
+
+
 class MergedDrafter(Drafter):
     """``--draft A+B``: the drafts of A and B (and more) verified as one tree.
 
@@ -110,7 +120,8 @@ class MergedDrafter(Drafter):
         # 1. draft: each drafter, unless an earlier one is copying a span
         self.part_drafts, self.part_seconds = [], [0.0] * len(self.drafters)
         for k, d in enumerate(self.drafters):
-            if self._rests(k):
+            copying = [None if p is None else p.copying for p in self.part_drafts]  # the parts before k
+            if sits_out(k, self._accepted, copying, self.skip_after, self.skip_match):
                 if state.new_hidden is not None:
                     self._pending[k].append((state.new_hidden, state.new_states))
                 self.part_drafts.append(None)
@@ -127,13 +138,6 @@ class MergedDrafter(Drafter):
             self.part_seconds[k] += time.perf_counter() - t0
         # 2. merge
         return merge_drafts([d for d in self.part_drafts if d is not None])
-
-    def _rests(self, k: int) -> bool:
-        """Whether drafter k sits out this step (the drafts of the drafters before it are in ``part_drafts``)."""
-        if self.skip_after is not None and any(a >= self.skip_after for a in self._accepted[:k]):
-            return True
-        return self.skip_match is not None and any(d is not None and d.copying >= self.skip_match
-                                                   for d in self.part_drafts[:k])
 
     def update(self, draft: Draft, acceptance: Acceptance) -> None:
         # 3. each drafter that drafted hears the verdict on its own draft

@@ -18,8 +18,8 @@ from selfspec.core.tree import TokenTrie
 
 
 class NGramDrafter(Drafter):
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, depth: int = 8, max_nodes: int = 24, max_matches: int = 8,
-                 copy_depth: int | None = None):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, depth: int = 8, max_nodes: int = 24,
+                 max_matches: int = 8, copy_depth: int | None = None):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"expected 1 <= min_ngram <= max_ngram, found min_ngram={min_ngram}, max_ngram={max_ngram}")
         if depth < 1 or max_nodes < 1 or max_matches < 1:

@@ -16,8 +16,8 @@
 It needs a drafter that grows its tree by score under a budget and a depth and reports the scores (``Draft.scores``):
 EAGLE heads, and Medusa heads with a dynamic tree. Nothing is guessed: accepted lengths come from the target's own verdicts on this machine's dtype.
 
-Inside a merge (``--draft ngram+HEADS``) a part's budget and the merge's ``skip_after`` and ``skip_match`` are tuned on the same kind of
-recording, every part drafting: ``selfspec.tools.merge_budget``.
+Inside a merge (``--draft ngram+HEADS``) a part's budget and the merge's ``skip_after`` and ``skip_match`` are tuned on
+the same kind of recording, every part drafting: ``selfspec.tools.merge_budget``.
 
 Prompt lookup (``--draft ngram``, ``tune_lookup``) has no scores, but its trie under ``max_nodes`` is the first
 ``max_nodes`` nodes it inserts: one decode at the largest depth and node count records each step's text, and every

@@ -265,7 +265,8 @@ def build_tune_parser() -> argparse.ArgumentParser:
                    "on prompts like your workload's); or a merged draft such as "
                    "'ngram+DIR+skip_after=3', whose checkpoint part is tuned with the other parts drafting beside it "
                    "(cached for that merge; --tree auto on the merge prefers it to the part's own tuning), and the "
-                   "merge tuned for every skip_after (1, 2, 3, 4, 6, never) with every skip_match (2, 3, never) besides its own, each cached")
+                   "merge tuned for every skip_after (1, 2, 3, 4, 6, never) with every skip_match (2, 3, never) "
+                   "besides its own, each cached")
     p.add_argument("--draft-revision", default=None, help="Hub revision of a --draft checkpoint (each revision is "
                    "tuned on its own; --tree auto with the same --draft-revision uses it)")
     p.add_argument("--depths", type=integers(1), default=(3, 4, 5, 6, 8),
@@ -356,14 +357,15 @@ def _tune_one(a: argparse.Namespace, merge: registry.DraftSpec, spec: registry.D
 
 
 def _gate(merge: registry.DraftSpec) -> merge_budget.Gate:
-    return merge.config.get("skip_after"), merge.config.get("skip_match")
+    """The merge's own (skip_after, skip_match)."""
+    return tuple(merge.config.get(k) for k in merge_budget.GATE_KEYS)
 
 
 def _skip_variants(merge: registry.DraftSpec) -> dict[merge_budget.Gate, registry.DraftSpec]:
     """The same merge with each gate (skip_after, skip_match) tune-tree tunes (its own first, then
     ``merge_budget.GATES``)."""
     def variant(gate: merge_budget.Gate) -> registry.DraftSpec:
-        config = {k: v for k, v in zip(("skip_after", "skip_match"), gate) if v is not None}
+        config = {k: v for k, v in zip(merge_budget.GATE_KEYS, gate) if v is not None}
         return replace(merge, config=config)
     return {g: variant(g) for g in dict.fromkeys([_gate(merge), *merge_budget.GATES])}
 

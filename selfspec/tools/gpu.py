@@ -8,7 +8,8 @@ included), 8 files of 16 MiB back per call, and /tmp kept only while it stays wa
 
 packs the wheels selfspec needs beyond the machine's own packages (its dependencies at the versions installed here,
 for Python 3.12), the built-in model's GGUF in parts, the draft to benchmark (bf16) and the conversations to
-regenerate (user turns, parquet), into as many calls as the 64 MiB allow (56 MiB each, beside the working tree). Each call there runs
+regenerate (user turns, parquet), into as many calls as the 64 MiB allow (56 MiB each, beside the working tree).
+Each call there runs
 
     python3 -P selfspec/tools/gpu.py there --call K --out $OUT
 

@@ -8,9 +8,9 @@ alone: prompt lookup's nodes already take verify time, and on the steps where it
 the head would add. The merge's rests are tuned on the same recording (made with every part drafting every step): the
 steps are replayed in order, a part sitting out where the replayed previous step (``skip_after``) or an earlier part's
 recorded match this step (``skip_match``) says it would, its nodes left out of that step's trie and its drafting time
-off the step. A replayed step keeps its recorded position in the
-text, so a smaller tree's shorter accepts do not shift the later steps; the prediction is exact step for step until the
-first step that accepts less than the recording did.
+off the step. A replayed step keeps its recorded position in the text, so a smaller tree's shorter accepts do not
+shift the later steps; the prediction is exact step for step until the first step that accepts less than the
+recording did.
 
 Shapes: N_k the tuned part's tree nodes.
 """
@@ -26,7 +26,7 @@ import torch
 from selfspec.core.accept import Acceptance
 from selfspec.core.drafter import Draft, Drafter, DraftState
 from selfspec.core.tree import cut_logp
-from selfspec.drafts.merge import MergedDrafter
+from selfspec.drafts.merge import MergedDrafter, sits_out
 from selfspec.tools.budget import (Choice, TokenPath, Tuning, held, interpolate, kept_nodes, record_decodes,
                                    token_paths)
 
@@ -88,25 +88,24 @@ def merged_at(step: MergedStep, budget: int, depth: int, resting: frozenset[int]
 
 Gate = tuple[int | None, int | None]
 """a merge's rests: (skip_after, skip_match), None where unset (``MergedDrafter``)."""
+GATE_KEYS = ("skip_after", "skip_match")
+"""a Gate's entries as a merged draft's options name them ('+skip_after=3+skip_match=2')."""
 
 
 def merged_run(steps: Sequence[MergedStep], budget: int, depth: int, skip_after: int | None,
                min_logp: float = -math.inf, skip_match: int | None = None) -> list[Cut]:
-    """The recorded steps replayed in order as a merge with ``skip_after`` and ``skip_match`` (``MergedDrafter``'s
-    rules: a part sits out while an earlier one had at least skip_after of its own tokens accepted at the previous step,
-    within a request, or where an earlier part that drafted this step continues a match of at least skip_match
-    tokens)."""
+    """The recorded steps replayed in order as a merge with ``skip_after`` and ``skip_match`` (``merge.sits_out``, the
+    rule ``MergedDrafter`` decodes with; the accepted counts restart with each request)."""
     cuts: list[Cut] = []
     last: tuple[int, ...] = ()
     for step in steps:
         if step.starts or not last:
             last = (0,) * (len(step.others) + 1)
+        copying = step.copying or (0,) * len(last)
         resting: set[int] = set()
         for k in range(len(last)):
-            after = skip_after is not None and any(a >= skip_after for a in last[:k])
-            match = skip_match is not None and any(step.copying[j] >= skip_match
-                                                   for j in range(k) if j not in resting)
-            if after or match:
+            drafted = [None if j in resting else copying[j] for j in range(k)]
+            if sits_out(k, last, drafted, skip_after, skip_match):
                 resting.add(k)
         cuts.append(merged_at(step, budget, depth, frozenset(resting), min_logp))
         last = cuts[-1].own
@@ -154,12 +153,11 @@ def tune_merged(target, make_parts: Callable[[int, int], Sequence[Drafter]], tun
                 budgets: Sequence[int], gates: Sequence[Gate] = GATES, max_new_tokens: int = 64,
                 progress: bool = False, min_probs: Sequence[float] = (0.0,)) -> dict[Gate, Tuning]:
     """``tune`` for part ``tuned`` of a merge (``make_parts(depth, budget)``: the merge's drafters, in order, that part
-    at this depth and budget), the other parts drafting beside it, for every ``skip_after`` in ``skips``: one greedy
-    decode per depth at the largest budget with every part drafting every step; the steps replayed in order for each
-    gate, (skip_after, skip_match) (``merged_run``: which parts sit out, from the previous step's replayed verdict and
-    this step's recorded matches), each merged tree cut
-    to each smaller budget (and each ``min_probs`` cut), its verify cost at its own size, the drafting time of the parts that sat out taken off.
-    Returns {gate: Tuning}."""
+    at this depth and budget), the other parts drafting beside it, for every gate (skip_after, skip_match) in
+    ``gates``: one greedy decode per depth at the largest budget with every part drafting every step; the steps
+    replayed in order for each gate (``merged_run``: which parts sit out, from the previous step's replayed verdict and
+    this step's recorded matches), each merged tree cut to each smaller budget (and each ``min_probs`` cut), its verify
+    cost at its own size, the drafting time of the parts that sat out taken off. Returns {gate: Tuning}."""
     big = max(budgets)
     recorded, ratio = record_decodes(target, lambda d: _MergedRecorder(make_parts(d, big), tuned), prompts, curve,
                                      depths, max_new_tokens, progress)
@@ -175,9 +173,9 @@ def tune_merged(target, make_parts: Callable[[int, int], Sequence[Drafter]], tun
 def merged_choice(steps: Sequence[MergedStep], budget: int, depth: int, gate: Gate,
                   curve: dict[int, float], ratio: float, other_ms: float, min_prob: float = 0.0) -> Choice:
     """The recorded steps of one depth replayed at this budget and gate (skip_after, skip_match; ``merged_run``): mean
-    tokens per step, and a step's predicted ms: the verify of each replayed tree at its own size (the cached curve at this run's level,
-    ``ratio``), plus the recording's median rest of a step (``other_ms``, every part drafting) less the mean drafting
-    time of the parts that sat out."""
+    tokens per step, and a step's predicted ms: the verify of each replayed tree at its own size (the cached curve at
+    this run's level, ``ratio``), plus the recording's median rest of a step (``other_ms``, every part drafting) less
+    the mean drafting time of the parts that sat out."""
     cuts = merged_run(steps, budget, depth, gate[0], cut_logp(min_prob), skip_match=gate[1])
     k = max(len(cuts), 1)
     verify = sum(interpolate(curve, c.nodes) for c in cuts) / k

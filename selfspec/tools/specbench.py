@@ -111,7 +111,8 @@ def load_questions(path: str | Path, limit: int | None = None, per_category: int
                 balanced.append(q)
         out = balanced
         if not out:
-            raise ValueError(f"{path}: no question is left after skipping the first {skip_per_category} of each category")
+            raise ValueError(f"{path}: no question is left after skipping the first {skip_per_category} of each "
+                             "category")
     return out[:limit] if limit is not None else out
 
 
