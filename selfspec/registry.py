@@ -31,7 +31,9 @@ loaded, then built on the loaded target.
   (``auto``: the budget ``infer.py tune-tree --draft A+B`` tuned inside this merge, else the one tuned for the part);
   a trailing ``+skip_after=K`` lets a part sit out the steps where an earlier part had K of its tokens accepted
   (``ngram+runs/eagle_head+skip_after=3``: the head rests while prompt lookup is copying), ``+skip_match=K`` the
-  steps where prompt lookup's draft continues a match of K of the text's last tokens (judged at the step itself)
+  steps where prompt lookup's draft continues a match of K of the text's last tokens (judged at the step itself),
+  ``+skip_unpaid=P`` the steps where it is measured, while decoding, to add fewer tokens than the time it costs
+  (per match length; every P-th such step it drafts anyway, to measure again)
 
 ``--tree`` accepts ``chain:K``, ``full:3,2,1`` (children per level), Medusa-style JSON choices ``[[0], [0, 0], [1]]``
 or a ``.json`` file holding such a list, ``dynamic:N`` / ``dynamic:N,depth=D``, and ``auto``.
@@ -63,7 +65,8 @@ from selfspec.drafts.ngram import NGramDrafter
 from selfspec.drafts.policy import PolicyDrafter, read_policy
 
 ENTRY_POINT_GROUP = "selfspec.drafters"
-MERGE_OPTION = re.compile(r"(skip_after|skip_match)=\d+")  # a trailing option of 'A+B': '+skip_after=3' (MergedDrafter)
+# a trailing option of 'A+B': '+skip_after=3' (MergedDrafter)
+MERGE_OPTION = re.compile(r"(skip_after|skip_match|skip_unpaid)=\d+")
 NGRAM_KEYS = ("max_ngram", "min_ngram", "depth", "max_nodes", "max_matches", "copy_depth")
 EARLY_EXIT_KEYS = {"layer": int, "depth": int, "stop_below": float}
 ACCEPTED = (
@@ -428,7 +431,8 @@ def build_drafter(spec: DraftSpec, target: Target, tree: Tree | DynamicTree | No
     if spec.parts:
         takes_tree = tree_part(spec)
         return MergedDrafter([build_drafter(p, target, tree if p is takes_tree else None) for p in spec.parts],
-                             skip_after=spec.config.get("skip_after"), skip_match=spec.config.get("skip_match"))
+                             skip_after=spec.config.get("skip_after"), skip_match=spec.config.get("skip_match"),
+                             skip_unpaid=spec.config.get("skip_unpaid"))
     check_tree_applies(spec, tree)
     if spec.kind == "ngram":
         return NGramDrafter(**spec.config, **(_ngram_size(tree) if isinstance(tree, DynamicTree) else {}))

@@ -102,7 +102,8 @@ def _tuned_elsewhere(key: dict) -> list[str]:
 def merge_stamp(spec, tuned) -> str:
     """What identifies the merge a draft part is tuned in (``spec``: a merged DraftSpec, ``tuned``: its part whose
     budget is tuned): the other parts in order (a checkpoint by its ``draft_stamp``, prompt lookup by its options),
-    '*' in the tuned part's place, and the merge's options: 'ngram:depth=6,max_nodes=8+*+skip_after=3'."""
+    '*' in the tuned part's place, and the merge's options a tuning replays: 'ngram:depth=6,max_nodes=8+*+skip_after=3'
+    (not ``skip_unpaid``, decided while decoding: the merge with it uses the tuning of the merge without it)."""
     def name(p) -> str:
         if p is tuned:
             return "*"
@@ -111,7 +112,11 @@ def merge_stamp(spec, tuned) -> str:
         return with_options(p.kind, p.config)
 
     parts = [name(p) for p in spec.parts]
-    return "+".join(parts + [f"{k}={v}" for k, v in spec.config.items()])
+    return "+".join(parts + [f"{k}={v}" for k, v in spec.config.items() if k not in UNREPLAYED_MERGE_OPTIONS])
+
+
+UNREPLAYED_MERGE_OPTIONS = ("skip_unpaid",)
+"""a merge's options that tune-tree does not replay (measured while decoding): not part of its tuning's key."""
 
 
 def with_options(kind: str, config: dict) -> str:

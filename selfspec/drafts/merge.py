@@ -15,7 +15,9 @@ costs").
 Optionally a costly drafter sits out the steps where a cheap one listed before it is copying a span: judged from the
 previous step (``skip_after``: the cheap one had that many tokens accepted) or from this one (``skip_match``: its draft
 continues a match of that many of the text's last tokens, ``Draft.copying``), which needs no step of delay: a copy is
-caught at its first step, and the costly drafter is back the step the copy ends.
+caught at its first step, and the costly drafter is back the step the copy ends. Or it sits out where it is measured
+not to pay for itself (``skip_unpaid``: the tokens it adds against the time it adds, per match length, while decoding;
+selfspec/drafts/merge_cost.py).
 
 The merged draft is deterministic (q = None): a draft node is treated as a point mass on its token, which keeps
 sampling lossless whatever drew the candidates (``accept.sample_accept``). Drafters that verify with their own
@@ -28,13 +30,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from selfspec.core.accept import Acceptance
 from selfspec.core.drafter import Draft, Drafter, DraftState, LayerStates
 from selfspec.core.tree import TokenTrie
+from selfspec.drafts import merge_cost
 
 
 def merge_drafts(drafts: Sequence[Draft]) -> Draft:
@@ -90,12 +93,18 @@ class MergedDrafter(Drafter):
     skip_match: a drafter sits out a step where an earlier one's draft this step continues a match of at least this
     many of the text's last tokens (prompt lookup's ``Draft.copying``; None: never). On MT-bench a 2-token match's copy
     is accepted for 1.5 tokens a step and a head adds 0.2 to it, less than its drafting and its nodes cost
-    (docs/BENCHMARKS.md §33)."""
+    (docs/BENCHMARKS.md §33).
 
-    def __init__(self, drafters: Sequence[Drafter], skip_after: int | None = None, skip_match: int | None = None):
+    skip_unpaid = P: a drafter after the first sits out the steps where, at this match length of the earlier ones,
+    steps with it have added fewer tokens per second than steps without it, measured while decoding (``merge_cost``;
+    every P-th such step it drafts anyway, to measure again; None: never). clock: what times a step (the time from
+    one ``draft`` call to the next)."""
+
+    def __init__(self, drafters: Sequence[Drafter], skip_after: int | None = None, skip_match: int | None = None,
+                 skip_unpaid: int | None = None, clock: Callable[[], float] = time.perf_counter):
         if len(drafters) < 2:
             raise ValueError(f"merging needs at least two drafters, found {len(drafters)}")
-        for name, value in (("skip_after", skip_after), ("skip_match", skip_match)):
+        for name, value in (("skip_after", skip_after), ("skip_match", skip_match), ("skip_unpaid", skip_unpaid)):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 (or None), found {value}")
         for d in drafters:
@@ -109,19 +118,29 @@ class MergedDrafter(Drafter):
         # (new_hidden [A_j, D], new_states or None) held for drafters that sat out
         self._pending: list[list[tuple[torch.Tensor, LayerStates | None]]] = [[] for _ in self.drafters]
         self.skipped = [0] * len(self.drafters)  # steps each drafter sat out
+        self.skip_unpaid, self.clock = skip_unpaid, clock
+        # skip_unpaid: each drafter's tallies, one per bucket (the first drafter's stay empty: it always drafts)
+        self.tallies = [[merge_cost.Tally() for _ in range(merge_cost.BUCKETS)] for _ in self.drafters]
+        self._step: tuple[float, list[int], list[bool]] | None = None  # this step's start, buckets, who drafted
+        self._tokens: tuple[int, list[int]] | None = None  # this step's tokens, and each part's tokens without it
 
     @property
     def batchable(self) -> bool:  # type: ignore[override]
         return all(d.batchable for d in self.drafters)
 
     def draft(self, state: DraftState) -> Draft:
+        now = self.clock()
         if state.starts_request:
             self._accepted, self._pending = [0] * len(self.drafters), [[] for _ in self.drafters]
-        # 1. draft: each drafter, unless an earlier one is copying a span
+            self._step = self._tokens = None  # no step of another request is timed into this one
+        self._observe(now)
+        # 1. draft: each drafter, unless an earlier one is copying a span, or it does not pay for itself here
         self.part_drafts, self.part_seconds = [], [0.0] * len(self.drafters)
+        buckets = [0] * len(self.drafters)
         for k, d in enumerate(self.drafters):
             copying = [None if p is None else p.copying for p in self.part_drafts]  # the parts before k
-            if sits_out(k, self._accepted, copying, self.skip_after, self.skip_match):
+            buckets[k] = merge_cost.bucket(copying)
+            if sits_out(k, self._accepted, copying, self.skip_after, self.skip_match) or not self._pays(k, buckets[k]):
                 if state.new_hidden is not None:
                     self._pending[k].append((state.new_hidden, state.new_states))
                 self.part_drafts.append(None)
@@ -136,8 +155,28 @@ class MergedDrafter(Drafter):
             t0 = time.perf_counter()
             self.part_drafts.append(d.draft(own))
             self.part_seconds[k] += time.perf_counter() - t0
+        self._step = (now, buckets, [p is not None for p in self.part_drafts])
         # 2. merge
         return merge_drafts([d for d in self.part_drafts if d is not None])
+
+    def _pays(self, k: int, b: int) -> bool:
+        """skip_unpaid's choice for drafter k at this step (bucket b); True without skip_unpaid and for the first."""
+        if self.skip_unpaid is None or k == 0:
+            return True
+        tally = self.tallies[k][b]
+        drafts = merge_cost.drafts(tally, self.skip_unpaid)
+        merge_cost.chose(tally, drafts)
+        return drafts
+
+    def _observe(self, now: float) -> None:
+        """skip_unpaid: the step in flight is over (``now``): its time and tokens go to each later drafter's bucket."""
+        if self.skip_unpaid is None or self._step is None or self._tokens is None:
+            return
+        start, buckets, drafted = self._step
+        tokens, without = self._tokens
+        for k in range(1, len(self.drafters)):
+            merge_cost.observe(self.tallies[k][buckets[k]], drafted[k], now - start, tokens, without[k])
+        self._step = self._tokens = None
 
     def update(self, draft: Draft, acceptance: Acceptance) -> None:
         # 3. each drafter that drafted hears the verdict on its own draft
@@ -151,3 +190,7 @@ class MergedDrafter(Drafter):
             self._accepted[k] = verdict.num_accepted_drafts
             d.update(own, verdict)
             self.part_seconds[k] += time.perf_counter() - t0
+        # the tokens the step would have added without drafter k: the most any other drafter's tree holds, + the bonus
+        drafted = [k for k, own in enumerate(self.part_drafts) if own is not None]
+        self._tokens = (len(accepted), [1 + max((self._accepted[j] for j in drafted if j != k), default=0)
+                                        for k in range(len(self.drafters))])

@@ -364,9 +364,11 @@ def _gate(merge: registry.DraftSpec) -> merge_budget.Gate:
 def _skip_variants(merge: registry.DraftSpec) -> dict[merge_budget.Gate, registry.DraftSpec]:
     """The same merge with each gate (skip_after, skip_match) tune-tree tunes (its own first, then
     ``merge_budget.GATES``)."""
+    kept = {k: v for k, v in merge.config.items() if k not in merge_budget.GATE_KEYS}  # skip_unpaid: not replayed
+
     def variant(gate: merge_budget.Gate) -> registry.DraftSpec:
-        config = {k: v for k, v in zip(merge_budget.GATE_KEYS, gate) if v is not None}
-        return replace(merge, config=config)
+        config = kept | {k: v for k, v in zip(merge_budget.GATE_KEYS, gate) if v is not None}
+        return replace(merge, config=dict(sorted(config.items())))
     return {g: variant(g) for g in dict.fromkeys([_gate(merge), *merge_budget.GATES])}
 
 
