@@ -10,7 +10,9 @@ costs").
     2. merge   their trees become one trie: a node is one token under one parent, so a path two drafters share is
                verified once; nodes keep the order they came in (the first drafter's first), siblings ranked in that
                order, which the acceptance rules follow
-    3. update  every drafter hears the verdict on its own draft, in its own node indices
+    3. update  every drafter hears the verdict on its own draft, in its own node indices; with ``skip_unpaid``
+               the step's tokens, and the tokens it would have added without each later drafter, are kept for
+               the next draft, which times the step and files both (``merge_cost.observe``)
 
 Optionally a costly drafter sits out the steps where a cheap one listed before it is copying a span: judged from the
 previous step (``skip_after``: the cheap one had that many tokens accepted) or from this one (``skip_match``: its draft
