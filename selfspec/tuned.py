@@ -28,6 +28,7 @@ from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntr
 from selfspec.core import compiled
 from selfspec.core.models import cache_dir, looks_local
 from selfspec.core.tree import DynamicTree
+from selfspec.drafts.merge import REPLAYED_OPTIONS
 
 
 class Tuned(Protocol):
@@ -112,11 +113,7 @@ def merge_stamp(spec, tuned) -> str:
         return with_options(p.kind, p.config)
 
     parts = [name(p) for p in spec.parts]
-    return "+".join(parts + [f"{k}={v}" for k, v in spec.config.items() if k not in UNREPLAYED_MERGE_OPTIONS])
-
-
-UNREPLAYED_MERGE_OPTIONS = ("skip_unpaid",)
-"""a merge's options that tune-tree does not replay (measured while decoding): not part of its tuning's key."""
+    return "+".join(parts + [f"{k}={v}" for k, v in spec.config.items() if k in REPLAYED_OPTIONS])
 
 
 def with_options(kind: str, config: dict) -> str:

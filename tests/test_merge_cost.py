@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import VOCAB, random_prompts, reference, tiny_model
-from selfspec import Target, Tree, registry
+from selfspec import Target, Tree, registry, tuned
 from selfspec.core.drafter import Draft, Drafter, DraftState
 from selfspec.core.generate import generate
 from selfspec.drafts import merge_cost
@@ -93,7 +93,8 @@ def test_a_merged_part_that_does_not_pay_sits_out_and_the_output_is_plain_decodi
                             Clocked(oracle, clock, cost, costly)], skip_unpaid=4, clock=lambda: clock[0])
     for prompt, ref in zip(prompts, refs):
         oracle.continuation = ref
-        every.clear(), costly.clear()
+        every.clear()
+        costly.clear()
         assert generate(target, merged, prompt, 100).tokens == ref
         if prompt is prompts[0]:
             drafted = set(costly)
@@ -110,7 +111,6 @@ def test_skip_unpaid_in_the_registry_and_its_tuning_key():
     target = Target(tiny_model("llama"))
     built = registry.build_drafter(spec, target)
     assert (built.skip_after, built.skip_unpaid) == (3, 8)
-    from selfspec import tuned
     without = registry.parse_draft("ngram+ngram:depth=4+skip_after=3")
     assert tuned.merge_stamp(spec, spec.parts[1]) == tuned.merge_stamp(without, without.parts[1])  # not replayed
     with pytest.raises(ValueError, match="skip_unpaid must be >= 1 \\(or None\\), found 0"):

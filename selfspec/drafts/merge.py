@@ -74,6 +74,11 @@ def restrict(accepted: Sequence[int], own: Draft) -> Acceptance:
     return Acceptance(path=tuple(path), bonus=accepted[len(path) - 1])
 
 
+REPLAYED_OPTIONS = ("skip_after", "skip_match")
+"""the merge options ``sits_out`` reads (the previous step's verdicts, this step's drafts): what tune-tree replays and
+keys its tuning by. ``skip_unpaid`` is measured while decoding, never replayed."""
+
+
 def sits_out(k: int, accepted: Sequence[int], copying: Sequence[int | None], skip_after: int | None,
              skip_match: int | None) -> bool:
     """Whether part k of a merge sits out this step. accepted: each part's own tokens accepted at the previous step;
@@ -138,10 +143,11 @@ class MergedDrafter(Drafter):
         self._observe(now)
         # 1. draft: each drafter, unless an earlier one is copying a span, or it does not pay for itself here
         self.part_drafts, self.part_seconds = [], [0.0] * len(self.drafters)
-        buckets = [0] * len(self.drafters)
+        buckets = [0] * len(self.drafters)  # skip_unpaid: each drafter's bucket this step
         for k, d in enumerate(self.drafters):
             copying = [None if p is None else p.copying for p in self.part_drafts]  # the parts before k
-            buckets[k] = merge_cost.bucket(copying)
+            if self.skip_unpaid is not None:
+                buckets[k] = merge_cost.bucket(copying)
             if sits_out(k, self._accepted, copying, self.skip_after, self.skip_match) or not self._pays(k, buckets[k]):
                 if state.new_hidden is not None:
                     self._pending[k].append((state.new_hidden, state.new_states))
@@ -157,7 +163,8 @@ class MergedDrafter(Drafter):
             t0 = time.perf_counter()
             self.part_drafts.append(d.draft(own))
             self.part_seconds[k] += time.perf_counter() - t0
-        self._step = (now, buckets, [p is not None for p in self.part_drafts])
+        if self.skip_unpaid is not None:
+            self._step = (now, buckets, [p is not None for p in self.part_drafts])
         # 2. merge
         return merge_drafts([d for d in self.part_drafts if d is not None])
 
@@ -192,7 +199,8 @@ class MergedDrafter(Drafter):
             self._accepted[k] = verdict.num_accepted_drafts
             d.update(own, verdict)
             self.part_seconds[k] += time.perf_counter() - t0
-        # the tokens the step would have added without drafter k: the most any other drafter's tree holds, + the bonus
-        drafted = [k for k, own in enumerate(self.part_drafts) if own is not None]
-        self._tokens = (len(accepted), [1 + max((self._accepted[j] for j in drafted if j != k), default=0)
-                                        for k in range(len(self.drafters))])
+        if self.skip_unpaid is not None:
+            # the tokens the step would have added without drafter k: the most any other drafter's tree holds, + bonus
+            drafted = [k for k, own in enumerate(self.part_drafts) if own is not None]
+            self._tokens = (len(accepted), [1 + max((self._accepted[j] for j in drafted if j != k), default=0)
+                                            for k in range(len(self.drafters))])

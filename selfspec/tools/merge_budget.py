@@ -26,7 +26,7 @@ import torch
 from selfspec.core.accept import Acceptance
 from selfspec.core.drafter import Draft, Drafter, DraftState
 from selfspec.core.tree import cut_logp
-from selfspec.drafts.merge import MergedDrafter, sits_out
+from selfspec.drafts.merge import REPLAYED_OPTIONS, MergedDrafter, sits_out
 from selfspec.tools.budget import (Choice, TokenPath, Tuning, held, interpolate, kept_nodes, record_decodes,
                                    token_paths)
 
@@ -88,7 +88,7 @@ def merged_at(step: MergedStep, budget: int, depth: int, resting: frozenset[int]
 
 Gate = tuple[int | None, int | None]
 """a merge's rests: (skip_after, skip_match), None where unset (``MergedDrafter``)."""
-GATE_KEYS = ("skip_after", "skip_match")
+GATE_KEYS = REPLAYED_OPTIONS
 """a Gate's entries as a merged draft's options name them ('+skip_after=3+skip_match=2')."""
 
 
