@@ -10,6 +10,8 @@ tests/test_distribution.py.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ from selfspec.core.batch import Batch, Job, generate_batch, stream_batch
 from selfspec.core.drafter import fork
 from selfspec.drafts.layerskip import LayerSkipDrafter
 from selfspec.drafts.merge import MergedDrafter
+from selfspec.tools.serve.batcher import Batcher
 from selfspec.testing import OracleDrafter, RandomDrafter
 
 NEW = 20
@@ -168,6 +171,11 @@ def test_a_drafter_on_the_targets_cache_cannot_batch(tiny_models):
         fork(skip)
     with pytest.raises(ValueError, match="LayerSkipDrafter cannot draft for a batch"):
         Batch(target).add(0, Job(torch.tensor([1, 2, 3]), skip, 4))
+    # a merge names the part that cannot batch, and the server's batcher says to serve one request at a time
+    with pytest.raises(ValueError, match=r"MergedDrafter \(its part LayerSkipDrafter\) cannot draft for a batch"):
+        fork(MergedDrafter([NGramDrafter(), skip]))
+    with pytest.raises(ValueError, match=r"LayerSkipDrafter cannot draft for a batch: .*--max-batch 1"):
+        Batcher(SimpleNamespace(drafter=skip), max_batch=4)
 
 
 def test_bad_jobs_are_refused_before_they_join(tiny_models):

@@ -182,11 +182,23 @@ def fork(drafter: Drafter) -> Drafter:
     return copy.deepcopy(drafter, shared)
 
 
-def check_batchable(drafter: Drafter) -> None:
-    """Refuse a drafter that cannot draft beside others in a batch (``Drafter.batchable``), saying what to do."""
+def check_batchable(drafter: Drafter, instead: str = "decode its sequences one at a time") -> None:
+    """Refuse a drafter that cannot draft beside others in a batch (``Drafter.batchable``), naming the part that
+    cannot (a merge's or a policy's) and what to do (``instead``)."""
     if not drafter.batchable:
-        raise ValueError(f"{type(drafter).__name__} cannot draft for a batch (it runs the target's own layers on its "
-                         "cache): decode its sequences one at a time")
+        culprit = unbatchable_part(drafter)
+        where = "" if culprit is drafter else f" (its part {type(culprit).__name__})"
+        raise ValueError(f"{type(drafter).__name__}{where} cannot draft for a batch: it runs the target's own layers "
+                         f"on the target's cache, which a batch holds as rows; {instead}")
+
+
+def unbatchable_part(drafter: Drafter) -> Drafter:
+    """The innermost part of ``drafter`` (through merges' and policies' ``drafters``) that cannot batch; ``drafter``
+    itself when it has no such part."""
+    for part in getattr(drafter, "drafters", ()):
+        if not part.batchable:
+            return unbatchable_part(part)
+    return drafter
 
 
 def _share(obj: Any, kinds: tuple[type, ...], shared: dict[int, Any], seen: set[int]) -> None:

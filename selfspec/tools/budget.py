@@ -307,17 +307,16 @@ def tune(target, make_drafter: Callable[[int, int], Drafter], prompts: Sequence[
 
 def _choice(records: Sequence, budget: int, depth: int, min_prob: float, curve: dict[int, float], ratio: float,
             other_ms: float) -> Choice:
-    """The recorded steps of one depth replayed as ``dynamic:budget,depth=depth,min_prob=min_prob``."""
-    if min_prob == 0:  # every step verifies budget + 1 nodes (fewer only when the draft had fewer candidates)
-        gains = [accepted_at(scores, dep, path, budget, depth) for scores, dep, path in records]
-        return Choice(depth=depth, budget=budget, accepted=sum(gains) / max(len(gains), 1),
-                      step_ms=ratio * interpolate(curve, budget + 1) + other_ms)
+    """The recorded steps of one depth replayed as ``dynamic:budget,depth=depth,min_prob=min_prob``: each step verifies
+    the nodes it keeps (at most ``budget``; fewer where the draft had fewer candidates or ``min_prob`` cuts), and the
+    root. ``nodes`` is their mean, None for a tree of one size (``budget`` + 1 at every step)."""
     min_logp, k = cut_logp(min_prob), max(len(records), 1)
     sizes = [len(kept_nodes(scores, dep, budget, depth, min_logp)) + 1 for scores, dep, _ in records]
     gains = [accepted_at(scores, dep, path, budget, depth, min_logp) for scores, dep, path in records]
+    fixed = min_prob == 0 and all(n == budget + 1 for n in sizes)
     return Choice(depth=depth, budget=budget, accepted=sum(gains) / k,
-                  step_ms=ratio * sum(interpolate(curve, n) for n in sizes) / k + other_ms, nodes=sum(sizes) / k,
-                  min_prob=min_prob)
+                  step_ms=ratio * sum(interpolate(curve, n) for n in sizes) / k + other_ms,
+                  nodes=None if fixed else sum(sizes) / k, min_prob=min_prob)
 
 
 def tune_lookup(target, lookup: NGramDrafter, prompts: Sequence[torch.Tensor], curve: dict[int, float],

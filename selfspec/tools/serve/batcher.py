@@ -21,6 +21,7 @@ from typing import Iterator
 
 from selfspec.api import SpecModel
 from selfspec.core.batch import Batch, Job
+from selfspec.core.drafter import check_batchable
 from selfspec.core.generate import Step
 
 
@@ -65,9 +66,7 @@ class Batcher:
     def __init__(self, model: SpecModel, max_batch: int, node_budget: int | None = None):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, found {max_batch!r}")
-        if not model.drafter.batchable:
-            raise ValueError(f"{type(model.drafter).__name__} cannot draft for a batch (it runs the target's own "
-                             "layers on its cache): serve it one request at a time (--max-batch 1)")
+        check_batchable(model.drafter, "serve it one request at a time (--max-batch 1)")
         self.model, self.max_batch, self.node_budget = model, max_batch, node_budget
         self._arrivals: queue.Queue[_Ticket] = queue.Queue()
         self._keys = itertools.count()
