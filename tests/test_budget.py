@@ -252,8 +252,8 @@ def test_tune_predicts_at_this_runs_level_whatever_level_the_cached_curve_was_me
     clock = FakeClock()
     monkeypatch.setattr(generate_module, "time", clock)
     verify = target.verify
-    monkeypatch.setattr(target, "verify", lambda tree, tokens, cache: clock.advance(
-        budget.interpolate(curve, len(tokens)) / 1000) or verify(tree, tokens, cache))
+    monkeypatch.setattr(target, "verify", lambda tree, tokens, cache, *rest: clock.advance(
+        budget.interpolate(curve, len(tokens)) / 1000) or verify(tree, tokens, cache, *rest))
 
     def timed_drafter(depth: int, n: int) -> EagleDrafter:
         drafter = EagleDrafter(head, depth, 3, n)
@@ -342,8 +342,8 @@ def test_tune_tree_caches_nothing_when_the_machine_is_busier_than_its_cost_curve
     clock = FakeClock()
     monkeypatch.setattr(generate_module, "time", clock)
     verify = Target.verify
-    monkeypatch.setattr(Target, "verify", lambda self, tree, tokens, cache: clock.advance(
-        20 * budget.interpolate(curve, len(tokens)) / 1000) or verify(self, tree, tokens, cache))
+    monkeypatch.setattr(Target, "verify", lambda self, tree, tokens, cache, *rest: clock.advance(
+        20 * budget.interpolate(curve, len(tokens)) / 1000) or verify(self, tree, tokens, cache, *rest))
     ckpt = tmp_path / "skip"
     LayerSkipConfig(base_model="model", num_hidden_layers=2, skip_layers=(1,), draft_depth=3).save(ckpt)
     assert cli.main(["tune-tree", "--model", str(model_dir), "--draft", str(ckpt), "--dtype", "fp32", "--depths", "2",

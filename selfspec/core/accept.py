@@ -39,14 +39,20 @@ class Acceptance:
 def greedy_accept(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor) -> Acceptance:
     """tokens [N] (tokens[0] is the root), logits [N, V] of the target at every node."""
     target = logits.argmax(-1)  # [N] the target's next token after each node
+    path = greedy_path(tree, tokens, target)
+    return Acceptance(path=path, bonus=int(target[path[-1]]))
+
+
+def greedy_path(tree: Tree, tokens: torch.Tensor, target: torch.Tensor) -> tuple[int, ...]:
+    """tokens [N], target [N] the target's next token after each node -> the accepted path: the longest run of nodes
+    each equal to the target after its parent (the first longest, a deterministic tie-break)."""
     match = tokens == target[tree.parent_tensor]  # [N] node i agrees with the target after its parent
     match[0] = True
     paths = tree.leaf_paths  # [L, D]
     ok = match[paths.clamp(min=0)] & (paths >= 0)  # [L, D]
     run = ok.long().cumprod(dim=-1).sum(dim=-1)  # [L] accepted prefix length of each path, root included
     best = int(run.argmax())  # first longest: a deterministic tie-break
-    path = tuple(int(i) for i in paths[best, : int(run[best])])
-    return Acceptance(path=path, bonus=int(target[path[-1]]))
+    return tuple(int(i) for i in paths[best, : int(run[best])])
 
 
 def sample_accept(

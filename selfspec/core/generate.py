@@ -6,7 +6,9 @@
              4. accept     greedy / lossless sampling      → accepted path + bonus token (each node's scores
                                                                processed for its own text: a logit bias, the
                                                                repetition / presence / frequency penalties, the
-                                                               end-of-sequence block of min_new_tokens)
+                                                               end-of-sequence block of min_new_tokens); greedy on
+                                                               unprocessed scores runs the LM head itself, on the
+                                                               nodes it needs (head_rows)
              5. commit     cache keeps root + accepted path, drops the rest
              6. update     drafter.update(draft, acceptance)
              7. emit       accepted drafts + bonus, cut at EOS, a stop string and max_new_tokens (where plain
@@ -25,10 +27,11 @@ import torch
 
 from selfspec.core.accept import Acceptance, greedy_accept, sample_accept, typical_accept
 from selfspec.core.drafter import Draft, Drafter, DraftState, LayerStates
+from selfspec.core.head_rows import greedy_from_hidden
 from selfspec.core.logprobs import TokenLogprob, token_logprobs
 from selfspec.core.processors import Processors
 from selfspec.core.request import check_logprobs, check_max_new_tokens, check_min_new_tokens
-from selfspec.core.sampling import Sampling, next_token, path_scores, process_logits
+from selfspec.core.sampling import Sampling, next_token, path_scores, process_logits, unprocessed
 from selfspec.core.stopping import Criterion, first_stop
 from selfspec.core.target import Target
 
@@ -135,6 +138,7 @@ def stream(target: Target, drafter: Drafter, input_ids: torch.Tensor, max_new_to
     prompt = input_ids.reshape(-1).to(target.device)
     cache = target.new_cache()
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    head = target.plain_head() if sampling.greedy and unprocessed(sampling, processors) else None  # for head_rows
 
     # 1. prefill: the prompt in one causal forward; the target's own first token becomes the root
     t0 = time.perf_counter()
@@ -160,13 +164,19 @@ def stream(target: Target, drafter: Drafter, input_ids: torch.Tensor, max_new_to
         proposed, draft_s = timed(sync, drafter.draft, state)
         draft = fit_draft(proposed, target, start, max_new_tokens - produced - 1)
 
-        # 3. verify every node in one forward of the target
-        out, verify_s = timed(sync, target.verify, draft.tree, draft.tokens, cache)
+        # 3. verify every node in one forward of the target (greedy on unprocessed scores: without the LM head)
+        rows = head is not None and produced >= min_new_tokens
+        out, verify_s = timed(sync, target.verify, draft.tree, draft.tokens, cache, not rows)
 
         # 4. accept: the longest path the target agrees with, plus the target's own next token (each node's scores
-        #    processed for the text before it: penalties, a logit bias, no EOS while it is shorter than min_new_tokens)
-        acc = judge(draft, out.logits, tokens, prompt.shape[0], produced, sampling, eos, processors, min_new_tokens,
-                    accept_rule, generator)
+        #    processed for the text before it: penalties, a logit bias, no EOS while it is shorter than min_new_tokens;
+        #    or, greedy on unprocessed scores, the LM head run on the nodes the path needs)
+        if rows:
+            acc, path_logits = greedy_from_hidden(draft.tree, draft.tokens, out.hidden, *head)  # [P, V]
+        else:
+            acc = judge(draft, out.logits, tokens, prompt.shape[0], produced, sampling, eos, processors,
+                        min_new_tokens, accept_rule, generator)
+            path_logits = out.logits[list(acc.path)]  # [P, V]
 
         # 5. commit: the cache keeps the root and the accepted drafts, in order
         target.commit(cache, start, acc.path)
@@ -182,7 +192,7 @@ def stream(target: Target, drafter: Drafter, input_ids: torch.Tensor, max_new_to
         # new[j] follows path node j (the bonus follows the last): its log-probability is that node's, unprocessed
         yield Step(tokens=tuple(new), tree_size=len(draft.tree), verify_s=verify_s,
                    other_s=time.perf_counter() - t_step - verify_s, draft_s=draft_s,
-                   logprobs=scored(out.logits[list(acc.path[: len(new)])], tokens[-len(new):], logprobs))
+                   logprobs=scored(path_logits[: len(new)], tokens[-len(new):], logprobs))
         if stop is not None or produced >= max_new_tokens:
             return
 

@@ -114,12 +114,13 @@ def forward(
     position_ids: torch.Tensor,
     mask: torch.Tensor | None,
     cache: Cache,
-    logits_to_keep: int = 0,
+    logits_to_keep: int | torch.Tensor = 0,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """input_ids [N], position_ids [N], mask [1, 1, N, S + N] or None (plain causal) -> logits [n, V], states: L + 1
     tensors [N, D].
 
-    n = N, or the last ``logits_to_keep`` positions when that is > 0. ``states`` are transformers' ``hidden_states`` at
+    n = N, or the last ``logits_to_keep`` positions when that is an int > 0, or the positions it lists when it is an
+    index tensor (empty: no LM head at all). ``states`` are transformers' ``hidden_states`` at
     every one of the N positions: states[0] the embeddings, states[i] the output of decoder layer i, states[-1] the
     final hidden state (after the model's final norm), the input of the LM head, which is what draft heads read.
     They are computed by every forward anyway (the model keeps them for the caller; no copy is made).

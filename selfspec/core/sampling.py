@@ -176,6 +176,13 @@ def path_scores(logits: torch.Tensor, sampling: Sampling, text: torch.Tensor, pr
     return logits
 
 
+def unprocessed(sampling: Sampling, processors: Processors) -> bool:
+    """Whether ``path_scores`` returns the logits as they are (no bias, penalty or processor asked for; the
+    end-of-sequence block of min_new_tokens aside, which the caller knows per step)."""
+    return (not sampling.logit_bias and not processors.before and not processors.after
+            and sampling.repetition_penalty == 1.0 and not sampling.presence_penalty and not sampling.frequency_penalty)
+
+
 class PresencePenalty:
     """OpenAI's presence and frequency penalties as a transformers logits processor, for ``model.generate`` (which has
     none): ``generate(..., logits_processor=LogitsProcessorList([PresencePenalty(prompt_length, p, f)]))``."""

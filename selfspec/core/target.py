@@ -17,9 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers import Cache, PreTrainedModel
 
-from selfspec.core import hf
+from selfspec.core import compiled, hf
 from selfspec.core.tree import Tree
 
 
@@ -68,6 +69,7 @@ class Target:
         self.window_limit: int | None = hf.window_limit(model)
         """prompt + new tokens must stay inside this sliding window (None: no limit; see hf.window_limit)."""
         self._mask_dtype = next(model.parameters()).dtype
+        self._head: tuple[torch.Tensor, torch.Tensor | None] | None | bool = False  # False: not checked yet
 
     @property
     def device(self) -> torch.device:
@@ -87,8 +89,25 @@ class Target:
         return Verified(logits=logits, hidden=states[-1], states=states)
 
     @torch.inference_mode()
-    def verify(self, tree: Tree, tokens: torch.Tensor, cache: Cache) -> Verified:
-        """tokens [N] laid out as ``tree`` (tokens[0] = root) -> logits [N, V], hidden [N, D]; adds N cache entries."""
+    def plain_head(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The LM head's weight [V, D] and bias [V] or None when its output on the final hidden state is exactly the
+        model's logits (checked once, on a two-token forward: no soft-capping or scaling after it) and the forward is
+        not compiled, so that ``selfspec.core.head_rows`` may compute the logits of some nodes only; else None."""
+        if self._head is False:
+            head = self.model.get_output_embeddings()
+            self._head = None
+            if isinstance(head, torch.nn.Linear) and not compiled.is_compiled(self.model):
+                ids = torch.tensor([[0, min(1, self.vocab_size - 1)]], device=self.device)
+                out = self.model(input_ids=ids, output_hidden_states=True, use_cache=False, return_dict=True)
+                mine = F.linear(out.hidden_states[-1], head.weight, head.bias)
+                if out.logits.shape == mine.shape and torch.equal(out.logits.to(mine.dtype), mine):
+                    self._head = (head.weight, head.bias)
+        return self._head
+
+    @torch.inference_mode()
+    def verify(self, tree: Tree, tokens: torch.Tensor, cache: Cache, logits: bool = True) -> Verified:
+        """tokens [N] laid out as ``tree`` (tokens[0] = root) -> logits [N, V], hidden [N, D]; adds N cache entries.
+        logits False: no LM head at all (``Verified.logits`` [0, V]), for ``head_rows`` to run it where needed."""
         start = hf.cache_length(cache)
         n = len(tree)
         if tokens.shape != (n,):
@@ -101,8 +120,9 @@ class Target:
             )  # [N, S + N]
             mask = hf.additive_mask(allowed, self._mask_dtype)  # [1, 1, N, S + N]
         positions = start + tree.depth_tensor.to(device)  # [N]
-        logits, states = hf.forward(self.model, tokens, positions, mask, cache)
-        return Verified(logits=logits, hidden=states[-1], states=states)
+        keep = 0 if logits else torch.zeros(0, dtype=torch.long, device=device)  # 0: every position's logits
+        out, states = hf.forward(self.model, tokens, positions, mask, cache, logits_to_keep=keep)
+        return Verified(logits=out, hidden=states[-1], states=states)
 
     @torch.inference_mode()
     def verify_rows(self, trees: list[Tree], tokens: list[torch.Tensor], cache: Cache, lengths: list[int]) -> Verified:

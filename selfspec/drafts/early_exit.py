@@ -110,8 +110,14 @@ class EarlyExitTarget(Target):
         self.reused = 0
         """how many verified tokens skipped layers 0..E-1 (for tests and statistics)."""
 
+    def plain_head(self) -> None:
+        """None: this verify always runs the LM head (its remainder forward computes every logit)."""
+        return None
+
     @torch.inference_mode()
-    def verify(self, tree: Tree, tokens: torch.Tensor, cache: Cache) -> Verified:
+    def verify(self, tree: Tree, tokens: torch.Tensor, cache: Cache, logits: bool = True) -> Verified:
+        """Target.verify, the early layers' work reused where it fits; every logit whatever ``logits`` says (no
+        ``plain_head``: the loop never asks for none)."""
         work, self.drafter.last_work = self.drafter.last_work, None
         start, n = hf.cache_length(cache), len(tree)
         usable = (
