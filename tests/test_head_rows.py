@@ -15,6 +15,7 @@ from conftest import ARCHS, VOCAB, random_prompts, reference, tiny_model
 from selfspec import NGramDrafter, Target, Tree
 import selfspec.core.head_rows as head_rows
 from selfspec.core.accept import greedy_accept
+from selfspec.core.batch import Job, generate_batch
 from selfspec.core.generate import generate
 from selfspec.core.sampling import Sampling
 from selfspec.drafts.merge import MergedDrafter
@@ -70,6 +71,16 @@ def _tentative(tokens, hidden, weight, b):
     return ids[F.linear(hidden, weight[ids], None if b is None else b[ids]).argmax(-1)]
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 7])
+def test_the_lm_head_of_a_few_rows_is_the_linear_layers(rows):
+    g = torch.Generator().manual_seed(rows)
+    h, w, b = torch.randn(rows, D, generator=g), torch.randn(V, D, generator=g), torch.randn(V, generator=g)
+    for bias in (None, b):
+        got = head_rows.lm_head(h, w, bias)
+        assert got.shape == (rows, V) and torch.allclose(got, F.linear(h, w, bias), rtol=1e-5, atol=1e-5)
+        assert torch.equal(got.argmax(-1), F.linear(h, w, bias).argmax(-1))
+
+
 def test_two_siblings_with_one_token_fall_back_to_every_logit(monkeypatch):
     monkeypatch.setattr(head_rows, "SHORTLIST", 8)
     tree = Tree.full([2, 2])  # root, two children, four grandchildren
@@ -116,3 +127,32 @@ def test_a_head_whose_output_is_not_the_logits_gets_every_logit():
     capped = Target(tiny_model("gemma3", seed=0, final_logit_softcapping=0.5))
     assert capped.plain_head() is None
     assert Target(tiny_model("gemma3", seed=0)).plain_head() is not None
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_greedy_batch_runs_the_lm_head_once_on_every_rows_path(monkeypatch, tiny_models, arch):
+    """A batch of greedy sequences (a shortlist of 8): verified without the LM head, every answer ``generate``'s, each
+    answer's log-probabilities those of every logit; one sampling sequence in the batch: every logit again."""
+    monkeypatch.setattr(head_rows, "SHORTLIST", 8)
+    model = tiny_models[arch]
+    target = Target(model)
+    verify_rows, seen = target.verify_rows, []
+    monkeypatch.setattr(target, "verify_rows", lambda *a: seen.append(a[4] if len(a) > 4 else True) or verify_rows(*a))
+    prompts = random_prompts(6, VOCAB, seed=8)
+    refs = [reference(model, p, 16) for p in prompts]
+    drafters = [OracleDrafter(Tree.full([2, 2]), VOCAB, r, branch_rank=1) if i % 2 else
+                MergedDrafter([NGramDrafter(), RandomDrafter(Tree.full([3]), VOCAB, seed=i)]) for i, r in enumerate(refs)]
+    outs = generate_batch(target, [Job(p, d, 16, logprobs=2) for p, d in zip(prompts, drafters)])
+    assert [o.tokens for o in outs] == refs
+    assert seen and not any(seen)
+    alone = generate(Target(model), OracleDrafter(Tree.full([2, 2]), VOCAB, refs[1], branch_rank=1), prompts[1], 16,
+                     logprobs=2)
+    got = [lp.logprob for s in outs[1].steps for lp in s.logprobs]
+    want = [lp.logprob for s in alone.steps for lp in s.logprobs]
+    assert len(got) == 16 and got == pytest.approx(want, abs=1e-4)
+    seen.clear()
+    jobs = [Job(prompts[0], RandomDrafter(Tree.chain(2), VOCAB, seed=1), 8),
+            Job(prompts[1], RandomDrafter(Tree.chain(2), VOCAB, seed=2), 8, sampling=Sampling(temperature=0.7),
+                generator=torch.Generator().manual_seed(0))]
+    generate_batch(target, jobs)
+    assert seen and all(seen)

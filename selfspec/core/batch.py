@@ -7,7 +7,9 @@ step for all of them. A sequence joins at any step and leaves when it stops (con
                    3. verify    every sequence's tree in one forward (``Target.verify_rows``): tokens [B, N], padded to
                                 the largest tree; each node sees its own sequence's text and its own ancestors
                    4. accept    per sequence, the rules of batch size 1 (``generate.judge``: each node's scores processed
-                                for its own text, then greedy, lossless sampling or typical acceptance)
+                                for its own text, then greedy, lossless sampling or typical acceptance); a batch all
+                                greedy on unprocessed scores verifies without the LM head and runs it once, on every
+                                row's tentative path (``head_rows``)
                    5. commit    each row keeps its own accepted path, moved to follow its text (``Target.commit_rows``)
                    6. update    each sequence's drafter hears what was kept
                    7. emit      per sequence, cut at EOS, a stop string and max_new_tokens (``generate.extend``); a
@@ -34,8 +36,9 @@ from selfspec.core import hf
 from selfspec.core.drafter import Draft, Drafter, DraftState, LayerStates, check_batchable
 from selfspec.core.generate import (AcceptRule, Output, Step, check_accept_rule, check_request, extend, fit_draft, judge,
                                     root_token, scored, timed)
+from selfspec.core.head_rows import rows_accept
 from selfspec.core.processors import Processors
-from selfspec.core.sampling import Sampling
+from selfspec.core.sampling import Sampling, unprocessed
 from selfspec.core.stopping import Criterion, first_stop
 from selfspec.core.target import Target
 
@@ -159,16 +162,21 @@ class Batch:
         if self.node_budget is not None and len(drafts) > 1:
             drafts = within_budget(drafts, self.node_budget)
 
-        # 3. verify every sequence's tree in one forward
+        # 3. verify every sequence's tree in one forward (all greedy on unprocessed scores: without the LM head)
+        head = target.plain_head() if all(self._unprocessed(s) for s in self.live) else None
         out, verify_s = timed(self._sync, target.verify_rows, [d.tree for d in drafts], [d.tokens for d in drafts],
-                              self.cache, lengths)
+                              self.cache, lengths, head is None)
 
-        # 4. accept, per sequence
-        accepted = []
-        for row, (s, d) in enumerate(zip(self.live, drafts)):
-            j = s.job
-            accepted.append(judge(d, out.logits[row, : len(d.tree)], s.tokens, s.prompt_length, s.produced, j.sampling,
-                                  j.eos, j.processors, j.min_new_tokens, j.accept_rule, j.generator))
+        # 4. accept, per sequence (or, without the LM head, from every row's tentative path, head_rows)
+        if head is None:
+            accepted, path_logits = [], []
+            for row, (s, d) in enumerate(zip(self.live, drafts)):
+                j = s.job
+                accepted.append(judge(d, out.logits[row, : len(d.tree)], s.tokens, s.prompt_length, s.produced,
+                                      j.sampling, j.eos, j.processors, j.min_new_tokens, j.accept_rule, j.generator))
+                path_logits.append(out.logits[row, list(accepted[-1].path)])  # [P, V]
+        else:
+            accepted, path_logits = rows_accept(drafts, out.hidden, *head)
 
         # 5. commit: each row keeps its root and accepted drafts, in order, right after its text
         target.commit_rows(self.cache, start, lengths, [a.path for a in accepted])
@@ -186,13 +194,19 @@ class Batch:
             s.new_states = None if out.states is None else LayerStates.of(tuple(h[row] for h in out.states), path)
             step = Step(tokens=tuple(new), tree_size=len(d.tree), verify_s=verify_s, other_s=other_s,
                         draft_s=draft_s[row],
-                        logprobs=scored(out.logits[row, path[: len(new)]], s.tokens[-len(new):], j.logprobs))
+                        logprobs=scored(path_logits[row][: len(new)], s.tokens[-len(new):], j.logprobs))
             finished = stop is not None or s.produced >= j.max_new_tokens
             if finished:
                 done.add(s.key)
             results.append((s.key, step, finished))
         self._leave(done)
         return results
+
+    @staticmethod
+    def _unprocessed(s: "_Live") -> bool:
+        """Whether this sequence's step is greedy on scores as the model gives them (``head_rows`` may decide it)."""
+        j = s.job
+        return j.sampling.greedy and unprocessed(j.sampling, j.processors) and s.produced >= j.min_new_tokens
 
     def _leave(self, keys: set[Hashable]) -> None:
         """Drop the sequences ``keys`` and their cache rows."""

@@ -13,6 +13,9 @@ acceptance reads the argmax of the accepted path's nodes only. ``greedy_from_hid
                   lies outside S (an argmax over all of V that is in S is the argmax over S), so no child of the node
                   carries it (every tree token is in S): the path ends there, the true target its bonus
 
+A batch (``rows_accept``) runs each pass once for all its rows. The full-vocabulary product is ``lm_head``: in fp32 on a
+CPU it is computed as weight @ rows.T, several times faster there than transformers' order for a few rows.
+
 Why it is exact: a node off the tentative path is accepted only if its parent's target is its token; a parent on the
 path has its true target (pass 2), so its one matching child is the path's (sibling tokens distinct) or none is. Where
 that does not hold (two siblings with one token) or the passes round one logit differently (a true target in S other
@@ -23,10 +26,14 @@ Shapes: N tree nodes, D hidden size, V vocabulary, P nodes on the path.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 
 from selfspec.core.accept import Acceptance, greedy_accept, greedy_path
+from selfspec.core.drafter import Draft
 from selfspec.core.tree import Tree
 
 SHORTLIST = 8192
@@ -34,30 +41,82 @@ SHORTLIST = 8192
 89% of its MT-bench answers' tokens); a target token outside them only ends a path, it never breaks exactness."""
 
 
+@dataclass(frozen=True)
+class Tentative:
+    """Pass 1's verdict on one tree: the tentative path and every node's tentative target."""
+
+    path: tuple[int, ...]
+    targets: torch.Tensor
+    """[N] each node's argmax over the shortlist."""
+    shortlist: int
+    """k: ids 0..k-1 are in the shortlist."""
+    extra: frozenset[int]
+    """the tree's tokens beyond them, in the shortlist too."""
+
+
 @torch.inference_mode()
 def greedy_from_hidden(tree: Tree, tokens: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
                        bias: torch.Tensor | None) -> tuple[Acceptance, torch.Tensor]:
     """tokens [N] (tokens[0] the root), hidden [N, D] the target's final hidden states at the nodes, weight [V, D] and
     bias [V] or None its LM head -> (the Acceptance of ``greedy_accept``, the logits [P, V] of the path's nodes)."""
-    V = weight.shape[0]
-    k = min(SHORTLIST, V)
-    extra = torch.unique(tokens[tokens >= k])  # [E] sorted: the tree's tokens beyond the first k ids
+    [guess] = tentatives([(tree, tokens)], hidden[None], weight, bias)
+    full = lm_head(hidden[list(guess.path)], weight, bias)  # [P, V]
+    return settle(tree, tokens, guess, full) or _everywhere(tree, tokens, hidden, weight, bias)
+
+
+@torch.inference_mode()
+def tentatives(trees: Sequence[tuple[Tree, torch.Tensor]], hidden: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None) -> list[Tentative]:
+    """Step 1 and the tentative paths of step 2 for B trees (tree, tokens [N_b]) verified in the rows of hidden
+    [B, N, D]: one shortlist product for all of them, the shortlist's extra ids every tree's tokens."""
+    k = min(SHORTLIST, weight.shape[0])
+    tokens = torch.cat([t for _, t in trees])
+    extra = torch.unique(tokens[tokens >= k])  # [E] sorted: the trees' tokens beyond the first k ids
     ids = torch.cat([torch.arange(k, device=tokens.device), extra])  # [k + E] ascending: argmax ties go to the lower id
     short = torch.cat([F.linear(hidden, weight[:k], None if bias is None else bias[:k]),
-                       F.linear(hidden, weight[extra], None if bias is None else bias[extra])], dim=-1)  # [N, k + E]
-    tentative = ids[short.argmax(-1)]  # [N]
-    path = greedy_path(tree, tokens, tentative)
-    full = F.linear(hidden[list(path)], weight, bias)  # [P, V]
+                       F.linear(hidden, weight[extra], None if bias is None else bias[extra])], dim=-1)  # [B, N, k + E]
+    targets = ids[short.argmax(-1)]  # [B, N]
+    shortlisted = frozenset(extra.tolist())
+    return [Tentative(path=greedy_path(tree, toks, targets[b, : len(tree)]), targets=targets[b, : len(tree)],
+                      shortlist=k, extra=shortlisted) for b, (tree, toks) in enumerate(trees)]
+
+
+def lm_head(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows [P, D] -> logits [P, V]. fp32 on a CPU as weight @ rows.T with at least two rows: this CPU's fp32 product
+    takes 22-33 ms for 2-3 rows the other way round and 2.8-4.1 ms this way (docs/BENCHMARKS.md §35)."""
+    if rows.dtype != torch.float32 or rows.device.type != "cpu":
+        return F.linear(rows, weight, bias)
+    p = rows.shape[0]
+    out = (weight @ (rows if p >= 2 else rows.expand(2, -1)).T).T[:p]  # [P, V]
+    return out if bias is None else out + bias
+
+
+def settle(tree: Tree, tokens: torch.Tensor, guess: Tentative,
+           full: torch.Tensor) -> tuple[Acceptance, torch.Tensor] | None:
+    """Step 3: the full logits [P, V] of the tentative path's nodes -> (the Acceptance, the accepted path's logits), or
+    None where the two passes cannot decide alone (every node's logits must)."""
     true = full.argmax(-1)  # [P]
-    shortlisted = set(extra.tolist())
-    for j, node in enumerate(path):
+    for j, node in enumerate(guess.path):
         t = int(true[j])
-        wrong = t != int(tentative[node])
-        if _matching_children(tree, tokens, node, t) > 1 or (wrong and (t < k or t in shortlisted)):
-            return _everywhere(tree, tokens, hidden, weight, bias)
-        if wrong:  # outside S: no child carries it, the path ends here
-            return Acceptance(path=path[: j + 1], bonus=t), full[: j + 1]
-    return Acceptance(path=path, bonus=int(true[-1])), full
+        wrong = t != int(guess.targets[node])
+        if _matching_children(tree, tokens, node, t) > 1 or (wrong and (t < guess.shortlist or t in guess.extra)):
+            return None
+        if wrong:  # outside the shortlist: no child carries it, the path ends here
+            return Acceptance(path=guess.path[: j + 1], bonus=t), full[: j + 1]
+    return Acceptance(path=guess.path, bonus=int(true[-1])), full
+
+
+@torch.inference_mode()
+def rows_accept(drafts: Sequence[Draft], hidden: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> tuple[list[Acceptance], list[torch.Tensor]]:
+    """A batch's rows: drafts[b] verified in row b of hidden [B, N, D] -> each row's Acceptance and its path's logits
+    [P_b, V]; step 2's LM head runs once, on every row's tentative path (the head's weights read once)."""
+    guesses = tentatives([(d.tree, d.tokens) for d in drafts], hidden, weight, bias)
+    rows = torch.cat([hidden[b, list(g.path)] for b, g in enumerate(guesses)])  # [sum P_b, D]
+    full = lm_head(rows, weight, bias).split([len(g.path) for g in guesses])  # P_b x [P_b, V]
+    out = [settle(d.tree, d.tokens, g, f) or _everywhere(d.tree, d.tokens, hidden[b, : len(d.tree)], weight, bias)
+           for b, (d, g, f) in enumerate(zip(drafts, guesses, full))]
+    return [a for a, _ in out], [logits for _, logits in out]
 
 
 def _matching_children(tree: Tree, tokens: torch.Tensor, node: int, token: int) -> int:
@@ -68,6 +127,6 @@ def _matching_children(tree: Tree, tokens: torch.Tensor, node: int, token: int) 
 def _everywhere(tree: Tree, tokens: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None) -> tuple[Acceptance, torch.Tensor]:
     """Every node's logits and ``greedy_accept``: the rare steps the two passes cannot decide alone."""
-    logits = F.linear(hidden, weight, bias)  # [N, V]
+    logits = lm_head(hidden, weight, bias)  # [N, V]
     acc = greedy_accept(tree, tokens, logits)
     return acc, logits[list(acc.path)]

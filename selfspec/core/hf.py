@@ -139,11 +139,13 @@ def forward(
 
 
 def forward_rows(model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
-                 cache: Cache) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+                 cache: Cache, logits: bool = True) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """``forward`` over a batch of rows: input_ids [B, N], position_ids [B, N], mask [B, 1, N, S + N] or None (plain
-    causal, B = 1) -> logits [B, N, V], states: L + 1 tensors [B, N, D]. The cache holds B rows (``rows_cache``)."""
+    causal, B = 1) -> logits [B, N, V] ([B, 0, V] with ``logits`` False: no LM head), states: L + 1 tensors [B, N, D].
+    The cache holds B rows (``rows_cache``)."""
+    keep = 0 if logits else torch.zeros(0, dtype=torch.long, device=input_ids.device)
     out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=layer_masks(model, mask, position_ids, cache),
-                cache=cache, use_cache=True, output_hidden_states=True, return_dict=True)
+                cache=cache, use_cache=True, output_hidden_states=True, logits_to_keep=keep, return_dict=True)
     return out.logits, tuple(out.hidden_states)
 
 

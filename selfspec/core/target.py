@@ -125,10 +125,11 @@ class Target:
         return Verified(logits=out, hidden=states[-1], states=states)
 
     @torch.inference_mode()
-    def verify_rows(self, trees: list[Tree], tokens: list[torch.Tensor], cache: Cache, lengths: list[int]) -> Verified:
+    def verify_rows(self, trees: list[Tree], tokens: list[torch.Tensor], cache: Cache, lengths: list[int],
+                    logits: bool = True) -> Verified:
         """One tree per row of a batch's cache (row b's text in its first lengths[b] slots), tokens[b] [N_b] laid out
-        as trees[b] -> logits [B, N, V], hidden [B, N, D], states L + 1 x [B, N, D], N = max N_b (rows padded: the
-        padding's outputs mean nothing); adds N slots to every row.
+        as trees[b] -> logits [B, N, V] ([B, 0, V] with ``logits`` False), hidden [B, N, D], states L + 1 x [B, N, D],
+        N = max N_b (rows padded: the padding's outputs mean nothing); adds N slots to every row.
 
         Row b's node i attends to its row's text and to its own ancestors, at position lengths[b] + depth; a padding
         node to itself alone. One row whose text fills the cache and whose tree is a chain goes without a mask, as
@@ -152,8 +153,8 @@ class Target:
                 allowed[row, :k, :length] = True
                 allowed[row, :k, start: start + k] = tree.ancestor_mask.to(device)
         mask = None if allowed is None else hf.additive_mask(allowed, self._mask_dtype)  # [B, 1, N, S + N]
-        logits, states = hf.forward_rows(self.model, ids, positions, mask, cache)
-        return Verified(logits=logits, hidden=states[-1], states=states)
+        out, states = hf.forward_rows(self.model, ids, positions, mask, cache, logits)
+        return Verified(logits=out, hidden=states[-1], states=states)
 
     @torch.inference_mode()
     def commit_rows(self, cache: Cache, start: int, lengths: list[int], paths: list[tuple[int, ...]]) -> list[int]:
