@@ -155,7 +155,9 @@ def path_scores(logits: torch.Tensor, sampling: Sampling, text: torch.Tensor, pr
     with everything ``generate`` applies before sampling, for each row's own text and in its order: the logit bias
     (and the generation config's sequence bias), the repetition penalty, the end-of-sequence block of min_new_tokens
     in the rows ``short`` (bool [N]) marks, the generation config's other processors, the presence / frequency
-    penalties. ``logits`` itself when none is asked for."""
+    penalties. ``logits`` itself when none is asked for (``unprocessed``, and no row ``short``)."""
+    if short is None and unprocessed(sampling, processors):
+        return logits
     vocab = logits.shape[-1]
     if sampling.logit_bias:
         bias = torch.zeros(vocab, dtype=torch.float32, device=logits.device)
@@ -178,7 +180,8 @@ def path_scores(logits: torch.Tensor, sampling: Sampling, text: torch.Tensor, pr
 
 def unprocessed(sampling: Sampling, processors: Processors) -> bool:
     """Whether ``path_scores`` returns the logits as they are (no bias, penalty or processor asked for; the
-    end-of-sequence block of min_new_tokens aside, which the caller knows per step)."""
+    end-of-sequence block of min_new_tokens aside, which the caller knows per step): the one list of what it applies,
+    which its own early return reads too."""
     return (not sampling.logit_bias and not processors.before and not processors.after
             and sampling.repetition_penalty == 1.0 and not sampling.presence_penalty and not sampling.frequency_penalty)
 

@@ -28,7 +28,7 @@ from selfspec.core.tree import Tree
 class Verified:
     logits: torch.Tensor
     """[N, V] the target's next-token logits after each tree node ([1, V]: after the prompt's last token, for a prefill;
-    [T, V] after each prompt token, for a prefill asked for every logit)."""
+    [T, V] after each prompt token, for a prefill asked for every logit; [0, V]: a verify without the LM head)."""
     hidden: torch.Tensor
     """[N, D] the target's final hidden state at each tree node (at every prompt position, for a prefill)."""
     states: tuple[torch.Tensor, ...] | None = None
