@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import BertConfig, BertModel, DynamicCache
@@ -186,3 +188,34 @@ def test_sliding_layers_keep_what_a_verification_adds_and_slide_after_a_commit()
         _, _, plain = _plain(gemma, torch.tensor(list(range(12)) + [12, 13, 15]))
     torch.testing.assert_close(cache.layers[0].keys, plain.layers[0].keys[:, :, -3:], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(full_keys, plain.layers[1].keys[:, :, 12:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tree_verification_on_a_cpu_groups_its_attention_to_the_same_bits(monkeypatch, dtype):
+    """transformers copies every cached key and value once per query head where a mask is given (``repeat_kv``);
+    ``hf.grouped_attention`` lets torch group the heads instead: a tree verification on a CPU then copies nothing, and
+    its hidden states and logits are those of the copying path bit for bit (the tiny models: 4 query heads over 2)."""
+    from transformers.integrations import sdpa_attention
+
+    model = tiny_model("llama").to(dtype)
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    prefix, tokens = _setup(model)
+    copies = []
+    real_repeat = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda x, n: copies.append(n) or real_repeat(x, n))
+
+    def verified():
+        target = Target(model)
+        cache = target.new_cache()
+        target.prefill(prefix, cache)
+        return target.verify(TREE, tokens, cache)
+
+    grouped = verified()
+    assert copies == []  # grouped: no copy of the cache, in any layer
+    monkeypatch.setenv(hf.GROUPED_ATTENTION_SWITCH, "0")  # a user's own setting wins: transformers' copying path
+    copying = verified()
+    assert len(copies) == 2 * model.config.num_hidden_layers  # keys and values, every layer
+    assert torch.equal(grouped.hidden, copying.hidden) and torch.equal(grouped.logits, copying.logits)
+    monkeypatch.delenv(hf.GROUPED_ATTENTION_SWITCH)
+    verified()
+    assert hf.GROUPED_ATTENTION_SWITCH not in os.environ  # the switch is set only during the forward

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import re
 from contextlib import contextmanager
 from typing import Callable, Iterator, Mapping
@@ -125,16 +126,17 @@ def forward(
     final hidden state (after the model's final norm), the input of the LM head, which is what draft heads read.
     They are computed by every forward anyway (the model keeps them for the caller; no copy is made).
     """
-    out = model(
-        input_ids=input_ids[None],
-        position_ids=position_ids[None],
-        attention_mask=layer_masks(model, mask, position_ids, cache),
-        cache=cache,
-        use_cache=True,
-        output_hidden_states=True,
-        logits_to_keep=logits_to_keep,
-        return_dict=True,
-    )
+    with grouped_attention(mask is not None and input_ids.device.type == "cpu"):
+        out = model(
+            input_ids=input_ids[None],
+            position_ids=position_ids[None],
+            attention_mask=layer_masks(model, mask, position_ids, cache),
+            cache=cache,
+            use_cache=True,
+            output_hidden_states=True,
+            logits_to_keep=logits_to_keep,
+            return_dict=True,
+        )
     return out.logits[0], tuple(h[0] for h in out.hidden_states)  # [n, V], L + 1 x [N, D]
 
 
@@ -144,9 +146,33 @@ def forward_rows(model: PreTrainedModel, input_ids: torch.Tensor, position_ids: 
     causal, B = 1) -> logits [B, N, V] ([B, 0, V] with ``logits`` False: no LM head), states: L + 1 tensors [B, N, D].
     The cache holds B rows (``rows_cache``)."""
     keep = 0 if logits else torch.zeros(0, dtype=torch.long, device=input_ids.device)
-    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=layer_masks(model, mask, position_ids, cache),
-                cache=cache, use_cache=True, output_hidden_states=True, logits_to_keep=keep, return_dict=True)
+    with grouped_attention(mask is not None and input_ids.device.type == "cpu"):
+        out = model(input_ids=input_ids, position_ids=position_ids,
+                    attention_mask=layer_masks(model, mask, position_ids, cache), cache=cache, use_cache=True,
+                    output_hidden_states=True, logits_to_keep=keep, return_dict=True)
     return out.logits, tuple(out.hidden_states)
+
+
+GROUPED_ATTENTION_SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"
+"""transformers' sdpa attention reads this variable at every call (``use_gqa_in_sdpa``): "1" lets torch's
+scaled_dot_product_attention group the query heads over the key/value heads (``enable_gqa``) where a mask is given."""
+
+
+@contextmanager
+def grouped_attention(on: bool) -> Iterator[None]:
+    """While on: a grouped-query model's sdpa attention with a mask (a tree's, a batch's) runs grouped instead of
+    copying every cached key and value once per query head (transformers' ``repeat_kv``, which it does with a mask
+    because CUDA's masked kernels lack grouping). On a CPU torch's attention kernel groups with a mask, to the same
+    bits (tests/test_hf_contact.py); SmolLM2 (9 query heads over 3) verifies a tree ~1 ms faster at a few hundred
+    cached tokens (docs/BENCHMARKS.md §36). Off, or set already: nothing changes. Unmasked forwards group anyway."""
+    if not on or os.environ.get(GROUPED_ATTENTION_SWITCH) is not None:
+        yield
+        return
+    os.environ[GROUPED_ATTENTION_SWITCH] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(GROUPED_ATTENTION_SWITCH, None)
 
 
 def layer_masks(model: PreTrainedModel, mask: torch.Tensor | None, position_ids: torch.Tensor, cache: Cache | None):
