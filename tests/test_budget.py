@@ -146,27 +146,34 @@ def test_recorded_lookup_predicts_what_prompt_lookup_of_another_size_accepts(set
 
 def test_verify_costs_time_the_sizes_in_rounds(setup, tmp_path, monkeypatch):
     """Every size once per round (warm-up rounds first), so that a machine whose speed drifts slows every size alike;
-    a cached curve timed the old way (size by size, no "timing" in its file) is measured again."""
+    each verification as greedy decoding runs it (no LM head in the forward, ``head_rows`` after it; every logit with
+    greedy=False); a cached curve timed another way (size by size, or with every logit: "rounds") is measured again."""
     from selfspec.tools import costs
 
     model, _ = setup
     target = Target(model)
-    order = []
+    order, heads = [], []
     real = target.verify
-    monkeypatch.setattr(target, "verify", lambda tree, tokens, cache: order.append(len(tokens)) or real(tree, tokens, cache))
+    monkeypatch.setattr(target, "verify", lambda tree, tokens, cache, logits=True:
+                        order.append((len(tokens), logits)) or real(tree, tokens, cache, logits))
+    monkeypatch.setattr(costs, "greedy_from_hidden", lambda tree, *a: heads.append(len(tree)))
     rows = costs.verify_costs(target, sizes=(1, 2, 4), context=8, repeats=3, warmup=2)
-    assert order == [1, 2, 4] * 5
+    assert order == [(1, False), (2, False), (4, False)] * 5 and heads == [1, 2, 4] * 5
     assert [r.nodes for r in rows] == [1, 2, 4] and rows[0].relative == 1.0
+    order.clear(), heads.clear()
+    costs.verify_costs(target, sizes=(1, 4), context=8, repeats=1, warmup=0, greedy=False)
+    assert order == [(1, True), (4, True)] and heads == []  # as sampling verifies: every node's logits
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     curve = budget.cached_verify_costs(target, "tiny", repeats=1)
     path = next((tmp_path / "cache" / "tuning").glob("verify-*.json"))
     data = json.loads(path.read_text())
-    assert data["timing"] == "rounds"
-    del data["timing"]
-    path.write_text(json.dumps({**data, "median_ms": {"1": 99.0}}))  # a curve from before: not trusted
-    order.clear()
-    assert sorted(budget.cached_verify_costs(target, "tiny", repeats=1)) == sorted(curve) and order
+    assert data["timing"] == budget.TIMING == "rounds, greedy head rows"
+    for before in ({"timing": "rounds"}, {}):  # with every logit; size by size (no "timing" in its file): not trusted
+        path.write_text(json.dumps({**{k: v for k, v in data.items() if k != "timing"}, **before,
+                                    "median_ms": {"1": 99.0}}))
+        order.clear()
+        assert sorted(budget.cached_verify_costs(target, "tiny", repeats=1)) == sorted(curve) and order
 
 
 def test_a_cost_curve_out_of_order_is_timed_again_when_measured_or_read(setup, tmp_path, monkeypatch, caplog):

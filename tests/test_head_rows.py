@@ -65,6 +65,22 @@ def test_the_two_passes_decide_as_every_logit_does(monkeypatch, bias):
     assert cut >= 10 and long >= 10, (cut, long)
 
 
+def test_a_tree_of_one_or_two_nodes_gets_every_logit_at_once(monkeypatch):
+    """No shortlist pass where the whole head on every node costs as much (head_rows.FEW); the same verdict."""
+    monkeypatch.setattr(head_rows, "SHORTLIST", 8)
+    passes = []
+    real = head_rows.tentatives
+    monkeypatch.setattr(head_rows, "tentatives", lambda *a: passes.append(1) or real(*a))
+    for tree in (Tree.chain(0), Tree.chain(1), Tree.chain(2)):
+        for seed in range(20):
+            tokens, hidden, weight, _ = _case(seed, tree, follow=0.7, bias=False)
+            logits = F.linear(hidden, weight)
+            got, path_logits = head_rows.greedy_from_hidden(tree, tokens, hidden, weight, None)
+            assert got == greedy_accept(tree, tokens, logits)
+            assert torch.allclose(path_logits, logits[list(got.path)], rtol=1e-5, atol=1e-5)
+        assert bool(passes) == (len(tree) > head_rows.FEW), len(tree)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 7])
 def test_the_lm_head_of_a_few_rows_is_the_linear_layers(rows):
     g = torch.Generator().manual_seed(rows)

@@ -49,8 +49,9 @@ from selfspec.tuned import cache_file, machine_key, write_json
 
 log = logging.getLogger(__name__)
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
-TIMING = "rounds"
-"""how the cached verify costs were timed (``costs.verify_costs``: every size once per round)."""
+TIMING = "rounds, greedy head rows"
+"""how the cached verify costs were timed (``costs.verify_costs``: every size once per round, the LM head as greedy
+decoding runs it, ``head_rows``); a curve cached with another timing is measured again."""
 BUSY = 2.0
 """calibration verifications this many times slower than the cached curve predicts: the machine is busy, don't cache."""
 

@@ -1,8 +1,9 @@
 """What a step costs on the machine at hand: verify-forward time against tree size, and the loop's own overhead.
 
 ``verify_costs`` times one verification of an N-node tree (a branching one, so the custom 4D mask is in the
-measurement) on top of a cache of a given length (the target's forward
-only: the cost a bigger tree adds). ``loop_overhead`` runs the real decoding loop and splits each step into the
+measurement) on top of a cache of a given length, as greedy decoding runs it: the target's forward without its LM
+head, then the head on the nodes greedy acceptance needs (``selfspec.core.head_rows``; every node's logits where the
+model's logits are not its head's plain output, and with ``greedy=False``, as sampling verifies). ``loop_overhead`` runs the real decoding loop and splits each step into the
 target's forward and everything else (drafting, acceptance, cache commit). Medians over repeats, the sizes timed in
 rounds; nothing is cached between sizes, the cache is cut back to the prefix after each verification.
 """
@@ -19,6 +20,7 @@ from tqdm import tqdm
 from selfspec.core import hf
 from selfspec.core.drafter import Drafter
 from selfspec.core.generate import generate
+from selfspec.core.head_rows import greedy_from_hidden
 from selfspec.core.target import Target
 from selfspec.core.tree import Tree
 
@@ -33,10 +35,11 @@ class VerifyCost:
 
 def verify_costs(
     target: Target, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), context: int = 256, repeats: int = 20,
-    warmup: int = 3, seed: int = 0, progress: bool = False,
+    warmup: int = 3, seed: int = 0, progress: bool = False, greedy: bool = True,
 ) -> list[VerifyCost]:
     """Median wall time of ``target.verify`` for a tree of each size over a cache of ``context`` tokens (fewer where
-    the model holds fewer positions).
+    the model holds fewer positions), and of the LM head greedy acceptance then runs (the random tokens make the
+    accepted path the root alone, as on most steps of a real draft but the longest; greedy False: every node's logits).
 
     The sizes are timed in rounds (every size once per round, ``warmup`` untimed rounds first), not one after the
     other: on a machine whose speed drifts (a shared VM, a CPU changing clock) the drift then hits every size alike,
@@ -51,10 +54,13 @@ def verify_costs(
     trees = {n: Tree.chain(n - 1) if n <= 2 else Tree.from_parents([-1] + [0] * (n - 1)) for n in sizes}
     tokens = {n: torch.randint(0, target.vocab_size, (n,), generator=g).to(target.device) for n in sizes}
     times: dict[int, list[float]] = {n: [] for n in sizes}
+    head = target.plain_head() if greedy else None  # as ``generate.stream`` verifies a greedy step
     for i in tqdm(range(warmup + repeats), desc="verify costs", unit="round", disable=not progress, leave=False):
         for n in sizes:
             t0 = time.perf_counter()
-            target.verify(trees[n], tokens[n], cache)
+            out = target.verify(trees[n], tokens[n], cache, head is None)
+            if head is not None:
+                greedy_from_hidden(trees[n], tokens[n], out.hidden, *head)
             if target.device.type == "cuda":
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - t0
