@@ -192,9 +192,9 @@ def test_sliding_layers_keep_what_a_verification_adds_and_slide_after_a_commit()
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_tree_verification_on_a_cpu_groups_its_attention_to_the_same_bits(monkeypatch, dtype):
-    """transformers copies every cached key and value once per query head where a mask is given (``repeat_kv``);
-    ``hf.grouped_attention`` lets torch group the heads instead: a tree verification on a CPU then copies nothing, and
-    its hidden states and logits are those of the copying path bit for bit (the tiny models: 4 query heads over 2)."""
+    """transformers copies every cached key and value once per query head where a mask is in play (``repeat_kv``);
+    ``hf.grouped_attention`` lets torch group the heads instead: a tree's or a chain's verification on a CPU then copies
+    nothing, and its hidden states and logits are those of the copying path bit for bit (4 query heads over 2)."""
     from transformers.integrations import sdpa_attention
 
     model = tiny_model("llama").to(dtype)
@@ -205,17 +205,55 @@ def test_a_tree_verification_on_a_cpu_groups_its_attention_to_the_same_bits(monk
     monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda x, n: copies.append(n) or real_repeat(x, n))
 
     def verified():
-        target = Target(model)
-        cache = target.new_cache()
-        target.prefill(prefix, cache)
-        return target.verify(TREE, tokens, cache)
+        """A tree (its own mask) and a chain of 3 (the causal mask transformers builds over the cache)."""
+        out = []
+        for tree, toks in ((TREE, tokens), (Tree.chain(2), tokens[:3])):
+            target = Target(model)
+            cache = target.new_cache()
+            target.prefill(prefix, cache)
+            out.append(target.verify(tree, toks, cache))
+        return out
 
     grouped = verified()
     assert copies == []  # grouped: no copy of the cache, in any layer
     monkeypatch.setenv(hf.GROUPED_ATTENTION_SWITCH, "0")  # a user's own setting wins: transformers' copying path
     copying = verified()
-    assert len(copies) == 2 * model.config.num_hidden_layers  # keys and values, every layer
-    assert torch.equal(grouped.hidden, copying.hidden) and torch.equal(grouped.logits, copying.logits)
+    assert len(copies) >= 2 * 2 * model.config.num_hidden_layers  # keys and values, every layer, both verifications
+    for a, b in zip(grouped, copying):
+        assert torch.equal(a.hidden, b.hidden) and torch.equal(a.logits, b.logits)
     monkeypatch.delenv(hf.GROUPED_ATTENTION_SWITCH)
     verified()
     assert hf.GROUPED_ATTENTION_SWITCH not in os.environ  # the switch is set only during the forward
+
+
+def test_draft_heads_group_their_drafting_attention_and_train_as_transformers_does(monkeypatch):
+    """The EAGLE head's and the block drafter's drafting forwards (inference) copy no cache per query head, as the
+    target's verification; a training forward (autograd) keeps transformers' own path."""
+    from transformers.integrations import sdpa_attention
+
+    from heads.block.config import BlockConfig
+    from heads.block.drafter import BlockDrafter
+    from heads.block.model import BlockHead
+    from heads.eagle.config import EagleConfig
+    from heads.eagle.drafter import EagleDrafter
+    from heads.eagle.model import EagleHead
+    from selfspec.core.generate import generate
+    from selfspec.core.tree import DynamicTree
+
+    model = tiny_model("llama")
+    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    torch.manual_seed(0)
+    block = BlockHead(BlockConfig.for_model(model, block_size=4, draft_vocab_size=64), embed, lm_head).eval()
+    eagle = EagleHead(EagleConfig.for_model(model, draft_vocab_size=64), embed, lm_head).eval()
+    copies = []
+    real_repeat = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda x, n: copies.append(n) or real_repeat(x, n))
+    prompt = torch.arange(3, 14)
+    for drafter in (BlockDrafter(block, DynamicTree(10)), EagleDrafter(eagle, depth=3, topk=3, budget=10)):
+        assert len(generate(Target(model), drafter, prompt, 12).tokens) == 12
+    assert copies == []
+    block.train()
+    features = torch.randn(1, 10, model.config.hidden_size)
+    pairs, blocks = block(features, torch.arange(10)[None], torch.tensor([10]), torch.tensor([[2, 5]]))
+    (pairs.sum() + blocks.sum()).backward()
+    assert copies  # training: transformers' copying path, as before

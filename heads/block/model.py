@@ -127,8 +127,9 @@ class BlockHead(EagleHead):
             cache=None) -> torch.Tensor:
         """inputs [B, N, D], position_ids [B, N], mask [B, 1, N, S + N] additive -> outputs [B, N, D] (one decoder
         forward; appends N entries to ``cache`` when one is given)."""
-        out = self.decoder(inputs_embeds=inputs, position_ids=position_ids, attention_mask=mask, cache=cache,
-                           use_cache=cache is not None, return_dict=True)
+        with hf.grouped_attention(inputs.device):  # drafting on a CPU: no copy of the cache per query head
+            out = self.decoder(inputs_embeds=inputs, position_ids=position_ids, attention_mask=mask, cache=cache,
+                               use_cache=cache is not None, return_dict=True)
         return out.last_hidden_state
 
     # ------------------------------------------------------------------------------------------------- training

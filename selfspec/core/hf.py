@@ -126,7 +126,7 @@ def forward(
     final hidden state (after the model's final norm), the input of the LM head, which is what draft heads read.
     They are computed by every forward anyway (the model keeps them for the caller; no copy is made).
     """
-    with grouped_attention(mask is not None and input_ids.device.type == "cpu"):
+    with grouped_attention(input_ids.device):
         out = model(
             input_ids=input_ids[None],
             position_ids=position_ids[None],
@@ -146,7 +146,7 @@ def forward_rows(model: PreTrainedModel, input_ids: torch.Tensor, position_ids: 
     causal, B = 1) -> logits [B, N, V] ([B, 0, V] with ``logits`` False: no LM head), states: L + 1 tensors [B, N, D].
     The cache holds B rows (``rows_cache``)."""
     keep = 0 if logits else torch.zeros(0, dtype=torch.long, device=input_ids.device)
-    with grouped_attention(mask is not None and input_ids.device.type == "cpu"):
+    with grouped_attention(input_ids.device):
         out = model(input_ids=input_ids, position_ids=position_ids,
                     attention_mask=layer_masks(model, mask, position_ids, cache), cache=cache, use_cache=True,
                     output_hidden_states=True, logits_to_keep=keep, return_dict=True)
@@ -159,12 +159,15 @@ scaled_dot_product_attention group the query heads over the key/value heads (``e
 
 
 @contextmanager
-def grouped_attention(on: bool) -> Iterator[None]:
-    """While on: a grouped-query model's sdpa attention with a mask (a tree's, a batch's) runs grouped instead of
-    copying every cached key and value once per query head (transformers' ``repeat_kv``, which it does with a mask
-    because CUDA's masked kernels lack grouping). On a CPU torch's attention kernel groups with a mask, to the same
-    bits (tests/test_hf_contact.py); SmolLM2 (9 query heads over 3) verifies a tree ~1 ms faster at a few hundred
-    cached tokens (docs/BENCHMARKS.md §36). Off, or set already: nothing changes. Unmasked forwards group anyway."""
+def grouped_attention(device: torch.device) -> Iterator[None]:
+    """For a forward on a CPU without autograd: a grouped-query model's sdpa attention runs grouped wherever a mask is
+    in play (a tree's, a batch's, or the causal mask transformers builds for several new tokens over a cache: a chain,
+    a draft head's new pairs) instead of copying every cached key and value once per query head (transformers'
+    ``repeat_kv``, which it does with a mask because CUDA's masked kernels lack grouping). On a CPU torch's attention
+    kernel groups with a mask, to the same bits (tests/test_hf_contact.py); SmolLM2 (9 query heads over 3) verifies a
+    10-20-node tree ~1.5 ms faster at 400 cached tokens (docs/BENCHMARKS.md §36). Elsewhere, or with the switch set
+    already (a user's own): nothing changes. A forward without a mask groups anyway."""
+    on = device.type == "cpu" and not torch.is_grad_enabled()
     if not on or os.environ.get(GROUPED_ATTENTION_SWITCH) is not None:
         yield
         return
