@@ -10,6 +10,8 @@
 - a batch's cache (``rows_cache``, ``join_rows``, ``select_rows``, ``keep_rows``) and ``forward_rows``: B sequences of
   different lengths in one cache of B rows, each row's accepted path moved to follow its own text.
 - ``sdpa_or_eager``: build a model with sdpa attention, or eager where its architecture has none.
+- ``grouped_attention``: on a CPU, grouped-query attention without transformers' per-head copy of the cache where a
+  mask is in play (its own switch, set for a forward's duration).
 - ``unverifiable``: why a tree cannot be verified losslessly on a model (ALiBi biases, recurrent layers), or None.
 - ``decoder`` / ``decoder_layers``: the decoder stack under the LM head and its list of transformer blocks.
 - self-speculation: ``replaced_layers`` (run the model with some layers swapped for ``Passthrough`` / ``Apply`` /

@@ -3,8 +3,9 @@
 ``verify_costs`` times one verification of an N-node tree (a branching one, so the custom 4D mask is in the
 measurement) on top of a cache of a given length, as greedy decoding runs it: the target's forward without its LM
 head, then the head on the nodes greedy acceptance needs (``selfspec.core.head_rows``; every node's logits where the
-model's logits are not its head's plain output, and with ``greedy=False``, as sampling verifies). ``loop_overhead`` runs the real decoding loop and splits each step into the
-target's forward and everything else (drafting, acceptance, cache commit). Medians over repeats, the sizes timed in
+model's logits are not its head's plain output, and with ``greedy=False``, as sampling verifies). ``loop_overhead``
+runs the real decoding loop and splits each step into the target's forward and everything else (drafting,
+acceptance, cache commit). Medians over repeats, the sizes timed in
 rounds; nothing is cached between sizes, the cache is cut back to the prefix after each verification.
 """
 
@@ -38,8 +39,9 @@ def verify_costs(
     warmup: int = 3, seed: int = 0, progress: bool = False, greedy: bool = True,
 ) -> list[VerifyCost]:
     """Median wall time of ``target.verify`` for a tree of each size over a cache of ``context`` tokens (fewer where
-    the model holds fewer positions), and of the LM head greedy acceptance then runs (the random tokens make the
-    accepted path the root alone, as on most steps of a real draft but the longest; greedy False: every node's logits).
+    the model holds fewer positions), and of the LM head greedy acceptance then runs (random tokens: the accepted path
+    is the root alone; a real step's longer path adds its nodes' rows, ~0.2 ms each in bf16 on SmolLM2); greedy
+    False: every node's logits, as sampling verifies.
 
     The sizes are timed in rounds (every size once per round, ``warmup`` untimed rounds first), not one after the
     other: on a machine whose speed drifts (a shared VM, a CPU changing clock) the drift then hits every size alike,
