@@ -160,7 +160,8 @@ def test_verify_costs_time_the_sizes_in_rounds(setup, tmp_path, monkeypatch):
     rows = costs.verify_costs(target, sizes=(1, 2, 4), context=8, repeats=3, warmup=2)
     assert order == [(1, False), (2, False), (4, False)] * 5 and heads == [1, 2, 4] * 5
     assert [r.nodes for r in rows] == [1, 2, 4] and rows[0].relative == 1.0
-    order.clear(), heads.clear()
+    order.clear()
+    heads.clear()
     costs.verify_costs(target, sizes=(1, 4), context=8, repeats=1, warmup=0, greedy=False)
     assert order == [(1, True), (4, True)] and heads == []  # as sampling verifies: every node's logits
 

@@ -127,7 +127,7 @@ class BlockHead(EagleHead):
             cache=None) -> torch.Tensor:
         """inputs [B, N, D], position_ids [B, N], mask [B, 1, N, S + N] additive -> outputs [B, N, D] (one decoder
         forward; appends N entries to ``cache`` when one is given)."""
-        with hf.grouped_attention(inputs.device):  # drafting on a CPU: no copy of the cache per query head
+        with hf.grouped_attention(inputs.device):  # on a CPU without autograd: no cache copy per head
             out = self.decoder(inputs_embeds=inputs, position_ids=position_ids, attention_mask=mask, cache=cache,
                                use_cache=cache is not None, return_dict=True)
         return out.last_hidden_state

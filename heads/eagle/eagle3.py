@@ -233,7 +233,7 @@ class Eagle3Head(nn.Module, DraftCheckpoint):
         what the next pair reads [B, N, D] (pre-norm, or normed with norm_output); appends N entries to ``cache``."""
         dtype = self.fc.weight.dtype
         x = torch.cat([self.embed(tokens).to(dtype), features.to(dtype)], dim=-1)  # [B, N, 2D]: embedding first
-        with hf.grouped_attention(x.device):  # drafting on a CPU: no copy of the cache per query head
+        with hf.grouped_attention(x.device):  # on a CPU without autograd: no cache copy per head
             out = self.decoder(inputs_embeds=x, position_ids=position_ids, attention_mask=mask, cache=cache,
                                use_cache=cache is not None, return_dict=True).last_hidden_state
         return self.norm(out) if self.config.norm_output else out

@@ -176,7 +176,7 @@ class EagleHead(nn.Module, DraftCheckpoint):
         """features [B, N, D] (f_j), tokens [B, N] (x_{j+1}), position_ids [B, N], mask [B, 1, N, S + N] additive or
         None (causal) -> f̂_{j+1} [B, N, D]; appends N entries to ``cache``."""
         x = self.fc(torch.cat([self.embed(tokens).to(self.fc.weight.dtype), features.to(self.fc.weight.dtype)], -1))
-        with hf.grouped_attention(x.device):  # drafting on a CPU: no copy of the cache per query head
+        with hf.grouped_attention(x.device):  # on a CPU without autograd: no cache copy per head
             out = self.decoder(inputs_embeds=x, position_ids=position_ids, attention_mask=mask, cache=cache,
                                use_cache=cache is not None, return_dict=True)
         return out.last_hidden_state

@@ -132,7 +132,8 @@ def _matching_children(tree: Tree, tokens: torch.Tensor, node: int, token: int) 
 @torch.inference_mode()
 def _everywhere(tree: Tree, tokens: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None) -> tuple[Acceptance, torch.Tensor]:
-    """Every node's logits and ``greedy_accept``: the rare steps the two passes cannot decide alone."""
+    """Every node's logits and ``greedy_accept``: a tree of at most ``FEW`` nodes, and the rare steps the two passes
+    cannot decide alone."""
     logits = lm_head(hidden, weight, bias)  # [N, V]
     acc = greedy_accept(tree, tokens, logits)
     return acc, logits[list(acc.path)]
