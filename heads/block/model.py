@@ -44,7 +44,7 @@ from transformers import DynamicCache
 
 from heads.base import card_usage
 from heads.block.config import DRAFT_TYPE, BlockConfig
-from heads.eagle.model import EagleHead, card_facts, read_head_checkpoint
+from heads.eagle.model import EagleHead, card_facts, read_head_checkpoint, run_decoder
 from selfspec.core import hf
 
 
@@ -127,10 +127,7 @@ class BlockHead(EagleHead):
             cache=None) -> torch.Tensor:
         """inputs [B, N, D], position_ids [B, N], mask [B, 1, N, S + N] additive -> outputs [B, N, D] (one decoder
         forward; appends N entries to ``cache`` when one is given)."""
-        with hf.grouped_attention(inputs.device):  # on a CPU without autograd: no cache copy per head
-            out = self.decoder(inputs_embeds=inputs, position_ids=position_ids, attention_mask=mask, cache=cache,
-                               use_cache=cache is not None, return_dict=True)
-        return out.last_hidden_state
+        return run_decoder(self.decoder, inputs, position_ids, mask, cache)
 
     # ------------------------------------------------------------------------------------------------- training
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor,

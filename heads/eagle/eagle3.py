@@ -46,9 +46,8 @@ from transformers import PreTrainedModel
 
 from heads.checkpoints.draft import DraftCheckpoint
 from heads.checkpoints.files import CONFIG, WEIGHTS, check_base_sizes, read_tensors, resolve, write_checkpoint
-from heads.eagle.model import build_decoder, unrolled
+from heads.eagle.model import build_decoder, run_decoder, unrolled
 from heads.eagle.speculators_config import Eagle3Config
-from selfspec.core import hf
 from selfspec.core.draft_vocab import DraftVocab, check_draft_tokens
 from selfspec.core.files import read_json_object
 
@@ -233,9 +232,7 @@ class Eagle3Head(nn.Module, DraftCheckpoint):
         what the next pair reads [B, N, D] (pre-norm, or normed with norm_output); appends N entries to ``cache``."""
         dtype = self.fc.weight.dtype
         x = torch.cat([self.embed(tokens).to(dtype), features.to(dtype)], dim=-1)  # [B, N, 2D]: embedding first
-        with hf.grouped_attention(x.device):  # on a CPU without autograd: no cache copy per head
-            out = self.decoder(inputs_embeds=x, position_ids=position_ids, attention_mask=mask, cache=cache,
-                               use_cache=cache is not None, return_dict=True).last_hidden_state
+        out = run_decoder(self.decoder, x, position_ids, mask, cache)
         return self.norm(out) if self.config.norm_output else out
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:

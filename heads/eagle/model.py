@@ -55,6 +55,18 @@ def build_decoder(config) -> PreTrainedModel:
     return hf.sdpa_or_eager(lambda attn: AutoModel.from_config(config, attn_implementation=attn))
 
 
+def run_decoder(decoder: PreTrainedModel, inputs: torch.Tensor, position_ids: torch.Tensor,
+                mask: torch.Tensor | None, cache=None) -> torch.Tensor:
+    """One forward of a head's decoder: inputs [B, N, D_in] (D, or 2D into an EAGLE-3 head's first layer),
+    position_ids [B, N], mask [B, 1, N, S + N] additive or None (causal) -> its last hidden state [B, N, D]; appends N
+    entries to ``cache`` when one is given. On a CPU without autograd (drafting) the attention runs grouped
+    (``hf.grouped_attention``: no cache copy per head)."""
+    with hf.grouped_attention(inputs.device):
+        out = decoder(inputs_embeds=inputs, position_ids=position_ids, attention_mask=mask, cache=cache,
+                      use_cache=cache is not None, return_dict=True)
+    return out.last_hidden_state
+
+
 def read_eagle_checkpoint(directory: Path) -> tuple[EagleConfig, dict[str, torch.Tensor]]:
     """config.json and model.safetensors of an EAGLE-head checkpoint directory, checked against each other. Strict."""
     return read_head_checkpoint(directory, DRAFT_TYPE, "EAGLE-head", EagleConfig, EagleHead, upgrade_state)
@@ -176,10 +188,7 @@ class EagleHead(nn.Module, DraftCheckpoint):
         """features [B, N, D] (f_j), tokens [B, N] (x_{j+1}), position_ids [B, N], mask [B, 1, N, S + N] additive or
         None (causal) -> f̂_{j+1} [B, N, D]; appends N entries to ``cache``."""
         x = self.fc(torch.cat([self.embed(tokens).to(self.fc.weight.dtype), features.to(self.fc.weight.dtype)], -1))
-        with hf.grouped_attention(x.device):  # on a CPU without autograd: no cache copy per head
-            out = self.decoder(inputs_embeds=x, position_ids=position_ids, attention_mask=mask, cache=cache,
-                               use_cache=cache is not None, return_dict=True)
-        return out.last_hidden_state
+        return run_decoder(self.decoder, x, position_ids, mask, cache)
 
     # ------------------------------------------------------------------------------------------------- training
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor, unroll: int) -> torch.Tensor:
