@@ -91,11 +91,6 @@ class BlockHead(EagleHead):
         self.mask = nn.Parameter(torch.empty(config.block_size - 1, config.hidden_size))  # [M, D]
         nn.init.normal_(self.mask, std=float(getattr(dcfg, "initializer_range", 0.02)))
 
-    def pair_inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """features [B, N, D] (f_j, or the fused g_j), tokens [B, N] (x_{j+1}) -> the decoder's inputs [B, N, D]."""
-        dtype = self.fc.weight.dtype
-        return self.fc(torch.cat([self.embed(tokens).to(dtype), features.to(dtype)], -1))
-
     @property
     def block_size(self) -> int:
         """K: tokens one forward drafts (the last true pair's and the K - 1 masks')."""

@@ -187,8 +187,13 @@ class EagleHead(nn.Module, DraftCheckpoint):
              mask: torch.Tensor | None, cache) -> torch.Tensor:
         """features [B, N, D] (f_j), tokens [B, N] (x_{j+1}), position_ids [B, N], mask [B, 1, N, S + N] additive or
         None (causal) -> f̂_{j+1} [B, N, D]; appends N entries to ``cache``."""
-        x = self.fc(torch.cat([self.embed(tokens).to(self.fc.weight.dtype), features.to(self.fc.weight.dtype)], -1))
-        return run_decoder(self.decoder, x, position_ids, mask, cache)
+        return run_decoder(self.decoder, self.pair_inputs(features, tokens), position_ids, mask, cache)
+
+    def pair_inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """features [B, N, D] (f_j, or the fused g_j), tokens [B, N] (x_{j+1}) -> the decoder's inputs [B, N, D]:
+        fc over each pair's token embedding and feature."""
+        dtype = self.fc.weight.dtype
+        return self.fc(torch.cat([self.embed(tokens).to(dtype), features.to(dtype)], -1))
 
     # ------------------------------------------------------------------------------------------------- training
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor, unroll: int) -> torch.Tensor:
