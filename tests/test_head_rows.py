@@ -65,6 +65,25 @@ def test_the_two_passes_decide_as_every_logit_does(monkeypatch, bias):
     assert cut >= 10 and long >= 10, (cut, long)
 
 
+def test_the_path_pass_reads_only_the_heads_tail(monkeypatch):
+    """Pass 2 computes the path's logits over ids SHORTLIST..V-1 only (pass 1 has the rest): the head's rows are read
+    once in all; its logits are still the full-vocabulary logits of the path's nodes."""
+    monkeypatch.setattr(head_rows, "SHORTLIST", 8)
+    real, heads = head_rows.lm_head, []
+    monkeypatch.setattr(head_rows, "lm_head", lambda rows, w, b: heads.append(w.shape[0]) or real(rows, w, b))
+    tree = Tree.full([3, 2])
+    for seed in range(40):
+        tokens, hidden, weight, b = _case(seed, tree, follow=0.8, bias=True)
+        heads.clear()
+        got, path_logits = head_rows.greedy_from_hidden(tree, tokens, hidden, weight, b)
+        logits = F.linear(hidden, weight, b)
+        assert got == greedy_accept(tree, tokens, logits), seed
+        assert path_logits.shape == (len(got.path), V)
+        assert torch.allclose(path_logits, logits[list(got.path)], rtol=1e-5, atol=1e-5), seed
+        assert heads[0] == V - 8, heads  # the tail; a fallback to every logit (heads[1] == V) is the rare case
+        assert heads[1:] in ([], [V]), heads
+
+
 def test_a_tree_of_one_or_two_nodes_gets_every_logit_at_once(monkeypatch):
     """No shortlist pass where the whole head on every node costs as much (head_rows.FEW); the same verdict."""
     monkeypatch.setattr(head_rows, "SHORTLIST", 8)

@@ -7,13 +7,15 @@ acceptance reads the argmax of the accepted path's nodes only. ``greedy_from_hid
 
     1. shortlist  every node's logits over S = the first ``SHORTLIST`` token ids and the tree's own tokens
                   ([N, D] x [D, |S|], a small slice of the head); each node's argmax over S, its tentative target
-    2. path       the tentative accepted path (``greedy_path`` on the tentative targets); the full-vocabulary logits
-                  of its nodes only, their true targets
+    2. path       the tentative accepted path (``greedy_path`` on the tentative targets); its nodes' logits over
+                  the rest of the vocabulary (ids SHORTLIST..V-1, the head's tail), which with pass 1's logits over
+                  ids 0..SHORTLIST-1 are their full-vocabulary logits: their true targets (the head's weights read
+                  once in all, as one row's logits read them)
     3. cut        the path up to the first node whose true target differs from its tentative one: that true target
                   lies outside S (an argmax over all of V that is in S is the argmax over S), so no child of the node
                   carries it (every tree token is in S): the path ends there, the true target its bonus
 
-A batch (``rows_accept``) runs each pass once for all its rows. The full-vocabulary product is ``lm_head``: in fp32 on a
+A batch (``rows_accept``) runs each pass once for all its rows. Step 2's product is ``lm_head``: in fp32 on a
 CPU it is computed as weight @ rows.T, several times faster there than transformers' order for a few rows.
 
 Why it is exact: a node off the tentative path is accepted only if its parent's target is its token; a parent on the
@@ -52,6 +54,8 @@ class Tentative:
     path: tuple[int, ...]
     targets: torch.Tensor
     """[N] each node's argmax over the shortlist."""
+    head: torch.Tensor
+    """[N, k] each node's logits over ids 0..k-1 (pass 1's), the first k of its full-vocabulary logits."""
     shortlist: int
     """k: ids 0..k-1 are in the shortlist."""
     extra: frozenset[int]
@@ -66,7 +70,7 @@ def greedy_from_hidden(tree: Tree, tokens: torch.Tensor, hidden: torch.Tensor, w
     if len(tree) <= FEW:  # the head over every node costs what the two passes would
         return _everywhere(tree, tokens, hidden, weight, bias)
     [guess] = tentatives([(tree, tokens)], hidden[None], weight, bias)
-    full = lm_head(hidden[list(guess.path)], weight, bias)  # [P, V]
+    full = path_logits(guess, hidden[list(guess.path)], weight, bias)  # [P, V]
     return settle(tree, tokens, guess, full) or _everywhere(tree, tokens, hidden, weight, bias)
 
 
@@ -84,7 +88,16 @@ def tentatives(trees: Sequence[tuple[Tree, torch.Tensor]], hidden: torch.Tensor,
     targets = ids[short.argmax(-1)]  # [B, N]
     shortlisted = frozenset(extra.tolist())
     return [Tentative(path=greedy_path(tree, toks, targets[b, : len(tree)]), targets=targets[b, : len(tree)],
-                      shortlist=k, extra=shortlisted) for b, (tree, toks) in enumerate(trees)]
+                      head=short[b, : len(tree), :k], shortlist=k, extra=shortlisted)
+            for b, (tree, toks) in enumerate(trees)]
+
+
+def path_logits(guess: Tentative, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Step 2's product: rows [P, D], the final hidden states of ``guess.path``'s nodes -> their full-vocabulary
+    logits [P, V]: pass 1's over ids 0..k-1, the head's tail (ids k..V-1) computed now."""
+    k = guess.shortlist
+    tail = lm_head(rows, weight[k:], None if bias is None else bias[k:])  # [P, V - k]
+    return torch.cat([guess.head[list(guess.path)], tail], dim=-1)
 
 
 def lm_head(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -119,7 +132,9 @@ def rows_accept(drafts: Sequence[Draft], hidden: torch.Tensor, weight: torch.Ten
     [P_b, V]; step 2's LM head runs once, on every row's tentative path (the head's weights read once)."""
     guesses = tentatives([(d.tree, d.tokens) for d in drafts], hidden, weight, bias)
     rows = torch.cat([hidden[b, list(g.path)] for b, g in enumerate(guesses)])  # [sum P_b, D]
-    full = lm_head(rows, weight, bias).split([len(g.path) for g in guesses])  # P_b x [P_b, V]
+    k = guesses[0].shortlist
+    tails = lm_head(rows, weight[k:], None if bias is None else bias[k:]).split([len(g.path) for g in guesses])
+    full = [torch.cat([g.head[list(g.path)], t], dim=-1) for g, t in zip(guesses, tails)]  # P_b x [P_b, V]
     out = [settle(d.tree, d.tokens, g, f) or _everywhere(d.tree, d.tokens, hidden[b, : len(d.tree)], weight, bias)
            for b, (d, g, f) in enumerate(zip(drafts, guesses, full))]
     return [a for a, _ in out], [logits for _, logits in out]

@@ -236,14 +236,20 @@ def cache_keep(cache: Cache, start: int, keep: torch.Tensor) -> None:
     """
     total = cache.get_seq_length()
     k = int(keep.numel())
-    if k and not torch.equal(keep, torch.arange(k)):
+    moved = (keep != torch.arange(k)).nonzero()  # the kept entries that are not where they stay
+    if moved.numel():
+        first = int(moved[0])  # entries before it stay where they are
+        sources = {}  # a layer's index of position start -> the indices its moved entries come from
         for layer in cache.layers:
             local = start - getattr(layer, "offset", 0)  # a WindowLayer's index of position start
             if local < 0 or layer.get_seq_length() != total:
                 raise RuntimeError(f"cache_keep: a cache layer holds {layer.get_seq_length()} positions, expected "
                                    f"{total} from {start} on (a transformers sliding layer that dropped entries?)")
-            layer.keys[:, :, local : local + k] = layer.keys[:, :, keep + local]  # [B, H, K, hd]
-            layer.values[:, :, local : local + k] = layer.values[:, :, keep + local]
+            src = sources.get(local)
+            if src is None:
+                src = sources[local] = keep[first:].to(layer.keys.device) + local  # [K - first]
+            layer.keys[:, :, local + first : local + k] = layer.keys[:, :, src]  # [B, H, K - first, hd]
+            layer.values[:, :, local + first : local + k] = layer.values[:, :, src]
     if total > start + k:
         cache.crop(-(total - start - k))
 
