@@ -236,7 +236,7 @@ def cache_keep(cache: Cache, start: int, keep: torch.Tensor) -> None:
     """
     total = cache.get_seq_length()
     k = int(keep.numel())
-    moved = (keep != torch.arange(k)).nonzero()  # the kept entries that are not where they stay
+    moved = (keep != torch.arange(k, device=keep.device)).nonzero()  # kept entries not where they stay
     if moved.numel():
         first = int(moved[0])  # entries before it stay where they are
         sources = {}  # a layer's index of position start -> the indices its moved entries come from
