@@ -70,7 +70,7 @@ def greedy_from_hidden(tree: Tree, tokens: torch.Tensor, hidden: torch.Tensor, w
     if len(tree) <= FEW:  # the head over every node costs what the two passes would
         return _everywhere(tree, tokens, hidden, weight, bias)
     [guess] = tentatives([(tree, tokens)], hidden[None], weight, bias)
-    full = path_logits(guess, hidden[list(guess.path)], weight, bias)  # [P, V]
+    [full] = path_logits([guess], hidden[list(guess.path)], weight, bias)  # [P, V]
     return settle(tree, tokens, guess, full) or _everywhere(tree, tokens, hidden, weight, bias)
 
 
@@ -92,12 +92,14 @@ def tentatives(trees: Sequence[tuple[Tree, torch.Tensor]], hidden: torch.Tensor,
             for b, (tree, toks) in enumerate(trees)]
 
 
-def path_logits(guess: Tentative, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Step 2's product: rows [P, D], the final hidden states of ``guess.path``'s nodes -> their full-vocabulary
-    logits [P, V]: pass 1's over ids 0..k-1, the head's tail (ids k..V-1) computed now."""
-    k = guess.shortlist
-    tail = lm_head(rows, weight[k:], None if bias is None else bias[k:])  # [P, V - k]
-    return torch.cat([guess.head[list(guess.path)], tail], dim=-1)
+def path_logits(guesses: Sequence[Tentative], rows: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> list[torch.Tensor]:
+    """Step 2's product, once for B trees: rows [sum P_b, D], the final hidden states of each guess's path nodes in
+    turn -> each path's full-vocabulary logits [P_b, V]: pass 1's over ids 0..k-1, the head's tail (ids k..V-1)
+    computed now."""
+    k = guesses[0].shortlist
+    tails = lm_head(rows, weight[k:], None if bias is None else bias[k:]).split([len(g.path) for g in guesses])
+    return [torch.cat([g.head[list(g.path)], tail], dim=-1) for g, tail in zip(guesses, tails)]  # P_b x [P_b, V]
 
 
 def lm_head(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -132,9 +134,7 @@ def rows_accept(drafts: Sequence[Draft], hidden: torch.Tensor, weight: torch.Ten
     [P_b, V]; step 2's LM head runs once, on every row's tentative path (the head's weights read once)."""
     guesses = tentatives([(d.tree, d.tokens) for d in drafts], hidden, weight, bias)
     rows = torch.cat([hidden[b, list(g.path)] for b, g in enumerate(guesses)])  # [sum P_b, D]
-    k = guesses[0].shortlist
-    tails = lm_head(rows, weight[k:], None if bias is None else bias[k:]).split([len(g.path) for g in guesses])
-    full = [torch.cat([g.head[list(g.path)], t], dim=-1) for g, t in zip(guesses, tails)]  # P_b x [P_b, V]
+    full = path_logits(guesses, rows, weight, bias)  # P_b x [P_b, V]
     out = [settle(d.tree, d.tokens, g, f) or _everywhere(d.tree, d.tokens, hidden[b, : len(d.tree)], weight, bias)
            for b, (d, g, f) in enumerate(zip(drafts, guesses, full))]
     return [a for a, _ in out], [logits for _, logits in out]
