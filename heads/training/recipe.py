@@ -27,7 +27,8 @@ RECIPE = typed.Wording(unknown="unknown key {key!r}{hint} (expected one of {know
 
 
 def apply_overrides(data: dict, overrides: Sequence[str], cls: type = None) -> dict:
-    """``a.b=value`` strings applied to a nested dict (a copy). Values are YAML scalars unless the field is a str."""
+    """``a.b=value`` strings applied to a nested dict (a copy). Values are YAML scalars unless the field is a str or
+    one of a list of words."""
     cls = cls or TrainConfig
     data = yaml.safe_load(yaml.safe_dump(data)) or {}  # a deep copy
     for item in overrides:
@@ -36,8 +37,8 @@ def apply_overrides(data: dict, overrides: Sequence[str], cls: type = None) -> d
             raise ValueError(f"override {item!r}: expected key=value (e.g. optim.lr=3e-4)")
         path = key.strip().split(".")
         tp = typed.field_type(cls, path)
-        if tp in (str, str | None) and text.strip() not in ("null", "~", ""):
-            value = text  # a str field keeps what was written ("001" stays "001")
+        if (tp in (str, str | None) or typed.string_choices(tp)) and text.strip() not in ("null", "~", ""):
+            value = text  # a str field keeps what was written ("001" stays "001", mixed_precision=no stays 'no')
         else:
             try:
                 value = yaml.safe_load(text) if text.strip() else None

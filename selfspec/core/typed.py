@@ -119,7 +119,8 @@ def fit(value: Any, tp: Any, where: str, wording: Wording = WORDING, text_floats
         raise wording.type_error(_wrong(where, type_name(tp), value, wording))
     if origin is Literal:
         if value not in args:
-            raise wording.type_error(f"{where}: expected one of {list(args)}, found {value!r:.80}")
+            raise wording.type_error(f"{where}: expected one of {list(args)}, found {value!r:.80}"
+                                     + _yaml_bool(value, repr(list(args))))
         return value
     if origin in (list, tuple, collections.abc.Sequence) or tp in (list, tuple):
         return _fit_sequence(value, tp, where, wording, text_floats)
@@ -174,7 +175,30 @@ def _found(value: Any, wording: Wording) -> str:
 
 
 def _wrong(where: str, expected: str, value: Any, wording: Wording) -> str:
-    return wording.wrong_type.format(where=where, expected=expected, found=_found(value, wording))
+    return wording.wrong_type.format(where=where, expected=expected, found=_found(value, wording)) + _yaml_bool(value,
+                                                                                                             expected)
+
+
+YAML_BOOL_WORDS = ("no", "yes", "off", "on", "n", "y")
+"""words YAML 1.1 (PyYAML) reads as a boolean when unquoted: ``mixed_precision: no`` is False, not 'no'."""
+
+
+def _yaml_bool(value: Any, expected: str) -> str:
+    """A hint when a boolean was found where a word YAML reads as one was expected ('' otherwise)."""
+    if not isinstance(value, bool):
+        return ""
+    words = [w for w in YAML_BOOL_WORDS if f"'{w}'" in expected]
+    if not words:
+        return ""
+    return f" (YAML reads an unquoted {words[0]} as a boolean: quote it, '{words[0]}')"
+
+
+def string_choices(tp: Any) -> bool:
+    """Whether ``tp`` is a ``Literal`` of strings, alone or ``| None``: a field whose value is one word of a list."""
+    args = [a for a in (typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,))
+            if a is not type(None)]
+    return len(args) == 1 and typing.get_origin(args[0]) is Literal and all(isinstance(a, str)
+                                                                             for a in typing.get_args(args[0]))
 
 
 def type_name(tp: Any) -> str:

@@ -190,6 +190,15 @@ def test_unknown_section_in_yaml_file(tmp_path):
         load_config(tmp_path / "missing.yaml")
 
 
+def test_words_yaml_reads_as_booleans_stay_words_or_fail_saying_to_quote_them(tmp_path):
+    # the error's own list says 'no': typing mixed_precision=no must give 'no', not YAML 1.1's False
+    assert load_config(None, ["mixed_precision=no"]).mixed_precision == "no"
+    assert load_config(write(tmp_path, "mixed_precision: 'no'\n")).mixed_precision == "no"
+    with pytest.raises(ValueError, match=r"mixed_precision: expected one of 'no'/'fp16'/'bf16' \| null, found bool "
+                                         r"False \(YAML reads an unquoted no as a boolean: quote it, 'no'\)"):
+        load_config(write(tmp_path, "mixed_precision: no\n"))
+
+
 def test_overrides_do_not_modify_their_input():
     data = {"optim": {"lr": 0.1}}
     assert apply_overrides(data, ["optim.lr=0.2"])["optim"]["lr"] == 0.2
