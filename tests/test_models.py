@@ -82,6 +82,29 @@ def test_local_directory_loads_in_the_requested_dtype(tmp_path):
     assert isinstance(model, LlamaForCausalLM) and model.dtype == torch.bfloat16 and not model.training
 
 
+@pytest.mark.parametrize("emulated", [True, False])
+def test_bf16_on_a_cpu_without_bf16_instructions_warns_what_it_costs(tmp_path, monkeypatch, caplog, emulated):
+    # the check itself is oneDNN's (this machine's answer, whichever it is); the warning is what a user sees
+    assert models.bf16_emulated("cpu") == (not torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert not models.bf16_emulated("meta")
+    monkeypatch.setattr(models, "bf16_emulated", lambda device: emulated)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2)
+    path = _save_tiny(tmp_path / "llama", LlamaForCausalLM(cfg))
+    from tokenizers import Tokenizer, models as tok_models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(tok_models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")))
+    tok.save_pretrained(path)
+    with caplog.at_level("WARNING", logger="selfspec.core.models"):
+        models.load_model(str(path), dtype="bf16")
+        models.load_model(str(path), dtype="fp32")
+    warned = [r.getMessage() for r in caplog.records if "no bf16 instructions" in r.getMessage()]
+    assert len(warned) == (1 if emulated else 0)  # bf16 only, and only where it is emulated
+    if emulated:
+        assert f"torch sees {torch.backends.cpu.get_cpu_capability()}" in warned[0] and "--dtype fp32" in warned[0]
+
+
 @pytest.mark.parametrize("bad, error, message", [
     ("missing.gguf", FileNotFoundError, "GGUF file missing.gguf does not exist"),
 ])

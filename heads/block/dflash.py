@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb, rotate_half
 
 from heads.block.dflash_config import DFlashConfig
 from heads.checkpoints.draft import DraftCheckpoint
@@ -154,7 +154,7 @@ class DFlashHead(nn.Module, DraftCheckpoint):
             attn = layer.self_attn
             k = attn.k_norm(attn.k_proj(ctx).unflatten(-1, (-1, attn.head_dim))).transpose(1, 2)
             v = attn.v_proj(ctx).unflatten(-1, (-1, attn.head_dim)).transpose(1, 2)
-            _, k = apply_rotary_pos_emb(k, k, cos, sin)
+            k = k * cos.unsqueeze(1) + rotate_half(k) * sin.unsqueeze(1)  # apply_rotary_pos_emb's, keys only
             out.append((k, v))
         return out
 

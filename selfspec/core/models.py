@@ -63,6 +63,21 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def bf16_emulated(device: str | torch.device) -> bool:
+    """Whether bf16 on ``device`` runs without bf16 instructions: a CPU without AVX512-BF16 or AMX (oneDNN's own
+    check), where torch widens every bf16 product to fp32 in software."""
+    return torch.device(device).type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+BF16_EMULATED = ("this CPU has no bf16 instructions (AVX512-BF16 or AMX; torch sees {capability}), so bf16 runs "
+                 "emulated: {what} (docs/BENCHMARKS.md §46)")
+"""the warning's wording; {what}: what that costs the job at hand."""
+
+
+def bf16_warning(what: str) -> str:
+    return BF16_EMULATED.format(capability=torch.backends.cpu.get_cpu_capability(), what=what)
+
+
 @contextlib.contextmanager
 def build_lock(final: Path):
     """Hold an exclusive lock on ``final``'s build (a file in the cache's locks/) for the block: processes that build
@@ -284,4 +299,9 @@ def load_model(
     if getattr(model.config, "is_encoder_decoder", False):
         raise TypeError(f"{name_or_path} is an encoder-decoder model ({model.config.model_type}); expected a decoder-only causal LM")
     model = model.to(device).eval()
+    if model.dtype == torch.bfloat16 and bf16_emulated(device):
+        log.warning(bf16_warning(
+            "one token costs less than in fp32 (half the weight bytes to read) but a verified tree costs far more (on "
+            "a 2-core AVX2 EPYC, SmolLM2-135M verifying 11 tokens: 299 ms in bf16 against 200 ms in fp32); --dtype fp32 "
+            "is likely faster here, and `infer.py tune-tree` measures which trees pay"))
     return (compiled.compile_forward(model) if compile else model), tokenizer

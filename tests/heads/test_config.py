@@ -222,3 +222,21 @@ def test_output_dir_help_names_where_every_method_saves_its_draft():
         assert f"{directory} ({method})" in line, line
     cfg = load_config(None, ["output_dir=runs/x", "method=eagle"])
     assert cfg.final_dir == Path("runs/x/eagle_head")
+
+
+@pytest.mark.parametrize("precision, emulated, warns", [("bf16", True, True), ("bf16", False, False),
+                                                         (None, True, False)])
+def test_bf16_training_on_a_cpu_without_bf16_instructions_warns_and_says_what_to_pass(monkeypatch, caplog, precision,
+                                                                                      emulated, warns):
+    from heads.training import engine
+
+    monkeypatch.setattr(engine, "bf16_emulated", lambda device: emulated)
+    built = {}
+    # the warning is decided before accelerate is asked for anything: a stand-in records what it would be asked
+    monkeypatch.setattr(engine, "Accelerator", lambda **kwargs: built.update(kwargs))
+    cfg = load_config(None, ["cpu=true"] + ([f"mixed_precision={precision}"] if precision else []))
+    with caplog.at_level("WARNING", logger="heads.training.engine"):
+        engine.build_accelerator(cfg)
+    assert built["mixed_precision"] == precision  # warned, not changed: the recipe trains as written
+    warned = [r.getMessage() for r in caplog.records if "no bf16 instructions" in r.getMessage()]
+    assert len(warned) == warns and all("mixed_precision=null" in w for w in warned)
