@@ -30,15 +30,28 @@ def build_accelerator(cfg: TrainConfig) -> Accelerator:
         import deepspeed.ops  # optional heavy dependency: only under DeepSpeed, whose import costs seconds
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    if cpu and cfg.mixed_precision == "bf16" and bf16_emulated("cpu"):
+    precision = mixed_precision(cfg.mixed_precision, cpu)
+    if cpu and precision == "bf16" and bf16_emulated("cpu"):
         logger.warning(bf16_warning(
             "mixed_precision=bf16 trains several times slower than fp32 here (the block drafter's recipe on a 2-core "
-            "AVX2 EPYC: 56 s a step against 8.3 s); pass mixed_precision=null to train in fp32"))
+            "AVX2 EPYC: 56 s a step against 8.3 s); pass mixed_precision=auto (or null) to train in fp32"))
+    elif cfg.mixed_precision == "auto":
+        logger.info(f"mixed_precision=auto: {precision} on this machine")
     return Accelerator(
-        cpu=cpu, mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.optim.grad_accum,
+        cpu=cpu, mixed_precision=precision, gradient_accumulation_steps=cfg.optim.grad_accum,
         log_with=cfg.logging.log_with or None, project_dir=cfg.output_dir,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),
     )
+
+
+def mixed_precision(wanted: str | None, cpu: bool) -> str | None:
+    """The recipe's mixed_precision for accelerate: 'auto' -> 'bf16' where bf16 is computed in hardware (a CUDA GPU
+    that supports it; a CPU with AVX512-BF16 or AMX), else 'no'; anything else as written."""
+    if wanted != "auto":
+        return wanted
+    if not cpu and torch.cuda.is_available():
+        return "bf16" if torch.cuda.is_bf16_supported() else "no"
+    return "no" if bf16_emulated("cpu") else "bf16"
 
 
 def tracker_params(d: dict, prefix: str = "") -> dict:

@@ -57,7 +57,7 @@ def test_yaml_and_overrides_reach_nested_fields(tmp_path):
         ("heads.num_heads=true", r"heads.num_heads: expected int, found bool True"),
         ("logging.log_with=tensorboard", r"logging.log_with: expected a list, found str 'tensorboard'"),
         ("heads.projection=full", r"heads.projection: expected one of \['shared', 'own', 'lora'\], found 'full'"),
-        ("mixed_precision=fp8", r"mixed_precision: expected one of 'no'/'fp16'/'bf16' \| null, found str 'fp8'"),
+        ("mixed_precision=fp8", r"mixed_precision: expected one of 'no'/'fp16'/'bf16'/'auto' \| null, found str 'fp8'"),
         ("optim.max_steps=0", r"optim.max_steps: expected null or a value >= 1, found 0"),
         ("loss.decay=1.5", r"loss.decay: expected a value in \(0, 1\], found 1.5"),
         ("optim.lr.peak=1", r"override 'optim.lr.peak=1': optim.lr is 0.001, not a section"),
@@ -194,7 +194,7 @@ def test_words_yaml_reads_as_booleans_stay_words_or_fail_saying_to_quote_them(tm
     # the error's own list says 'no': typing mixed_precision=no must give 'no', not YAML 1.1's False
     assert load_config(None, ["mixed_precision=no"]).mixed_precision == "no"
     assert load_config(write(tmp_path, "mixed_precision: 'no'\n")).mixed_precision == "no"
-    with pytest.raises(ValueError, match=r"mixed_precision: expected one of 'no'/'fp16'/'bf16' \| null, found bool "
+    with pytest.raises(ValueError, match=r"mixed_precision: expected one of 'no'/'fp16'/'bf16'/'auto' \| null, found bool "
                                          r"False \(YAML reads an unquoted no as a boolean: quote it, 'no'\)"):
         load_config(write(tmp_path, "mixed_precision: no\n"))
 
@@ -224,19 +224,27 @@ def test_output_dir_help_names_where_every_method_saves_its_draft():
     assert cfg.final_dir == Path("runs/x/eagle_head")
 
 
-@pytest.mark.parametrize("precision, emulated, warns", [("bf16", True, True), ("bf16", False, False),
-                                                         (None, True, False)])
-def test_bf16_training_on_a_cpu_without_bf16_instructions_warns_and_says_what_to_pass(monkeypatch, caplog, precision,
-                                                                                      emulated, warns):
+@pytest.mark.parametrize("precision, emulated, given, warns", [
+    ("bf16", True, "bf16", True), ("bf16", False, "bf16", False), (None, True, None, False),
+    ("auto", True, "no", False), ("auto", False, "bf16", False)])
+def test_bf16_on_a_cpu_without_bf16_instructions_warns_and_auto_trains_in_what_the_cpu_computes(
+        monkeypatch, caplog, precision, emulated, given, warns):
     from heads.training import engine
 
     monkeypatch.setattr(engine, "bf16_emulated", lambda device: emulated)
     built = {}
-    # the warning is decided before accelerate is asked for anything: a stand-in records what it would be asked
+    # what accelerate is asked for is decided before it is asked: a stand-in records it
     monkeypatch.setattr(engine, "Accelerator", lambda **kwargs: built.update(kwargs))
     cfg = load_config(None, ["cpu=true"] + ([f"mixed_precision={precision}"] if precision else []))
-    with caplog.at_level("WARNING", logger="heads.training.engine"):
+    with caplog.at_level("INFO", logger="heads.training.engine"):
         engine.build_accelerator(cfg)
-    assert built["mixed_precision"] == precision  # warned, not changed: the recipe trains as written
+    assert built["mixed_precision"] == given  # an explicit bf16 is warned about, not changed
     warned = [r.getMessage() for r in caplog.records if "no bf16 instructions" in r.getMessage()]
-    assert len(warned) == warns and all("mixed_precision=null" in w for w in warned)
+    assert len(warned) == warns and all("mixed_precision=auto" in w for w in warned)
+    if precision == "auto":
+        assert any(r.getMessage() == f"mixed_precision=auto: {given} on this machine" for r in caplog.records)
+
+
+def test_the_shipped_recipes_ask_for_bf16_only_where_the_machine_computes_in_it():
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        assert load_config(path).mixed_precision in ("auto", None), path.name
