@@ -3,7 +3,8 @@ machine, cached on disk for ``--tree auto`` (``selfspec.registry.resolve_tree`` 
 writes it after ``selfspec.tools.budget`` has tuned).
 
     key    the draft (its weights' sha256, or prompt lookup's options), the merge it was tuned in, and ``machine_key``:
-           the model, its config, dtype, device, this CPU, its threads, torch, whether the forward is compiled
+           the model, its config, dtype, device, this CPU and its instructions, its threads, torch, whether the
+           forward is compiled
     file   $SELFSPEC_CACHE/tuning/tree-<sha256 of the key>.json: the key, the best (budget, depth) and the whole table
            (the verify-cost curves of ``budget.cached_verify_costs`` sit beside them as verify-<...>.json)
 
@@ -26,7 +27,7 @@ from huggingface_hub import hf_hub_download
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
 
 from selfspec.core import compiled
-from selfspec.core.models import cache_dir, looks_local
+from selfspec.core.models import bf16_emulated, cache_dir, looks_local
 from selfspec.core.tree import DynamicTree
 from selfspec.drafts.merge import REPLAYED_OPTIONS
 
@@ -40,8 +41,10 @@ class Tuned(Protocol):
 
 
 def machine_key(target, model_id: str) -> dict:
-    """What a verify-cost curve depends on: the model, its dtype and device, this machine's CPU and threads, and whether
-    the target's forward is compiled."""
+    """What a verify-cost curve depends on: the model, its dtype and device, this machine's CPU (its name, the vector
+    instructions torch uses on it and whether it has bf16 instructions: one CPU name can cover an AVX2 and an AVX-512
+    generation, where a tree's cost differs several times, docs/BENCHMARKS.md §46) and threads, and whether the
+    target's forward is compiled."""
     cpu = platform.processor() or platform.machine()
     try:
         cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -50,8 +53,13 @@ def machine_key(target, model_id: str) -> dict:
         pass
     return {"model": model_id, "config": hashlib.sha256(target.model.config.to_json_string().encode()).hexdigest()[:12],
             "dtype": str(next(target.model.parameters()).dtype), "device": str(target.device), "cpu": cpu,
-            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "torch": torch.__version__, **cpu_instructions(),
             **({"compiled": True} if compiled.is_compiled(target.model) else {})}  # uncompiled keys as they always were
+
+
+def cpu_instructions() -> dict:
+    """The vector instructions torch uses on this CPU ('AVX2', 'AVX512', ...) and whether it computes bf16 in hardware."""
+    return {"isa": torch.backends.cpu.get_cpu_capability(), "bf16_instructions": not bf16_emulated("cpu")}
 
 
 def cache_file(kind: str, key: dict) -> Path:

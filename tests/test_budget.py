@@ -646,3 +646,18 @@ def test_tune_tree_tunes_a_draft_inside_a_merge_and_tree_auto_prefers_that_tunin
     assert cli.main(["tune-tree", *common, "--draft", "ngram:depth=4+ngram"]) == 2  # no part to tune
     assert ("ngram:depth=4 (the part of ngram:depth=4+ngram that --tree applies to) is a 'ngram' draft"
             in capsys.readouterr().err)
+
+
+def test_the_machine_key_tells_apart_cpus_of_one_name_by_their_instructions(monkeypatch):
+    # 'AMD EPYC' named both a Zen 3 (AVX2, bf16 emulated) and a Zen 4 (AVX-512 with bf16) here, where a tree's cost
+    # differs several times: a tree tuned on one must not be read on the other
+    target = Target(tiny_model("llama"))
+    key = tuned.machine_key(target, "tiny")
+    assert key["isa"] == torch.backends.cpu.get_cpu_capability()
+    assert key["bf16_instructions"] == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512" if key["isa"] == "AVX2" else "AVX2")
+    other = tuned.machine_key(target, "tiny")
+    assert other != key and tuned.cache_file("tree", other) != tuned.cache_file("tree", key)
+    monkeypatch.undo()
+    monkeypatch.setattr(tuned, "bf16_emulated", lambda device: key["bf16_instructions"])
+    assert tuned.machine_key(target, "tiny")["bf16_instructions"] != key["bf16_instructions"]
