@@ -65,8 +65,13 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def bf16_emulated(device: str | torch.device) -> bool:
     """Whether bf16 on ``device`` runs without bf16 instructions: a CPU without AVX512-BF16 or AMX (oneDNN's own
-    check), where torch widens every bf16 product to fp32 in software."""
-    return torch.device(device).type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    check), where torch widens every bf16 product to fp32 in software. False where this torch cannot say (no oneDNN)."""
+    if torch.device(device).type != "cpu":
+        return False
+    try:
+        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):  # a torch built without oneDNN: nothing to tell
+        return False
 
 
 BF16_EMULATED = ("this CPU has no bf16 instructions (AVX512-BF16 or AMX; torch sees {capability}), so bf16 runs "
