@@ -45,21 +45,22 @@ def machine_key(target, model_id: str) -> dict:
     instructions torch uses on it and whether it has bf16 instructions: one CPU name can cover an AVX2 and an AVX-512
     generation, where a tree's cost differs several times, docs/BENCHMARKS.md §46) and threads, and whether the
     target's forward is compiled."""
+    return {"model": model_id, "config": hashlib.sha256(target.model.config.to_json_string().encode()).hexdigest()[:12],
+            "dtype": str(next(target.model.parameters()).dtype), "device": str(target.device), **this_cpu(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            **({"compiled": True} if compiled.is_compiled(target.model) else {})}  # uncompiled keys as they always were
+
+
+def this_cpu() -> dict:
+    """This CPU: its name (/proc/cpuinfo's model name, else the platform's), the vector instructions torch uses on it
+    ('AVX2', 'AVX512', ...) and whether it computes bf16 in hardware."""
     cpu = platform.processor() or platform.machine()
     try:
         cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                    if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"model": model_id, "config": hashlib.sha256(target.model.config.to_json_string().encode()).hexdigest()[:12],
-            "dtype": str(next(target.model.parameters()).dtype), "device": str(target.device), "cpu": cpu,
-            "threads": torch.get_num_threads(), "torch": torch.__version__, **cpu_instructions(),
-            **({"compiled": True} if compiled.is_compiled(target.model) else {})}  # uncompiled keys as they always were
-
-
-def cpu_instructions() -> dict:
-    """The vector instructions torch uses on this CPU ('AVX2', 'AVX512', ...) and whether it computes bf16 in hardware."""
-    return {"isa": torch.backends.cpu.get_cpu_capability(), "bf16_instructions": not bf16_emulated("cpu")}
+    return {"cpu": cpu, "isa": torch.backends.cpu.get_cpu_capability(), "bf16_instructions": not bf16_emulated("cpu")}
 
 
 def cache_file(kind: str, key: dict) -> Path:

@@ -68,16 +68,22 @@ def _save_tiny(path, model):
     return path
 
 
-def test_local_directory_loads_in_the_requested_dtype(tmp_path):
-    torch.manual_seed(0)
+def _tiny_llama_dir(path):
+    """A tiny random Llama and a one-word tokenizer, saved as a local model directory."""
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2)
-    path = _save_tiny(tmp_path / "llama", LlamaForCausalLM(cfg))
+    path = _save_tiny(path, LlamaForCausalLM(cfg))
     from tokenizers import Tokenizer, models as tok_models
     from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(tok_models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")))
     tok.save_pretrained(path)
+    return path
+
+
+def test_local_directory_loads_in_the_requested_dtype(tmp_path):
+    torch.manual_seed(0)
+    path = _tiny_llama_dir(tmp_path / "llama")
     model, _ = models.load_model(str(path), dtype="bf16")
     assert isinstance(model, LlamaForCausalLM) and model.dtype == torch.bfloat16 and not model.training
 
@@ -88,14 +94,7 @@ def test_bf16_on_a_cpu_without_bf16_instructions_warns_what_it_costs(tmp_path, m
     assert models.bf16_emulated("cpu") == (not torch.ops.mkldnn._is_mkldnn_bf16_supported())
     assert not models.bf16_emulated("meta")
     monkeypatch.setattr(models, "bf16_emulated", lambda device: emulated)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2)
-    path = _save_tiny(tmp_path / "llama", LlamaForCausalLM(cfg))
-    from tokenizers import Tokenizer, models as tok_models
-    from transformers import PreTrainedTokenizerFast
-
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(tok_models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")))
-    tok.save_pretrained(path)
+    path = _tiny_llama_dir(tmp_path / "llama")
     with caplog.at_level("WARNING", logger="selfspec.core.models"):
         models.load_model(str(path), dtype="bf16")
         models.load_model(str(path), dtype="fp32")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -51,7 +50,7 @@ from selfspec.core.request import GenerationOptions
 from selfspec.tools.plots import plot_summary
 from selfspec.tools.specbench import Answer, Question
 from selfspec.core.target import Target
-from selfspec.tuned import cpu_instructions
+from selfspec.tuned import this_cpu
 
 DEFAULT_QUESTIONS = Path(__file__).resolve().parents[1] / "data" / "spec_bench_mt_bench.jsonl"
 """Spec-Bench's 80 MT-bench questions, shipped with selfspec (selfspec/data/NOTICE.md)."""
@@ -272,12 +271,7 @@ def answer_question(runner: SpecModel, method: Method, question: Question, optio
 
 
 def _machine() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")]
-        cpu = names[0] if names else cpu
-    return {"cpu": cpu, **cpu_instructions(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+    return {**this_cpu(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "date": datetime.datetime.now().isoformat(timespec="seconds")}
 
