@@ -17,11 +17,15 @@ Methods: ``plain`` (``model.generate``), ``pld`` / ``pld:N`` (``prompt_lookup_nu
 (``assistant_model=``: transformers' assisted generation with a separate draft model, its own heuristics for how
 many tokens to draft), ``none`` (selfspec's loop without a draft), ``ngram`` / ``ngram:...``, ``model:<dir>`` (the
 same draft model in selfspec's loop), and draft checkpoint directories or Hub ids. For the transformers methods
-``accept_lengths`` are the tokens each ``generate`` step handed its streamer (plain: all 1s).
+``accept_lengths`` are the tokens each ``generate`` step handed its streamer (plain: all 1s). ``llamacpp:plain`` and
+``llamacpp:MODE+DRAFT.gguf,...`` run the same turns in llama.cpp's ``llama-server`` on ``llama_model`` (a GGUF of the
+target): ``selfspec.tools.llamacpp``; llama.cpp reports its drafts' totals only, so their answers hold decoding steps
+and no accept_lengths.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import statistics
@@ -32,18 +36,19 @@ import zlib
 from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from tqdm import tqdm
 
 from selfspec import registry
 
-from selfspec.tools import specbench
+from selfspec.tools import llamacpp, specbench
 from selfspec.api import Result, SpecModel
 from selfspec.base_check import check_drafts, target_info
 from selfspec.core.files import atomic_write
 from selfspec.tools.bench_log import BenchLog
+from selfspec.tools.llamacpp import LlamaRunner
 from selfspec.core.drafter import NoDrafter
 from selfspec.core.models import DEFAULT_MODEL, check_device, load_model, parse_dtype
 from selfspec.core.request import GenerationOptions
@@ -104,6 +109,10 @@ class BenchConfig:
     compile: bool = False
     """compile each dtype's target (``selfspec.core.compiled``): every method, plain decoding included, runs the same
     compiled forward."""
+    llama_model: str | None = None
+    """the target as a GGUF file for the ``llamacpp:`` methods (it may hold ``{dtype}``: f32, bf16, f16 per dtype)."""
+    llama_server: str | None = None
+    """llama.cpp's llama-server binary; None: $LLAMA_SERVER, else llama-server on PATH."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.repeats < 1 or self.warmup_tokens < 0:
@@ -127,6 +136,8 @@ class BenchConfig:
         if self.min_new_tokens is not None and not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(f"min_new_tokens must be between 0 and max_new_tokens ({self.max_new_tokens}), found "
                              f"{self.min_new_tokens}")
+        llamacpp.check_bench(self.methods, self.llama_model, self.temperature > 0, self.repetition_penalty, self.stop,
+                             self.min_new_tokens)
 
     @property
     def limits(self) -> dict[str, Any]:
@@ -158,6 +169,8 @@ class Method:
     assistant: registry.DraftSpec | None = None
     """for transformers' assisted generation: the draft model (``model:...``) loaded as ``assistant_model`` in each
     dtype."""
+    llama: llamacpp.LlamaMethod | None = None
+    """for llama.cpp's methods (``llamacpp:...``): what its llama-server runs."""
 
 
 def _option(spec: str, name: str) -> int | None:
@@ -170,9 +183,11 @@ def _option(spec: str, name: str) -> int | None:
     return int(value)
 
 
-def parse_methods(specs: tuple[str, ...], num_layers: int, revision: str | None = None) -> list[Method]:
+def parse_methods(specs: tuple[str, ...], num_layers: int, revision: str | None = None,
+                  dtypes: Sequence[str] = ("float32",)) -> list[Method]:
     """Parse every method, reading draft checkpoints' config.json (no weights); 'plain' always comes first.
-    num_layers: the target's layer count (aee exits at half of it unless told otherwise)."""
+    num_layers: the target's layer count (aee exits at half of it unless told otherwise); dtypes: the run's, whose
+    files a llama.cpp method's ``{dtype}`` paths must name."""
     methods: list[Method] = []
     for spec in specs:
         if spec == "plain":
@@ -188,6 +203,9 @@ def parse_methods(specs: tuple[str, ...], num_layers: int, revision: str | None 
         elif spec.startswith("assisted:"):
             draft = registry.parse_draft_model(spec[len("assisted:"):], revision)
             methods.append(Method(f"assisted:{draft.label}", hf_kwargs={}, assistant=draft))
+        elif llamacpp.is_method(spec):
+            llama = llamacpp.parse_method(spec, dtypes)
+            methods.append(Method(llama.label, llama=llama))
         else:
             methods.append(draft_method(spec, revision))
     labels = [m.label for m in methods]
@@ -225,7 +243,11 @@ def _runner(method: Method, target: Target, tokenizer: Any, model_name: str,
     return SpecModel(target, tokenizer, drafter, name=model_name, repetition_penalty=repetition_penalty)
 
 
-def _run_once(runner: SpecModel, method: Method, ids: torch.Tensor, options: GenerationOptions) -> Result:
+Runner = SpecModel | LlamaRunner
+"""what runs a method: selfspec's model with the method's drafter, or a llama-server (``llamacpp.LlamaRunner``)."""
+
+
+def _run_once(runner: Runner, method: Method, ids: torch.Tensor, options: GenerationOptions) -> Result:
     """One answer to one turn, with this turn's options (its seed, when sampling)."""
     if method.hf_kwargs is not None:
         return runner.generate_plain(ids, options, **method.hf_kwargs)
@@ -239,7 +261,7 @@ def turn_seed(seed: int, question_id: int | str, turn: int) -> int:
     return seed + 1000 * number + turn
 
 
-def answer_question(runner: SpecModel, method: Method, question: Question, options: GenerationOptions,
+def answer_question(runner: Runner, method: Method, question: Question, options: GenerationOptions,
                     repeats: int = 1) -> Answer:
     """Every turn with the conversation so far; the answer text (special tokens removed, stripped) goes into the
     next turn's prompt, as Spec-Bench does. ``options``: what every turn decodes with (``BenchConfig.options``); a
@@ -266,6 +288,9 @@ def answer_question(runner: SpecModel, method: Method, question: Question, optio
         answer.decoding_steps.append(first.stats.steps)
         if first.stats.draft_seconds is not None:  # selfspec's loop measures its drafter; transformers' does not
             answer.draft_time.append(statistics.median(r.stats.draft_seconds for r in results))
+        if isinstance(first.stats, llamacpp.LlamaStats):  # llama.cpp: its drafts' totals, not each step's
+            answer.draft_tokens.append(first.stats.drafted)
+            answer.draft_accepted.append(first.stats.accepted)
         messages.append({"role": "assistant", "content": text})
     return answer
 
@@ -276,8 +301,10 @@ def _machine() -> dict[str, Any]:
             "date": datetime.datetime.now().isoformat(timespec="seconds")}
 
 
-def _manifest(cfg: BenchConfig, questions: list[Question], methods: list[Method], dtypes: list[str]) -> dict[str, Any]:
-    """What a run measures: a resumed run must measure the same (bench_log refuses otherwise)."""
+def _manifest(cfg: BenchConfig, questions: list[Question], methods: list[Method], dtypes: list[str],
+              llama_server: Path | None = None) -> dict[str, Any]:
+    """What a run measures: a resumed run must measure the same (bench_log refuses otherwise). llama_server: the
+    binary the llama.cpp methods run (None: the run has none)."""
     manifest = {"model": cfg.model, "questions": str(cfg.questions), "question_ids": [q.question_id for q in questions],
                 "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats, "methods": [m.label for m in methods],
                 "dtypes": dtypes}
@@ -288,6 +315,8 @@ def _manifest(cfg: BenchConfig, questions: list[Question], methods: list[Method]
     if cfg.compile:  # uncompiled runs keep the manifest they always had
         manifest["compile"] = True
     manifest.update({k: list(v) if k == "stop" else v for k, v in cfg.limits.items()})
+    if llama_server is not None:  # runs without llama.cpp keep the manifest they always had
+        manifest.update(llama_model=cfg.llama_model, llama_server=str(llama_server))
     return manifest
 
 
@@ -301,7 +330,7 @@ def _report(out: Path, log: BenchLog, questions: list[Question], methods: list[M
     for (label, dname), answers in runs.items():
         atomic_write(out / f"{model_id}-{label.replace(':', '-')}-{dname}.jsonl", specbench.answer_lines(answers, model_id))
     meta = {**log.manifest, "n_questions": len(complete), "of_questions": len(questions)}  # machines: in segments
-    summary = specbench.summarize(runs, meta=meta)
+    summary = specbench.summarize(runs, meta=meta, references=llamacpp.references([m.label for m in methods]))
     atomic_write(out / "summary.md", specbench.to_markdown(summary))
     atomic_write(out / "summary.json", json.dumps(summary.to_json(), indent=1))
     plot_summary(summary, out / "summary.png")
@@ -327,19 +356,12 @@ def _code() -> dict[str, Any]:
     return code
 
 
-def run_bench(cfg: BenchConfig) -> specbench.Summary:
-    # 1. validate everything a run needs, and the log of the run it may resume, before any model is loaded
-    questions = specbench.load_questions(cfg.questions, cfg.limit, cfg.per_category, cfg.skip_per_category)
-    dtypes = [DTYPE_NAMES[d] for d in dict.fromkeys(parse_dtype(d) for d in cfg.dtypes)]
-    methods = parse_methods(cfg.methods, target_info(cfg.model, cfg.revision).num_layers, cfg.draft_revision)
-    check_drafts(cfg.model, [m.draft for m in methods if m.draft is not None], cfg.revision,
-                 allow_other_base=cfg.allow_other_base)
-    model_id = Path(cfg.model.rstrip("/")).name
-    out = Path(cfg.out_dir)
-    log = BenchLog.open(out, _manifest(cfg, questions, methods, dtypes), {**_machine(), **_code()}, resume=cfg.resume)
-
-    # 2. one target per dtype, all loaded up front, shared by every method of that dtype
-    runners: dict[str, dict[str, SpecModel]] = {}
+def _load(cfg: BenchConfig, methods: list[Method], dtypes: list[str], log: BenchLog, llama_server: Path | None,
+          servers: contextlib.ExitStack) -> tuple[dict[str, dict[str, Runner]], dict[str, dict[str, Method]]]:
+    """Step 2: one target per dtype, shared by every method of that dtype -> (runners, methods as they run), per dtype
+    and method label. A llama.cpp method gets its own llama-server, entered in ``servers`` (stopped when it closes),
+    encoding prompts with plain decoding's runner."""
+    runners: dict[str, dict[str, Runner]] = {}
     calls: dict[str, dict[str, Method]] = {}  # per dtype: each method as it runs (an assistant model loaded in it)
     for dname in dtypes:
         model, tokenizer = load_model(cfg.model, dtype=parse_dtype(dname), revision=cfg.revision, device=cfg.device,
@@ -347,18 +369,25 @@ def run_bench(cfg: BenchConfig) -> specbench.Summary:
         target = Target(model)
         runners[dname] = {}
         calls[dname] = {m.label: with_assistant(m, target) for m in methods}
-        for m in methods:  # DRAFT@auto: tune-tree's choice when the run first met it, kept for the whole run
+        for m in methods:  # plain first (parse_methods): a llama.cpp method encodes with it
+            if m.llama is not None:
+                runners[dname][m.label] = servers.enter_context(llamacpp.serve(
+                    m.llama, dname, llama_server, cfg.llama_model, runners[dname]["plain"], cfg.max_new_tokens))
+                continue
+            # DRAFT@auto: tune-tree's choice when the run first met it, kept for the whole run
             tree = None if m.draft is None or m.draft.tree != "auto" else log.auto_tree(
                 m.label, dname, lambda: registry.resolve_tree("auto", m.draft, target, cfg.model).spec)
             runners[dname][m.label] = _runner(m, target, tokenizer, cfg.model, cfg.repetition_penalty, tree)
-    # 3. warm-up (every resumed segment too: a fresh process is cold)
-    if cfg.warmup_tokens:
-        warm = Question(questions[0].question_id, questions[0].category, questions[0].turns[:1])
-        for dname in dtypes:
-            for m in methods:
-                answer_question(runners[dname][m.label], calls[dname][m.label], warm, cfg.options(cfg.warmup_tokens))
-    # 4. answer: questions outside, every dtype and method inside, so that load on the machine hits them alike and a
-    #    run resumed on another day still compares each question's answers side by side; each answer is logged at once
+    return runners, calls
+
+
+def _answer(cfg: BenchConfig, questions: list[Question], methods: list[Method], dtypes: list[str], log: BenchLog,
+            runners: dict[str, dict[str, Runner]], calls: dict[str, dict[str, Method]],
+            model_id: str) -> specbench.Summary | None:
+    """Step 4: questions outside, every dtype and method inside, so that load on the machine hits them alike and a run
+    resumed on another day still compares each question's answers side by side; each answer is logged at once, the
+    report rewritten after each question -> the last summary written (None: nothing was left to answer)."""
+    out = Path(cfg.out_dir)
     todo = [q for q in questions if not all(log.has(m.label, d, q.question_id) for m in methods for d in dtypes)]
     bar = tqdm(todo, desc="bench", disable=not cfg.progress, unit="question", initial=len(questions) - len(todo),
                total=len(questions))
@@ -374,6 +403,37 @@ def run_bench(cfg: BenchConfig) -> specbench.Summary:
             minutes = (time.perf_counter() - started) / 60
             print(f"bench: question {q.question_id} ({q.category}) answered, {n}/{len(questions)}; {minutes:.1f} min "
                   f"in this segment", file=sys.stderr, flush=True)
+    return summary
+
+
+def run_bench(cfg: BenchConfig) -> specbench.Summary:
+    # 1. validate everything a run needs, and the log of the run it may resume, before any model is loaded
+    questions = specbench.load_questions(cfg.questions, cfg.limit, cfg.per_category, cfg.skip_per_category)
+    dtypes = [DTYPE_NAMES[d] for d in dict.fromkeys(parse_dtype(d) for d in cfg.dtypes)]
+    methods = parse_methods(cfg.methods, target_info(cfg.model, cfg.revision).num_layers, cfg.draft_revision, dtypes)
+    check_drafts(cfg.model, [m.draft for m in methods if m.draft is not None], cfg.revision,
+                 allow_other_base=cfg.allow_other_base)
+    llama_server, segment = None, {**_machine(), **_code()}
+    if any(m.llama is not None for m in methods):  # the binary runs and the target GGUF of every dtype is there
+        llamacpp.check_model(cfg.llama_model, dtypes)
+        llama_server = llamacpp.find_server(cfg.llama_server)
+        segment["llama_server_version"] = llamacpp.server_version(llama_server)
+    model_id = Path(cfg.model.rstrip("/")).name
+    out = Path(cfg.out_dir)
+    log = BenchLog.open(out, _manifest(cfg, questions, methods, dtypes, llama_server), segment, resume=cfg.resume)
+
+    with contextlib.ExitStack() as servers:  # every llama-server stopped on the way out, an error or Ctrl-C included
+        # 2. one target per dtype, all loaded up front, shared by every method of that dtype
+        runners, calls = _load(cfg, methods, dtypes, log, llama_server, servers)
+        # 3. warm-up (every resumed segment too: a fresh process is cold)
+        if cfg.warmup_tokens:
+            warm = Question(questions[0].question_id, questions[0].category, questions[0].turns[:1])
+            for dname in dtypes:
+                for m in methods:
+                    answer_question(runners[dname][m.label], calls[dname][m.label], warm,
+                                    cfg.options(cfg.warmup_tokens))
+        # 4. answer, question by question, every answer logged as it exists
+        summary = _answer(cfg, questions, methods, dtypes, log, runners, calls, model_id)
 
     # 5. report (already written after the last question; a resumed run with nothing left writes it here)
     if summary is None:

@@ -1,9 +1,12 @@
 """A bench run's log on disk, so a run of hours that is interrupted resumes where it was and loses nothing.
 
     out_dir/run.json       what the run measures (model, questions, methods, dtypes, tokens, repeats, the tree each
-                           DRAFT@auto stands for) and when each segment of it ran; written atomically
+                           DRAFT@auto stands for, the target GGUF and the llama-server of llama.cpp's methods) and
+                           when each segment of it ran (the machine, the code, llama-server's version); written
+                           atomically
     out_dir/answers.jsonl  one line per finished (method, dtype, question): the answer with its token ids, appended and
-                           fsync'ed as soon as it exists; a line cut short by a kill is dropped on resume
+                           fsync'ed as soon as it exists; a line cut short by a kill is dropped on resume; a log written
+                           before an Answer field existed reads with that field empty
 
 ``BenchLog.open`` refuses to continue a log written by a run that measured something else, and to overwrite one
 unless told to resume: the answer files of a four-hour run are not lost to a typo in ``--out-dir``.

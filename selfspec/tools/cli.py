@@ -25,7 +25,7 @@ from selfspec import api, registry
 from selfspec.core.models import load_model
 from selfspec.core.request import GenerationOptions
 from selfspec.core.target import Target
-from selfspec.tools import calibrate, load, policy_fit, serve, specbench
+from selfspec.tools import calibrate, llamacpp, load, policy_fit, serve, specbench
 from selfspec.tools.bench import DEFAULT_QUESTIONS, BenchConfig, draft_method, run_bench
 from selfspec.tools.cli_parsers import build_bench_parser, build_costs_parser, build_parser, build_serve_parser
 from selfspec.tools.costs import format_costs, loop_overhead, verify_costs
@@ -144,7 +144,8 @@ def run_decode(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
 def run_bench_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
     out = out or sys.stdout
     a = build_bench_parser().parse_args(argv)
-    cfg = BenchConfig(questions=a.questions, out_dir=a.out_dir, methods=registry.split_drafts(a.methods),
+    methods = llamacpp.join_options(registry.split_drafts(a.methods))  # 'llamacpp:ngram-mod,ngram-n=4': one method
+    cfg = BenchConfig(questions=a.questions, out_dir=a.out_dir, methods=methods,
                       dtypes=names(a.dtype), model=a.model, revision=a.revision, draft_revision=a.draft_revision,
                       max_new_tokens=a.max_new_tokens, limit=a.limit, per_category=a.per_category,
                       skip_per_category=a.skip_per_category, repeats=a.repeats,
@@ -152,7 +153,8 @@ def run_bench_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
                       progress=not a.no_progress, resume=a.resume, temperature=a.temperature, top_p=a.top_p,
                       top_k=a.top_k, min_p=a.min_p, seed=a.seed, repetition_penalty=a.repetition_penalty,
                       stop=stop if (stop := stop_strings(a.stop)) is None else tuple(stop),
-                      min_new_tokens=a.min_new_tokens, compile=a.compile)
+                      min_new_tokens=a.min_new_tokens, compile=a.compile, llama_model=a.llama_model,
+                      llama_server=a.llama_server)
     try:
         summary = run_bench(cfg)
     except KeyboardInterrupt:
@@ -234,6 +236,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "tune-tree": calibrate.run_tune_cli}[argv[0]]
             return run(argv[1:], sys.stdout)
         return run_decode(build_parser().parse_args(argv))
-    except (FileNotFoundError, FileExistsError, ValueError, TypeError, ImportError) as err:
+    except (FileNotFoundError, FileExistsError, ValueError, TypeError, ImportError, llamacpp.ServerError) as err:
         sys.stderr.write(f"error: {err}\n")
         return 2

@@ -127,9 +127,22 @@ def build_bench_parser() -> argparse.ArgumentParser:
                         "checkpoints, A+B "
                         "(merged drafts); DRAFT@TREE runs a draft with another --tree (e.g. runs/heads@dynamic:32, "
                         "runs/heads@dynamic:12,depth=3, runs/heads@chain:3, runs/heads@tree.json, "
-                        "runs/eagle_head+ngram:depth=6,max_nodes=8@auto; default: %(default)s)")
+                        "runs/eagle_head+ngram:depth=6,max_nodes=8@auto), and llama.cpp's llama-server on "
+                        "--llama-model: llamacpp:plain, llamacpp:PART[+PART][,key=value...] with PART a mode "
+                        "(ngram-mod, ngram-simple, ngram-map-k, ngram-map-k4v, ngram-cache) or a draft GGUF path "
+                        "(its --spec-type from its general.architecture; {dtype} in a path: f32, bf16, f16), keys n, "
+                        "n-min, p-min (a draft GGUF's), ngram-n, ngram-m, ngram-min (the modes'), e.g. "
+                        "llamacpp:ngram-mod,ngram-n=12 or llamacpp:exports/eagle3-{dtype}.gguf,n=3 "
+                        "(default: %(default)s)")
     p.add_argument("--dtype", default="fp32,bf16",
                    help="comma-separated dtypes, one target load each (default: %(default)s)")
+    p.add_argument("--llama-model", default=None, metavar="PATH",
+                   help="the target as a GGUF file, for the llamacpp: methods; may hold {dtype} (f32, bf16, f16 per "
+                        "--dtype). python -m heads.export MODEL OUT.gguf --format gguf makes one")
+    p.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="llama.cpp's llama-server binary, for the llamacpp: methods (default: $LLAMA_SERVER, else "
+                        "llama-server on PATH); each method and dtype runs its own on 127.0.0.1 with torch's thread "
+                        "count")
     p.add_argument("--max-new-tokens", type=int, default=192, help="per turn (default: %(default)s)")
     p.add_argument("--limit", type=int, default=None, help="answer only the first N questions")
     p.add_argument("--per-category", type=int, default=None,

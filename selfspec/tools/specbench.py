@@ -7,7 +7,9 @@ Answers (one per line, in question order): ``{"question_id", "category", "model_
 choices[0]["turns"] line by line.
 
 The metrics follow speed.py: tokens/s is the mean over questions of sum(new_tokens) / sum(wall_time); the speed-up is
-the ratio of two such means; mean accepted tokens is the mean of all accept_lengths.
+the ratio of two such means; mean accepted tokens is the mean of all accept_lengths. An answer that knows only its
+totals (llama.cpp's: ``accept_lengths`` empty, ``draft_tokens`` / ``draft_accepted`` per turn) counts as
+sum(new_tokens) over sum(decoding_steps) in that mean (what the mean of its accept lengths would be).
 """
 
 from __future__ import annotations
@@ -41,6 +43,19 @@ class Answer:
     draft_time: list[float] = field(default_factory=list)
     """per turn, the seconds of wall_time spent in the drafter's ``draft`` (selfspec's methods; empty for
     transformers' own)."""
+    draft_tokens: list[int] = field(default_factory=list)
+    """per turn, the draft tokens the target verified, where only totals are known (llama.cpp's; then accept_lengths
+    is empty and decoding_steps counts the target's forwards); empty otherwise."""
+    draft_accepted: list[int] = field(default_factory=list)
+    """per turn, of draft_tokens, the ones the target accepted (llama.cpp's); empty otherwise."""
+
+    @property
+    def accepted_and_steps(self) -> tuple[int, int]:
+        """(tokens gained, target forwards) over every turn: from accept_lengths, or from the totals where only they
+        are known (no per-step lengths)."""
+        if self.accept_lengths or not self.draft_tokens:
+            return sum(self.accept_lengths), len(self.accept_lengths)
+        return sum(self.new_tokens), sum(self.decoding_steps)
 
     @property
     def draft_ms_per_step(self) -> float | None:
@@ -59,6 +74,8 @@ class Answer:
                   "wall_time": self.wall_time, "accept_lengths": self.accept_lengths}
         if self.draft_time:
             choice["draft_time"] = self.draft_time
+        if self.draft_tokens:
+            choice.update(draft_tokens=self.draft_tokens, draft_accepted=self.draft_accepted)
         return {"question_id": self.question_id, "category": self.category, "model_id": model_id, "choices": [choice]}
 
 
@@ -142,12 +159,12 @@ class Row:
     mean_accepted: float
     tokens_per_s: float
     speedup: float
-    """over plain decoding in the same dtype."""
+    """over plain decoding in the same dtype (or the method's reference, ``Summary.references``)."""
     speedup_vs_fastest_plain: float
     """over the fastest plain decoding of any dtype in the run."""
     identical: int | None
-    """questions whose every turn is token-identical to plain decoding's in the same dtype (None: a sampled run,
-    whose answers are draws, not comparable token for token)."""
+    """questions whose every turn is token-identical to plain decoding's (or the reference's) in the same dtype (None:
+    a sampled run, whose answers are draws, not comparable token for token)."""
     draft_ms: float | None = None
     """the drafter's time per drafting step, in ms, over these questions (None: not measured, transformers' methods)."""
 
@@ -163,14 +180,24 @@ class Summary:
     accept_lengths: dict[str, list[int]]
     """'method/dtype' -> every accept length of the run (for the histogram)."""
     meta: dict[str, Any] = field(default_factory=dict)
+    references: dict[str, str] = field(default_factory=dict)
+    """method -> the method its speed-up and identical columns compare with, where not plain decoding (llama.cpp's
+    methods: llamacpp:plain); the vs-fastest-plain column compares with plain decoding for every method."""
 
     def to_json(self) -> dict[str, Any]:
         return {"meta": self.meta, "fastest_plain": self.fastest_plain, "rows": [r.__dict__ for r in self.rows],
-                "differences": self.differences}
+                "differences": self.differences, "references": self.references}
 
 
 def _speed(answers: Sequence[Answer]) -> float:
     return mean(a.tokens_per_s for a in answers)
+
+
+def _mean_accepted(answers: Sequence[Answer]) -> float:
+    """Tokens gained per target forward over ``answers``: the mean of all their accept lengths, an answer with totals
+    only counting as its tokens over its steps (``Answer.accepted_and_steps``)."""
+    tokens, steps = (sum(x) for x in zip(*(a.accepted_and_steps for a in answers)))
+    return tokens / max(steps, 1)
 
 
 def _draft_ms(answers: Sequence[Answer]) -> float | None:
@@ -191,9 +218,13 @@ def _differences(answers: Sequence[Answer], base: Sequence[Answer]) -> list[dict
     return diffs
 
 
-def summarize(runs: dict[tuple[str, str], list[Answer]], plain: str = "plain", meta: dict[str, Any] | None = None) -> Summary:
+def summarize(runs: dict[tuple[str, str], list[Answer]], plain: str = "plain", meta: dict[str, Any] | None = None,
+              references: dict[str, str] | None = None) -> Summary:
     """runs: (method, dtype) -> answers in question order. Every dtype needs a run of the ``plain`` method. A run
-    whose meta names its ``sampling`` is not compared with plain decoding token for token."""
+    whose meta names its ``sampling`` is not compared with plain decoding token for token. references: method -> the
+    method its speed-up and identical columns compare with instead of ``plain`` (in the same dtype; llama.cpp's methods
+    with llamacpp:plain)."""
+    references = references or {}
     greedy = (meta or {}).get("sampling") is None
     dtypes = list(dict.fromkeys(d for _, d in runs))
     missing = [d for d in dtypes if (plain, d) not in runs]
@@ -203,7 +234,7 @@ def summarize(runs: dict[tuple[str, str], list[Answer]], plain: str = "plain", m
     rows: list[Row] = []
     differences: dict[str, list[dict[str, Any]]] = {}
     for (method, dtype), answers in runs.items():
-        base = runs[(plain, dtype)]
+        base = runs[(references.get(method, plain), dtype)]
         diffs = _differences(answers, base) if greedy else None  # sampled answers are draws: not compared
         if diffs is not None:
             differences[f"{method}/{dtype}"] = diffs
@@ -212,16 +243,16 @@ def summarize(runs: dict[tuple[str, str], list[Answer]], plain: str = "plain", m
             pick = [i for i, a in enumerate(answers) if category in ("overall", a.category)]
             mine, theirs = [answers[i] for i in pick], [base[i] for i in pick]
             fastest_base = [runs[(plain, fastest)][i] for i in pick]
-            lengths = [n for a in mine for n in a.accept_lengths]
             rows.append(Row(
                 method=method, dtype=dtype, category=category, questions=len(pick),
-                mean_accepted=mean(lengths), tokens_per_s=_speed(mine),
+                mean_accepted=_mean_accepted(mine), tokens_per_s=_speed(mine),
                 speedup=_speed(mine) / _speed(theirs), speedup_vs_fastest_plain=_speed(mine) / _speed(fastest_base),
                 identical=None if diffs is None else sum(diffs[i]["identical"] for i in pick),
                 draft_ms=_draft_ms(mine),
             ))
     accept = {f"{m}/{d}": [n for a in answers for n in a.accept_lengths] for (m, d), answers in runs.items()}
-    return Summary(rows=rows, fastest_plain=fastest, differences=differences, accept_lengths=accept, meta=meta or {})
+    return Summary(rows=rows, fastest_plain=fastest, differences=differences, accept_lengths=accept, meta=meta or {},
+                   references=references)
 
 
 HEADER = ["| method | dtype | mean accepted tokens | tokens/s | speed-up | vs fastest plain | identical | draft ms/step |",
@@ -265,6 +296,11 @@ def to_markdown(summary: Summary) -> str:
                                           for dtype, tree in trees.items()) + ".")
     rows = lambda category: (_line(r, greedy) for r in summary.rows if r.category == category)  # noqa: E731
     lines = [intro, "", "### overall", "", *header, *rows("overall")]
+    for reference in dict.fromkeys(summary.references.values()):
+        named = ", ".join(m for m, r in summary.references.items() if r == reference)
+        lines += ["", f"Speed-up{' and identical' if greedy else ''} of {named}: against {reference} in the same dtype "
+                      f"(its own plain decoding, its lossless reference), not plain `generate`; vs fastest plain: "
+                      f"against plain `generate`."]
     for category in dict.fromkeys(r.category for r in summary.rows if r.category != "overall"):
         lines += ["", f"### {category}", "", *header, *rows(category)]
     if not greedy:
@@ -276,5 +312,7 @@ def to_markdown(summary: Summary) -> str:
         bad = [d for d in diffs if not d["identical"]]
         where = ", ".join(f"q{d['question_id']}: turn {d['first_difference']['turn'] + 1}, token "
                           f"{d['first_difference']['token']}" for d in bad)
-        lines.append(f"- {key}: {len(diffs) - len(bad)}/{len(diffs)} identical" + (f"; {where}" if bad else ""))
+        reference = summary.references.get(key.rpartition("/")[0])
+        lines.append(f"- {key}: {len(diffs) - len(bad)}/{len(diffs)} identical"
+                     + (f" to {reference}" if reference else "") + (f"; {where}" if bad else ""))
     return "\n".join(lines) + "\n"
