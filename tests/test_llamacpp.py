@@ -201,3 +201,36 @@ def test_llama_cpp_methods_run_beside_selfspecs_in_one_bench(tmp_path):
     lines = [json.loads(x) for x in (out / "target-llamacpp-plain-float32.jsonl").read_text().splitlines()]
     assert [x["question_id"] for x in lines] == [81, 101] and all(len(x["choices"][0]["turns"]) == 2 for x in lines)
     assert "llama_server_version" in json.loads((out / "run.json").read_text())["segments"][0]
+
+
+def test_the_cost_model_splits_a_step_into_verification_and_drafting(drafts):
+    """selfspec.tools.llamacpp_costs: a draft's lengths expand into one configuration each; a step's time less
+    llama-bench's verification of its 1 + drafted tokens is the drafting's cost; the prediction scales the target's
+    part alone."""
+    import argparse
+
+    from selfspec.tools import llamacpp_costs as costs
+
+    assert [label for label, _ in costs.expand(costs._join_lengths(
+        ["ngram-mod", f"{drafts}/eagle3-f32.gguf", "n=1:3", "p-min=0.5"]))] == \
+        ["ngram-mod", "eagle3-f32.gguf,p-min=0.5,n=1", "eagle3-f32.gguf,p-min=0.5,n=3"]
+    verify = {1: 8.0, 2: 9.0, 4: 11.0}
+    assert costs.interpolate(verify, 3) == 10.0 and costs.interpolate(verify, 8) == 22.0
+    turn = lambda tokens, ms, drafted, accepted: {"tokens": tokens, "predicted_ms": ms,  # noqa: E731
+                                                  "predicted_n": len(tokens), "draft_n": drafted,
+                                                  "draft_n_accepted": accepted}
+    plain = costs.Config("plain", [], [turn(list(range(11)), 80.0, 0, 0)])
+    plain.turns[0]["top2"] = [[0.5, 0.45]] * 11
+    # 10 decoded tokens in 4 steps (6 of them drafts accepted, of 12 drafted): 15 ms a step, 3 drafted a step
+    draft = costs.Config("d", [], [turn([*range(5), 9, *range(6, 11)], 60.0, 12, 6)])
+    result = costs.report([plain, draft], verify, argparse.Namespace(llama_model="m", questions=1, max_new_tokens=10,
+                                                                      depth=256, threads=2, scale=[10]))
+    row = result["rows"][1]
+    assert (row["step_ms"], row["drafted_per_step"], row["tokens_per_step"]) == (15.0, 3.0, 2.5)
+    assert row["draft_ms_per_step"] == 4.0  # 15 - verify(4 tokens) = 15 - 11
+    assert row["tokens_per_step_to_pay"] == 15.0 / 8.0
+    assert row["predicted_speedup"]["10"] == pytest.approx(10 * 8 * 2.5 / (10 * 11 + 4))
+    assert result["rows"][0]["predicted_speedup"]["10"] == 1.0
+    assert row["identical"] == 0 and row["differences"] == [{"prompt": 0, "token": 5, "plain_top2": [0.5, 0.45],
+                                                              "near_tie": True}]
+    assert "| d | " in costs.to_markdown(result)
