@@ -20,6 +20,7 @@ import pytest
 import tiny_chat_model
 from selfspec import api
 from selfspec.tools import serve
+from selfspec.tools.serve.session import never
 
 ROOT = Path(__file__).resolve().parents[1]
 USER = [{"role": "user", "content": "write a short story about the sea"}]
@@ -253,11 +254,11 @@ class RecordingSession(serve.Session):
         self.finished: list[int | None] = []
         self.threads: list[str] = []
 
-    def _decode(self, r, index=0):
+    def _decode(self, r, index=0, gone=never):
         n = len(self.finished)
         self.finished.append(None)
         self.threads.append(threading.current_thread().name)
-        for piece in super()._decode(r, index):
+        for piece in super()._decode(r, index, gone):
             if piece.end is not None:
                 self.finished[n] = piece.end["usage"]["completion_tokens"]
             yield piece

@@ -11,6 +11,8 @@ from pathlib import Path
 from selfspec.core.models import DEFAULT_MODEL
 from selfspec.tools.bench import DEFAULT_QUESTIONS
 from selfspec.tools.options import integer, integers, number
+from selfspec.tools.serve.server import MAX_BODY_BYTES
+from selfspec.tools.serve.session import MAX_CHOICES
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -228,7 +230,20 @@ def build_serve_parser() -> argparse.ArgumentParser:
                         "(default: 256)")
     p.add_argument("--api-key", default=os.environ.get("SELFSPEC_API_KEY"),
                    help="requests must send 'Authorization: Bearer KEY' (default: $SELFSPEC_API_KEY; unset: no check). "
-                        "Set one before --host opens the server beyond this machine")
+                        "A --host beyond this machine needs one, or --insecure")
+    p.add_argument("--insecure", action="store_true",
+                   help="serve on a --host beyond this machine without an API key (otherwise refused: anyone who can "
+                        "reach it could use it)")
+    p.add_argument("--max-choices", type=integer(1), default=MAX_CHOICES,
+                   help="the most answers one request may ask for, its prompts x n (default: %(default)s); more is "
+                        "refused with 400")
+    p.add_argument("--max-prompt-chars", type=integer(1), default=None,
+                   help="the most characters of one prompt (a chat's messages together), refused with 400 before it is "
+                        "tokenized (default: the model's context x its longest token's characters, the longest prompt "
+                        "that could fit)")
+    p.add_argument("--max-body-bytes", type=integer(1), default=MAX_BODY_BYTES,
+                   help="the most bytes of a request body; a larger one is answered 413 before it is read (default: "
+                        "%(default)s, 16 MiB)")
     p.add_argument("--max-batch", type=integer(1), default=8,
                    help="the most requests decoding together (default: 8; 1: one at a time, the others wait). A draft "
                         "that runs the target's own layers (early exit, layer skipping) decodes one at a time")

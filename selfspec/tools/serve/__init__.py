@@ -11,7 +11,7 @@ decoded speculatively and losslessly, and says how (``usage.selfspec``: steps an
 
 Requests decode together: up to ``--max-batch`` (default 8) in one batch, one target forward a step for all of them;
 a request that arrives joins the running batch at its next step, beyond that it waits in line, and a client that goes
-away frees its place at the next step (``batcher``). With ``--max-batch 1``, or a draft that runs the target's own
+away, streamed or not, frees its place at the next step (``batcher``, ``server.Handler.gone``). With ``--max-batch 1``, or a draft that runs the target's own
 layers (early exit, layer skipping), requests decode one at a time. Sampling fields are
 OpenAI's (``temperature``, ``top_p``, ``seed``, ``stop``, ``max_tokens`` / ``max_completion_tokens``) and the common
 extensions of OpenAI-compatible servers (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``); a request
@@ -26,7 +26,13 @@ either (one choice per prompt); ``n`` answers each (the choices decode together 
 ``--max-batch 1``). ``presence_penalty``,
 ``frequency_penalty`` and ``logit_bias`` apply as OpenAI applies them. Fields the server cannot honour (tools,
 structured output, suffixes) and unknown fields are refused with a 400 that names them, as OpenAI refuses unknown
-arguments.
+arguments; a ``model`` other than the served one with a 404, as OpenAI and vLLM answer it.
+
+One request cannot take the server over: its answers (prompts x n) are capped (``--max-choices``, default 64), a
+prompt's characters too, before it is tokenized (``--max-prompt-chars``; default: the longest prompt the context could
+hold), and its body's bytes before it is read (``--max-body-bytes``, default 16 MiB: 413); the API key is checked from
+the headers first. Bound beyond this machine (``--host``), the server refuses to start without ``--api-key`` unless
+told ``--insecure``.
 
 The package, by question: ``protocol`` (a request body -> ``Request``), ``session`` (how requests decode and an
 answer's pieces), ``batcher`` (the worker that decodes requests together), ``responses`` (OpenAI's response objects and stream chunks), ``tokenizer_endpoints`` (vLLM's) and
@@ -35,9 +41,10 @@ answer's pieces), ``batcher`` (the worker that decodes requests together), ``res
 
 from selfspec.tools.serve.protocol import Request, RequestError, parse_request
 from selfspec.tools.serve.responses import chunks, complete
-from selfspec.tools.serve.server import Handler, make_server
-from selfspec.tools.serve.session import Piece, Scored, Session, cut_at_stop, text_starts
+from selfspec.tools.serve.server import Handler, check_exposure, make_server
+from selfspec.tools.serve.session import ClientGone, Piece, Scored, Session, cut_at_stop, text_starts
 from selfspec.tools.serve.tokenizer_endpoints import detokenize, tokenize, tokenizer_info
 
-__all__ = ["Handler", "Piece", "Request", "RequestError", "Scored", "Session", "chunks", "complete", "cut_at_stop",
-           "detokenize", "make_server", "parse_request", "text_starts", "tokenize", "tokenizer_info"]
+__all__ = ["ClientGone", "Handler", "Piece", "Request", "RequestError", "Scored", "Session", "check_exposure", "chunks",
+           "complete", "cut_at_stop", "detokenize", "make_server", "parse_request", "text_starts", "tokenize",
+           "tokenizer_info"]

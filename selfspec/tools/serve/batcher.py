@@ -1,9 +1,10 @@
 """Continuous batching for the server: one worker thread decodes every running request in one batch
 (``selfspec.core.batch.Batch``), one target forward a step for all of them.
 
-    a request     steps(job) -> queued at once; its Steps as the batch accepts them (closing early: it leaves)
+    a request     steps(job, gone) -> queued at once; its Steps as the batch accepts them (closing early, or gone()
+                  turning true: it leaves)
     the worker    1. take what arrived; block only while nothing decodes
-                  2. drop the sequences whose clients went away (their slots free at once)
+                  2. drop the sequences whose readers stopped or whose clients went away (their slots free at once)
                   3. admit waiting requests, in order of arrival, while fewer than max_batch decode (prefill each)
                   4. one step of the whole batch; hand each sequence its Step; a finished one leaves
 
@@ -17,7 +18,7 @@ import itertools
 import queue
 import threading
 from collections import deque
-from typing import Iterator
+from typing import Callable, Iterator
 
 from selfspec.api import SpecModel
 from selfspec.core.batch import Batch, Job
@@ -25,13 +26,28 @@ from selfspec.core.drafter import check_batchable
 from selfspec.core.generate import Step
 
 
-class _Ticket:
-    """One request in the batcher: its Steps come back through ``out``; ``cancelled`` when its client left."""
+class ClientGone(Exception):
+    """The client of a request went away (its connection closed): its decoding stopped, nobody reads an answer."""
 
-    def __init__(self, key: int, job: Job):
-        self.key, self.job = key, job
+
+class _Ticket:
+    """One request in the batcher: its Steps come back through ``out``; ``cancelled`` when its reader stopped,
+    ``gone()`` when its client went away."""
+
+    def __init__(self, key: int, job: Job, gone: Callable[[], bool] | None = None):
+        self.key, self.job, self.gone = key, job, gone
         self.out: queue.Queue = queue.Queue()
         self.cancelled = threading.Event()
+
+    def left(self) -> bool:
+        """Whether the request leaves now (its reader gets ClientGone if its client went away)."""
+        if self.cancelled.is_set():
+            self.end()
+            return True
+        if self.gone is not None and self.gone():
+            self.end(ClientGone())
+            return True
+        return False
 
     def end(self, error: BaseException | None = None) -> None:
         if error is not None:
@@ -78,10 +94,11 @@ class Batcher:
         """sequences decoding now."""
         threading.Thread(target=self._work, daemon=True, name="selfspec-decode").start()
 
-    def steps(self, job: Job) -> "Receipt":
+    def steps(self, job: Job, gone: Callable[[], bool] | None = None) -> "Receipt":
         """Queue one request (``SpecModel.job``) at once -> its Steps as the batch accepts them. Closing the iterator
-        early (the client went away) makes the request leave the batch at the next step."""
-        ticket = _Ticket(next(self._keys), job)
+        early, or ``gone()`` turning true (the client went away; asked before every step), makes the request leave
+        the batch at the next step."""
+        ticket = _Ticket(next(self._keys), job, gone)
         self._arrivals.put(ticket)
         return Receipt(ticket)
 
@@ -93,16 +110,15 @@ class Batcher:
                 waiting.append(self._arrivals.get())
             while not self._arrivals.empty():
                 waiting.append(self._arrivals.get_nowait())
-            # 2. the sequences whose clients went away leave now
-            for key in [k for k, t in running.items() if t.cancelled.is_set()]:
+            # 2. the sequences whose readers stopped or whose clients went away leave now
+            for key in [k for k, t in running.items() if t.left()]:
                 batch.remove(key)
-                running.pop(key).end()
+                running.pop(key)
                 self.abandoned += 1
             # 3. admit in order of arrival while there is room
             while waiting and len(running) < self.max_batch:
                 ticket = waiting.popleft()
-                if ticket.cancelled.is_set():
-                    ticket.end()
+                if ticket.left():
                     continue
                 try:
                     step, done = batch.add(ticket.key, ticket.job)

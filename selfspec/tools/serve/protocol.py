@@ -22,11 +22,23 @@ NEUTRAL = {"tools": (None, []), "tool_choice": (None, "none"), "response_format"
 
 
 class RequestError(ValueError):
-    """A request the server refuses (HTTP 400), with the field at fault."""
+    """A request the server refuses (HTTP 400, or ``status``: 404 for a model it does not serve), with the field at
+    fault."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
         super().__init__(message)
-        self.param = param
+        self.param, self.status, self.code = param, status, code
+
+
+def check_text(text: str, where: str) -> str:
+    """``text`` if it is Unicode text a tokenizer can read; a JSON string may escape a lone surrogate (\\ud800), which
+    no UTF-8 text holds (bytes that were not UTF-8, read with errors="surrogateescape", look like that too)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise RequestError(f"'{where}': expected Unicode text, found a lone surrogate {text[err.start]!r} at character "
+                           f"{err.start} (bytes that are not UTF-8?)", where.split("[")[0].split(".")[0]) from None
+    return text
 
 
 @dataclass(frozen=True)
@@ -102,7 +114,7 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
             content = "".join(p.get("text", "") for p in content)
         if not isinstance(content, str):
             raise RequestError(f"'messages[{i}].content': expected a string, found {content!r:.80}", "messages")
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": m["role"], "content": check_text(content, f"messages[{i}].content")})
     return out
 
 
@@ -188,9 +200,9 @@ def _prompts(prompt: Any) -> tuple[Any, ...]:
             isinstance(i, int) and not isinstance(i, bool) for i in p))
 
     if one(prompt):
-        return (prompt,)
+        return (check_text(prompt, "prompt") if isinstance(prompt, str) else prompt,)
     if isinstance(prompt, list) and prompt and all(one(p) for p in prompt):
-        return tuple(prompt)
+        return tuple(check_text(p, f"prompt[{i}]") if isinstance(p, str) else p for i, p in enumerate(prompt))
     raise RequestError("'prompt': expected a string, a list of token ids, or a non-empty list of either, found "
                        f"{prompt!r:.80}", "prompt")
 

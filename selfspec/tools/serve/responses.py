@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 from selfspec.tools.serve.protocol import Request
-from selfspec.tools.serve.session import Scored, Session
+from selfspec.tools.serve.session import Gone, Scored, Session, never
 
 
 def _envelope(session: Session, chat: bool) -> dict:
@@ -57,16 +57,17 @@ def _usage(finals: list[dict], n: int = 1) -> dict:
     return usage
 
 
-def complete(session: Session, r: Request) -> dict:
+def complete(session: Session, r: Request, gone: Gone = never) -> dict:
     """The whole answer (n choices per prompt) as one OpenAI response object; with a batching session its choices
-    decode together."""
+    decode together. ``gone``: whether the client went away (every choice then stops at its next step, and
+    ClientGone is raised)."""
     choices, finals = [], []
     count = len(r.prompts) * r.n
     if session.batcher is not None and count > 1:  # every choice decodes at once, in the running batch
         with ThreadPoolExecutor(max_workers=count) as pool:
-            answers = list(pool.map(lambda index: list(session.pieces(r, index)), range(count)))
+            answers = list(pool.map(lambda index: list(session.pieces(r, index, gone)), range(count)))
     else:
-        answers = [list(session.pieces(r, index)) for index in range(count)]
+        answers = [list(session.pieces(r, index, gone)) for index in range(count)]
     for index, pieces in enumerate(answers):
         parts, tokens, final = [], [], {}
         for piece in pieces:
@@ -82,8 +83,9 @@ def complete(session: Session, r: Request) -> dict:
     return {**_envelope(session, r.chat), "choices": choices, "usage": _usage(finals, r.n)}
 
 
-def chunks(session: Session, r: Request, include_usage: bool = False) -> Iterator[dict]:
-    """The answer as OpenAI stream chunks (the first carries the role, the last of each choice its finish reason)."""
+def chunks(session: Session, r: Request, include_usage: bool = False, gone: Gone = never) -> Iterator[dict]:
+    """The answer as OpenAI stream chunks (the first carries the role, the last of each choice its finish reason);
+    ClientGone once ``gone()``."""
     kind = "chat.completion.chunk" if r.chat else "text_completion"
     head = {**_envelope(session, r.chat), "object": kind}
 
@@ -99,7 +101,7 @@ def chunks(session: Session, r: Request, include_usage: bool = False) -> Iterato
 
     finals = []
     for index in range(len(r.prompts) * r.n):
-        pieces = session.pieces(r, index)
+        pieces = session.pieces(r, index, gone)
         try:
             first = next(pieces)  # the request's own errors (an empty or too long prompt) come before the first chunk
             if r.chat:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from selfspec.tools.serve.protocol import RequestError, chat_messages
+from selfspec.tools.serve.protocol import RequestError, chat_messages, check_text
 from selfspec.tools.serve.session import Session
 
 
@@ -17,6 +17,7 @@ def tokenize(session: Session, body: Any) -> dict:
     unknown = sorted(set(body) - {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"})
     if unknown:
         raise RequestError(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+    session.check_model(body)
     flags = {k: body.get(k) for k in ("add_special_tokens", "add_generation_prompt")}
     for key, value in flags.items():
         if value is not None and not isinstance(value, bool):
@@ -25,12 +26,15 @@ def tokenize(session: Session, body: Any) -> dict:
     if "prompt" in body:
         if not isinstance(body["prompt"], str):
             raise RequestError(f"'prompt': expected a string, found {body['prompt']!r:.80}", "prompt")
+        session.check_prompt_chars(check_text(body["prompt"], "prompt"), "prompt")
         special = flags["add_special_tokens"] is not False
         ids = tokenizer(body["prompt"], add_special_tokens=special).input_ids
     else:
         if not getattr(tokenizer, "chat_template", None):
             raise RequestError(f"the tokenizer of {session.name} has no chat template: send 'prompt'", "messages")
-        text = tokenizer.apply_chat_template(chat_messages(body), tokenize=False,
+        messages = chat_messages(body)
+        session.check_prompt_chars(messages, "messages")
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
                                              add_generation_prompt=flags["add_generation_prompt"] is not False)
         ids = tokenizer(text, add_special_tokens=bool(flags["add_special_tokens"])).input_ids
     return {"count": len(ids), "max_model_len": session.model.target.max_length, "tokens": ids, "token_strs": None}
@@ -39,6 +43,7 @@ def tokenize(session: Session, body: Any) -> dict:
 def detokenize(session: Session, body: Any) -> dict:
     """vLLM's ``POST /detokenize``: {"tokens": [...]} -> {"prompt": their text} (special tokens kept)."""
     tokens = body.get("tokens") if isinstance(body, dict) else None
+    session.check_model(body)
     vocab = session.model.target.vocab_size
     if not isinstance(tokens, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in tokens):
         raise RequestError(f"'tokens': expected a list of token ids, found {tokens!r:.80}", "tokens")
