@@ -192,8 +192,9 @@ def run_costs_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
 def run_serve_cli(argv: Sequence[str], err: TextIO | None = None) -> int:
     err = err or sys.stderr
     a = build_serve_parser().parse_args(argv)
+    serve.check_exposure(a.host, a.api_key, a.insecure)  # before the address is bound
     try:  # the address first: a port in use fails at once, not after the model has loaded
-        server = serve.make_server(None, a.host, a.port, verbose=not a.quiet)
+        server = serve.make_server(None, a.host, a.port, verbose=not a.quiet, max_body_bytes=a.max_body_bytes)
     except OSError as e:
         raise ValueError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}; pick another --port (0: any free "
                          f"port) or --host") from None
@@ -203,7 +204,8 @@ def run_serve_cli(argv: Sequence[str], err: TextIO | None = None) -> int:
                          trust_remote_code=a.trust_remote_code, compile=a.compile)
         session = serve.Session(model, a.name or a.model, default_temperature=a.temperature,
                                 default_max_tokens=a.max_tokens, api_key=a.api_key or None, max_batch=a.max_batch,
-                                batch_nodes=a.batch_nodes)
+                                batch_nodes=a.batch_nodes, max_choices=a.max_choices,
+                                max_prompt_chars=a.max_prompt_chars)
         session.warm_up()
         server.RequestHandlerClass.session = session  # type: ignore[attr-defined]
         host, port = server.server_address[:2]

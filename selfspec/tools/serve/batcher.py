@@ -119,6 +119,7 @@ class Batcher:
             while waiting and len(running) < self.max_batch:
                 ticket = waiting.popleft()
                 if ticket.left():
+                    self.abandoned += 1
                     continue
                 try:
                     step, done = batch.add(ticket.key, ticket.job)

@@ -18,7 +18,7 @@ import select
 import socket
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Callable
 
 from selfspec.tools.serve.protocol import RequestError
 from selfspec.tools.serve.responses import chunks, complete
@@ -169,19 +169,20 @@ class Handler(BaseHTTPRequestHandler):
             self._error(400, f"the request body is not JSON: {err}")
             return
         try:
-            if path in tools:
-                self._json(200, tools[path](self.session, body))
-            else:
-                self._answer(body, chat=path.endswith("chat/completions"))
+            self._answer(body, path, tools.get(path))
         except ClientGone:  # nobody to answer; its decoding has stopped
             self.close_connection = True
         except (BrokenPipeError, ConnectionResetError):  # the client went away while the answer was written
             self.close_connection = True
 
-    def _answer(self, body: Any, chat: bool) -> None:
-        """A completion: whole, or streamed as server-sent events; a bad request answered 400 (404: another model)."""
+    def _answer(self, body: Any, path: str, tool: Callable[[Session, Any], dict] | None) -> None:
+        """A tokenizer endpoint's answer, or a completion: whole, or streamed as server-sent events; a bad request
+        answered 400 (404: another model)."""
         try:
-            r = self.session.parse(body, chat=chat)
+            if tool is not None:
+                self._json(200, tool(self.session, body))
+                return
+            r = self.session.parse(body, chat=path.endswith("chat/completions"))
             if not r.stream:
                 self._json(200, complete(self.session, r, self.gone))
                 return
