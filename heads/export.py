@@ -22,6 +22,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from huggingface_hub import snapshot_download
+
 from heads.checkpoints.contents import check_output, describe
 from heads.checkpoints.files import CONFIG, resolve
 from heads.cli import report_errors
@@ -183,8 +185,7 @@ def _convert(model: str, out: Path, outtype: str, llama_cpp: str | None) -> Path
     if gguf_file is not None:
         raise ValueError(f"{model} is a GGUF file already: llama.cpp loads it as it is")
     directory = Path(where)
-    if not directory.is_dir():
-        from huggingface_hub import snapshot_download
+    if not directory.is_dir():  # a Hub id: the converter reads a directory
         directory = Path(snapshot_download(where))
     return gguf_export.convert_model(directory, out, outtype, llama_cpp)
 
