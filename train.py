@@ -12,6 +12,7 @@ from heads.checkpoints.hub import PublishError
 from heads.training.base_model import UnsupportedModel
 from heads.training.data import DataError
 from heads.training.recipe import describe, load_config
+from heads.training.run_folder import RunFolderError
 from heads.training.state import CorruptCheckpoint
 from heads.training.trainer import TrainingDiverged, check_publish, train
 
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingDiverged as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    except (UnsupportedModel, DataError, FileNotFoundError, CorruptCheckpoint) as err:  # the model, data or a file named
+    except (UnsupportedModel, DataError, FileNotFoundError, CorruptCheckpoint, RunFolderError) as err:  # one named
         print(f"error: {err}", file=sys.stderr)
         return 2
     except PublishError as err:

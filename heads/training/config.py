@@ -317,6 +317,10 @@ class TrainConfig:
     CPU without them runs bf16 emulated, several times slower than fp32)."""
     cpu: bool | None = None
     """force CPU (null: CPU when no GPU is present, unless DeepSpeed is in use)."""
+    overwrite: bool = False
+    """start over in an output_dir that holds a run (its checkpoints, metrics.jsonl and trained draft are deleted;
+    the hidden-state cache and tracker logs stay); false: such a folder is refused unless checkpoint.resume_from
+    resumes it."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """the frozen target."""
     method: Literal["medusa", "hydra", "exit_head", "eagle", "eagle3", "block", "dflash", "draft_model"] = "medusa"
@@ -414,6 +418,9 @@ class TrainConfig:
             self.check_draft_model()
         if self.publish.repo_id is not None:
             check_repo_id(self.publish.repo_id)  # a bad id fails now, not after hours of training
+        if self.overwrite and self.checkpoint.resume_from is not None:
+            raise ValueError(f"overwrite=true starts the run over, checkpoint.resume_from={self.checkpoint.resume_from} "
+                             "resumes it: set one of them")
         if self.eval.ranks < 5:
             raise ValueError(f"eval.ranks: expected >= 5 (top-5 accuracy is reported), found {self.eval.ranks}")
 

@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
+import random
 import shutil
 import signal
 import zipfile
 from pathlib import Path
 
+import numpy as np
+import torch
 from accelerate import Accelerator
+from accelerate.utils import load as accelerate_load
 from safetensors import SafetensorError, safe_open
 
 from heads.cli import one_line
@@ -70,11 +75,23 @@ class CorruptCheckpoint(ValueError):
     """A checkpoint to resume from has a file that cannot be read; the message names it and an intact one."""
 
 
+def check_random_states(file: Path) -> None:
+    """Load an RNG-state file as accelerate's load_state does (``weights_only=True``: tensors, numpy arrays and plain
+    containers, no code runs) and set each state on a throwaway generator; raises what accelerate would swallow."""
+    states = accelerate_load(file, map_location="cpu", weights_only=True)
+    if not isinstance(states, dict):
+        raise TypeError(f"expected a dict of RNG states, found {type(states).__name__}")
+    random.Random().setstate(states["random_state"])
+    np.random.RandomState().set_state(states["numpy_random_seed"])
+    torch.Generator().set_state(states["torch_manual_seed"])
+
+
 def unreadable(checkpoint: Path, process_index: int = 0) -> str | None:
     """None if every file of ``checkpoint`` reads back (tensors, torch.save archives, progress.json, this process's
     RNG states), else "<file> cannot be read (<error>) ..." for the first that does not. accelerate's load_state raises
     a bare SafetensorError or RuntimeError that names no file, and skips an unreadable RNG-state file with a log line,
-    so a resumed run would silently not reproduce the uninterrupted one; this reads each file first."""
+    so a resumed run would silently not reproduce the uninterrupted one; this reads each file first (archives by
+    their checksums, this process's RNG states whole, ``check_random_states``)."""
     rng = f"random_states_{process_index}.pkl"
     if not (checkpoint / rng).is_file():
         return f"{rng} (this process's RNG states) is missing"
@@ -85,13 +102,15 @@ def unreadable(checkpoint: Path, process_index: int = 0) -> str | None:
                     for name in f.keys():
                         f.get_tensor(name)
             elif file.suffix in (".bin", ".pkl", ".pt"):  # torch.save archives (accelerate's save_state): every
-                with zipfile.ZipFile(file) as archive:  # member's CRC checked, nothing unpickled (no code runs)
+                with zipfile.ZipFile(file) as archive:  # member's CRC checked; the RNG states loaded weights-only
                     if (bad := archive.testzip()) is not None:
                         raise ValueError(f"its member {bad} fails its checksum")
+                if file.name == rng:
+                    check_random_states(file)
             elif file.name == PROGRESS_FILE:
                 Progress().load_state_dict(json.loads(file.read_text()))
         except (SafetensorError, OSError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError, KeyError,
-                TypeError) as err:
+                TypeError, IndexError, pickle.UnpicklingError) as err:
             detail = one_line(err) or "no message"
             return f"{file.name} cannot be read ({type(err).__name__}: {detail}): it is truncated or corrupt"
     return None

@@ -9,7 +9,8 @@ or Hydra heads, an exit head, an EAGLE head; heads/kinds.py finds the recipe's).
   3. loaders: rows with their dataset index (the key of the hidden-state cache)
   4. AdamW over the draft only, warm-up + schedule (transformers' ``get_scheduler``); ``accelerator.prepare``; what the
      kind reads of the target (hidden states, computed or cached; its logits for a KL loss)
-  5. resume: ``load_state`` (draft, optimizer, scheduler, RNG, progress) and skip the batches already seen
+  5. resume: ``load_state`` (draft, optimizer, scheduler, RNG, progress), metrics.jsonl cut back to the resumed step,
+     and skip the batches already seen
   6. the loop: target hidden states -> the kind's loss (the draft runs at scored positions only) -> backward,
      accumulate, step; a NaN / inf loss stops with the step and the last good checkpoint; SIGINT / SIGTERM save and
      stop cleanly; log, evaluate held-out accuracy and save atomic checkpoints every N steps
@@ -17,7 +18,8 @@ or Hydra heads, an exit head, an EAGLE head; heads/kinds.py finds the recipe's).
      tree built from it), on the main process only
   8. publish the saved checkpoint to the Hub when the recipe names a repo (publish.repo_id)
 
-Checkpoints, resuming and signals: heads/training/state.py. Cached target hidden states: heads/training/hidden_cache.py.
+Checkpoints, resuming and signals: heads/training/state.py. The run folder tied to its recipe (checked before step 1):
+heads/training/run_folder.py. Cached target hidden states: heads/training/hidden_cache.py.
 
 Shapes: K predictions per position, B batch, T time, D hidden size, V vocabulary, R measured ranks.
 """
@@ -48,6 +50,7 @@ from heads.training.kind import HeadKind
 from heads.training.loaders import loader
 from heads.training.losses import MedusaLoss
 from heads.training.metrics import Window, emit
+from heads.training.run_folder import check_run_folder, claim_run_folder, trim_metrics
 from heads.training.state import Progress, StopFlag, check_intact, load_progress, resolve_resume, save_checkpoint
 
 log = logging.getLogger(__name__)
@@ -111,6 +114,7 @@ class Run:
 
 def train(cfg: TrainConfig) -> TrainResult:
     kind = kind_for(cfg.method)
+    check_run_folder(cfg)  # output_dir holds this recipe's run or none, before anything loads
     # 1. the frozen target, loaded before the accelerator exists: under DeepSpeed ZeRO-3 transformers would otherwise
     #    partition it at load time (zero.Init); it stays a plain module outside the engine
     model, tokenizer = load_base(cfg.model)
@@ -119,6 +123,8 @@ def train(cfg: TrainConfig) -> TrainResult:
 
     # 2. accelerator, trackers, seed, data, the draft module (its draft vocabulary is read off the training rows)
     accelerator = build_accelerator(cfg)
+    claim_run_folder(cfg, accelerator.is_main_process)  # run.json; with overwrite, the old run deleted
+    accelerator.wait_for_everyone()
     set_seed(cfg.seed)
     if cfg.logging.log_with:
         accelerator.init_trackers(cfg.logging.project or kind.project, config=tracker_params(to_dict(cfg)))
@@ -196,10 +202,14 @@ def resume(run: Run) -> None:
     cfg = run.cfg
     run.last_ckpt = resolve_resume(cfg.checkpoint.resume_from, run.ckpt_root)
     if run.last_ckpt is None:
+        if cfg.checkpoint.resume_from is not None and run.accelerator.is_main_process:  # afresh: nothing logged stays
+            trim_metrics(run.metrics_file, 0)
         return
     check_intact(run.last_ckpt, run.ckpt_root, cfg.checkpoint.resume_from, run.accelerator.process_index)
     run.accelerator.load_state(str(run.last_ckpt))
     run.progress = load_progress(run.last_ckpt)
+    if run.accelerator.is_main_process:  # the steps after the checkpoint are trained, and logged, again
+        trim_metrics(run.metrics_file, run.progress.step)
     log.info("resumed from %s at step %d (epoch %d, batch %d)", run.last_ckpt, run.progress.step, run.progress.epoch,
              run.progress.batch_in_epoch)
 

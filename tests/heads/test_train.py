@@ -46,6 +46,11 @@ def step_losses(out: Path) -> dict[int, float]:
     return losses
 
 
+def logged_steps(out: Path) -> list[int]:
+    """The steps of metrics.jsonl's training-loss records, in the order logged."""
+    return [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
 def start_and_wait_for(cmd: list[str], path: Path, timeout: float = 90) -> subprocess.Popen:
     proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + timeout
@@ -100,6 +105,7 @@ def test_run_killed_after_a_checkpoint_resumes_with_the_same_losses(reference, t
     assert n < 12
     for step in range(n + 1, 13):  # the steps after the checkpoint, across the epoch boundary at step 10
         assert got[step] == pytest.approx(expected[step], abs=1e-6), f"step {step}"
+    assert logged_steps(out) == list(range(1, 13))  # metrics.jsonl cut back to the checkpoint: each step once
 
 
 # train.py with torch.save wrapped: the optimizer file of the step-8 checkpoint is left half-written on disk, the test
@@ -135,6 +141,7 @@ def test_run_killed_while_writing_a_checkpoint_resumes_from_the_last_good_one(re
     expected, got = step_losses(reference), step_losses(out)
     for step in range(5, 13):
         assert got[step] == pytest.approx(expected[step], abs=1e-6), f"step {step}"
+    assert logged_steps(out) == list(range(1, 13))  # steps 5-8 of the killed run are not logged twice
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000008", "step_0000012"]  # swept
 
 

@@ -3,6 +3,7 @@ and the newest earlier checkpoint that is intact, never a traceback or a silentl
 
 from __future__ import annotations
 
+import datetime
 import os
 import shutil
 import subprocess
@@ -10,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from accelerate.utils import load as accelerate_load
 
 from heads.training.state import CorruptCheckpoint, check_intact, unreadable
 
@@ -78,3 +81,23 @@ def test_train_py_refuses_a_corrupt_checkpoint_in_one_line(run, tmp_path):
     assert last.endswith(f"resume from the newest intact one with checkpoint.resume_from={rng.parent.parent / 'step_0000002'}")
     assert "Traceback" not in result.stderr
     assert not (out / "checkpoints" / "step_0000006").exists()  # nothing trained on
+
+
+def test_rng_states_that_pass_their_checksums_but_do_not_load_are_refused(run, tmp_path):
+    """An RNG-state archive whose members all pass their checksums but that accelerate cannot apply (a state of the
+    wrong form; an object weights-only loading refuses) was resumed from with only an INFO log line: the pre-check
+    loads it weights-only and applies each state to a throwaway generator."""
+    root = tmp_path / "checkpoints"
+    shutil.copytree(run / "checkpoints", root)
+    rng = root / "step_0000004" / "random_states_0.pkl"
+    good = accelerate_load(rng, weights_only=True)
+    for bad, error in [({**good, "random_state": "nonsense"}, "ValueError: state with version n passed to "),
+                       ({**good, "torch_manual_seed": torch.zeros(3, dtype=torch.uint8)}, "RuntimeError: "),
+                       ({k: v for k, v in good.items() if k != "numpy_random_seed"}, "KeyError: "),
+                       ({**good, "when": datetime.date(2026, 1, 1)}, "UnpicklingError: Weights only load failed")]:
+        torch.save(bad, rng)
+        problem = unreadable(root / "step_0000004")
+        assert problem is not None and problem.startswith(f"random_states_0.pkl cannot be read ({error}"), problem
+        assert problem.endswith("): it is truncated or corrupt")
+    torch.save(good, rng)
+    assert unreadable(root / "step_0000004") is None
