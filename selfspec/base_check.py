@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from transformers import AutoConfig
 
-from selfspec.core.models import BUILTIN, _refuse_remote_code, resolve
+from selfspec.core.models import BUILTIN, MODEL_FORMS, _refuse_remote_code, resolve, unreachable_hub
 from selfspec.registry import DraftSpec
 
 
@@ -91,11 +91,20 @@ def target_info(model: str, revision: str | None = None, trust_remote_code: bool
     kwargs: dict[str, Any] = {"revision": revision} if revision else {}
     if gguf:
         kwargs["gguf_file"] = gguf
+    if location == model and not gguf and (reason := unreachable_hub(location, revision=revision)):
+        raise FileNotFoundError(f"could not read the config of {model!r} from the Hub to check the draft against it: "
+                                f"{reason}; expected {MODEL_FORMS}")
     try:
         cfg = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code, **kwargs).get_text_config()
     except ValueError as err:
         _refuse_remote_code(model, err)
         raise
+    except OSError as err:  # a Hub id that is not there, or the Hub out of reach
+        if isinstance(err, FileNotFoundError) and location != model:
+            raise
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise FileNotFoundError(f"could not read the config of {model!r} from the Hub to check the draft against it "
+                                f"({reason}); expected {MODEL_FORMS}") from None
     aliases = (location, BUILTIN[model]["hub_id"]) if model in BUILTIN else (location,)
     widths = (int(cfg.hidden_size), int(getattr(cfg, "word_embed_proj_dim", None) or cfg.hidden_size))
     return TargetInfo(tuple(dict.fromkeys(widths)), int(cfg.vocab_size), int(cfg.num_hidden_layers), aliases)

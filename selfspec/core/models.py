@@ -12,6 +12,7 @@ import contextlib
 import difflib
 import logging
 import os
+import pickle
 import shutil
 import socket
 import subprocess
@@ -242,6 +243,13 @@ def _refuse_remote_code(name_or_path: str, err: ValueError) -> None:
         ) from None
 
 
+def _unpickler_reason(err: Exception) -> str:
+    """What torch's weights-only unpickler refused (its message is a page of advice around one line that says it)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    said = next((line for line in lines if "WeightsUnpickler error:" in line), lines[0] if lines else type(err).__name__)
+    return said.split("WeightsUnpickler error:")[-1].strip().split(". ")[0].rstrip(".")
+
+
 def load_model(
     name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", revision: str | None = None,
     device: str = "cpu", attn_implementation: str = "sdpa", trust_remote_code: bool = False, compile: bool = False,
@@ -294,6 +302,11 @@ def load_model(
         if "Unrecognized configuration class" in str(err):
             raise TypeError(f"{name_or_path} is not a causal language model: {err}") from err
         raise
+    except pickle.UnpicklingError as err:  # torch refused a pickled weights file (weights_only): nothing ran
+        raise ValueError(f"the weights of {name_or_path} could not be read safely: a pickled weights file "
+                         "(pytorch_model.bin) is loaded with weights_only=True and may hold tensors only, and this one "
+                         f"holds more ({_unpickler_reason(err)}); convert it to safetensors where you trust its "
+                         "source, or use a model directory with model.safetensors") from None
     except OSError as err:  # a Hub id that is not there, or no network to fetch it
         if isinstance(err, FileNotFoundError) and location != name_or_path:
             raise
