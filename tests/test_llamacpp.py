@@ -234,3 +234,15 @@ def test_the_cost_model_splits_a_step_into_verification_and_drafting(drafts):
     assert row["identical"] == 0 and row["differences"] == [{"prompt": 0, "token": 5, "plain_top2": [0.5, 0.45],
                                                               "near_tie": True}]
     assert "| d | " in costs.to_markdown(result)
+
+
+def test_probabilities_count_only_where_they_follow_the_tokens():
+    """llama.cpp may report a character split over byte tokens as one entry: from there on its list is not the
+    tokens', and a difference there is not judged a near-tie or not."""
+    from selfspec.tools import llamacpp_costs as costs
+
+    step = lambda token, p: {"id": token, "top_logprobs": [{"logprob": np.log(p)}, {"logprob": np.log(1 - p)}]}  # noqa: E731
+    aligned = costs.top2({"tokens": [5, 6], "completion_probabilities": [step(5, 0.5), step(6, 0.9)]})
+    assert [[round(x, 6) for x in pair] for pair in aligned] == [[0.5, 0.5], [0.9, 0.1]]
+    merged = costs.top2({"tokens": [5, 6, 7], "completion_probabilities": [step(5, 0.5), step(9, 0.9)]})
+    assert merged[0] and merged[1:] == [[], []]

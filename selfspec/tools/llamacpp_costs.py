@@ -101,6 +101,18 @@ def interpolate(costs: dict[int, float], k: float) -> float:
     return costs[keys[-1]] * k / keys[-1]
 
 
+def top2(response: dict[str, Any]) -> list[list[float]]:
+    """Per token, the target's two largest probabilities there (``n_probs``), as long as llama.cpp's list follows
+    the tokens one for one: where a character spans several byte tokens it may report them as one entry, and from
+    there on the list is not the tokens' (those positions get [])."""
+    out: list[list[float]] = []
+    for step, token in zip(response.get("completion_probabilities", []), response["tokens"]):
+        if step.get("id") != token:
+            break
+        out.append([math.exp(p["logprob"]) for p in step["top_logprobs"][:2]])
+    return out + [[] for _ in response["tokens"][len(out):]]
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -132,8 +144,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 turn = {"tokens": r["tokens"], "predicted_ms": t["predicted_ms"], "predicted_n": t["predicted_n"],
                         "draft_n": t.get("draft_n", 0), "draft_n_accepted": t.get("draft_n_accepted", 0)}
                 if config.label == "plain":
-                    turn["top2"] = [[math.exp(p["logprob"]) for p in step["top_logprobs"][:2]]
-                                    for step in r.get("completion_probabilities", [])]
+                    turn["top2"] = top2(r)
                 config.turns.append(turn)
         print(f"llamacpp_costs: {config.label}: {config.totals()['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
     verify = verify_costs(bench, model, a.lengths, a.depth, a.threads)
@@ -152,10 +163,10 @@ def report(configs: list[Config], verify: dict[int, float], a: argparse.Namespac
         for i, (mine, ref) in enumerate(zip(c.turns, plain.turns)):
             at = first_difference(mine["tokens"], ref["tokens"])
             if at is not None:
-                top2 = ref["top2"][at] if at < len(ref["top2"]) else []
-                margin = top2[0] - top2[1] if len(top2) == 2 else None
-                diffs.append({"prompt": i, "token": at, "plain_top2": top2, "near_tie": margin is not None and
-                              margin < NEAR_TIE})
+                pair = ref["top2"][at] if at < len(ref["top2"]) else []
+                margin = pair[0] - pair[1] if len(pair) == 2 else None
+                diffs.append({"prompt": i, "token": at, "plain_top2": pair,
+                              "near_tie": None if margin is None else margin < NEAR_TIE})
         needed = t["step_ms"] / plain_ms
         # a target `s` times larger: its forwards (the step less the drafting) `s` times slower, the drafting as here
         predicted = {str(s): s * plain_ms * t["tokens_per_step"] / (s * (t["step_ms"] - draft_ms) + draft_ms)
@@ -179,9 +190,11 @@ def to_markdown(result: dict[str, Any]) -> str:
                                                                          ['predicted_speedup']) + " (prediction) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        ties = sum(d["near_tie"] for d in r["differences"])
-        ident = f"{r['identical']}/{r['of']}" + (f" ({ties} of {len(r['differences'])} differences at near-ties)"
-                                                 if r["differences"] else "")
+        ties = sum(d["near_tie"] is True for d in r["differences"])
+        unknown = sum(d["near_tie"] is None for d in r["differences"])
+        ident = f"{r['identical']}/{r['of']}" + (f" ({ties} of {len(r['differences'])} differences at near-ties"
+                                                 + (f", {unknown} where llama.cpp's probabilities do not follow the "
+                                                    f"tokens" if unknown else "") + ")" if r["differences"] else "")
         lines.append(f"| {r['config']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | {r['step_ms']:.2f} | "
                      f"{r['drafted_per_step']:.2f} | {r['accepted_per_step']:.2f} | {r['tokens_per_step']:.2f} | "
                      f"{r['draft_ms_per_step']:.2f} | {r['tokens_per_step_to_pay']:.2f} | {ident} | "
