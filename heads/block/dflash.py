@@ -108,6 +108,8 @@ class DFlashHead(nn.Module, DraftCheckpoint):
     target's rows, frozen) and the draft vocabulary's maps; the target's embeddings and LM head held by reference."""
 
     WHAT = "speculators DFlash draft"
+    chained = False
+    """no Markov bias or confidence head (speculators' format has neither): the block drafter's plain tree."""
 
     def __init__(self, config: DFlashConfig, embed: nn.Module, verifier_lm_head: nn.Module | None = None):
         super().__init__()

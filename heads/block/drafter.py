@@ -14,6 +14,10 @@ Each step:
                 kept; ``selfspec.core.position_draft.best_first_draft``, shared with Medusa heads), scored for budget
                 tuning; a static tree (``chain:k``: the top-1 path) is filled with each position's ranked candidates
 
+A conditioned block (``condition_rank`` / ``confidence`` in its config.json, heads/block/condition.py) grows its tree
+node by node instead (heads/block/chained.py): each node's children are drafted from the distribution after that
+node's own token (the Markov bias), and the confidence head stops unsure branches; still one forward per step.
+
 Drafts are deterministic (q = None): greedy acceptance is exact, and ``sample_accept`` treats each node as a point mass,
 which keeps sampling lossless too.
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from heads.block.chained import Chain, fill, grow
 from heads.block.dflash import DFlashHead
 from heads.block.dflash_config import is_dflash
 from heads.block.model import BlockHead
@@ -83,11 +88,16 @@ class BlockDrafter(Drafter):
     @torch.inference_mode()
     def draft(self, state: DraftState) -> Draft:
         block = self._block(state)  # [K, D]
+        root = state.tokens[-1:]
+        if self.head.chained:  # a conditioned block: the tree grown node by node (heads/block/chained.py)
+            chain = Chain(self.head, block[: self.depth], self.ranks)
+            if self.dynamic is not None:
+                return grow(chain, root, self.dynamic.budget, self.depth, self.dynamic.min_logp, self._trees)
+            return fill(chain, root, self.tree)
         # 3. the tree from the first ``depth`` positions' top candidates
         logp = torch.log_softmax(self.head.logits(block[: self.depth]).float(), dim=-1)  # [depth, V']
         top = logp.topk(self.ranks, dim=-1)  # [depth, R]
         tokens = self.head.base_ids(top.indices)  # [depth, R] base token ids
-        root = state.tokens[-1:]
         if self.dynamic is not None:
             return best_first_draft(root, top.values, tokens, self.dynamic.budget, self._trees, self.dynamic.min_logp)
         position, rank = self._slot

@@ -44,7 +44,8 @@ class BlockKind(EagleKind):
         return cfg.block
 
     def config_options(self, section: Any) -> dict[str, Any]:
-        return {"block_size": section.block_size}
+        return {"block_size": section.block_size, "condition_rank": section.condition_rank,
+                "confidence": section.confidence, "confidence_min": section.confidence_min, "rank_by": section.rank_by}
 
     def predictions(self, cfg: TrainConfig) -> int:
         return cfg.block.block_size
@@ -56,11 +57,14 @@ class BlockKind(EagleKind):
         anchors = sample_anchors(labels, cfg.block.block_size, cfg.block.anchors, cfg.seed, batch["index"],
                                  self.FIRST_OFFSET)  # [B, A]
         pairs, blocks = module(features, batch["input_ids"], batch["lengths"], anchors)  # [B, n, D] (None: DFlash), [B, A, M or K, D]
-        args = dict(kind=cfg.loss.kind, decay=cfg.loss.decay, ranks=ranks)
+        args = dict(kind=cfg.loss.kind, decay=cfg.loss.decay, ranks=ranks, ce_mix=cfg.loss.ce_mix,
+                    confidence_weight=cfg.block.confidence_weight)
+        ids = batch["input_ids"]  # a conditioned block's Markov bias reads the true token before each position
         if not per_row:
-            return block_loss(pairs, blocks, anchors, final, labels, inner, **args)
+            return block_loss(pairs, blocks, anchors, final, labels, inner, input_ids=ids, **args)
         return [block_loss(None if pairs is None else pairs[b:b + 1], blocks[b:b + 1], anchors[b:b + 1],
-                           final[b:b + 1], labels[b:b + 1], inner, **args) for b in range(final.shape[0])]
+                           final[b:b + 1], labels[b:b + 1], inner, input_ids=ids[b:b + 1], **args)
+                for b in range(final.shape[0])]
 
 
 class DFlashKind(SpeculatorsSaving, BlockKind):

@@ -28,7 +28,9 @@ one forward per step is the point of the drafter, and a second would need a seco
 The decoder, the fusion, fc, the draft vocabulary and the frozen embeddings / LM head held by reference are the EAGLE
 head's (``EagleHead``, which this class extends); its own are the mask vectors, the training forward and the
 checkpoint (config.json ``BlockConfig``, draft_type "block"; model.safetensors: fc, the decoder, the fusion, ``mask``,
-the draft vocabulary's token ids; README.md).
+the draft vocabulary's token ids; README.md). A conditioned block (``condition_rank`` > 0 and / or ``confidence``)
+adds ``markov`` (the low-rank logit bias keyed on the token before a position) and ``confidence`` (a per-position
+head), heads/block/condition.py; drafting chains them per tree node after the one forward (heads/block/chained.py).
 
 Shapes: B batch, T time, n = T - 1 pairs, A anchors per row, K block size, M = K - 1 mask queries, L the training
 sequence (n + A·M), D hidden size, F the width a true pair reads (D, or L·D with feature layers), V' draft vocabulary.
@@ -43,6 +45,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from heads.base import card_usage
+from heads.block.condition import Confidence, MarkovBias
 from heads.block.config import DRAFT_TYPE, BlockConfig
 from heads.eagle.model import EagleHead, card_facts, read_head_checkpoint, run_decoder
 from selfspec.core import hf
@@ -67,10 +70,22 @@ embeddings, drafting a block of {config.block_size} tokens in one forward ({conf
 queries after the last committed token) over a {config.draft_vocab_size}-token draft vocabulary (of
 {config.vocab_size}); the base verifies every draft tree in one forward, so greedy output is the base's own. Drafting
 default: the {config.budget} best nodes by product of per-position probabilities, {config.depth or config.block_size}
-deep. Top-1 agreement with the base on held-out data: {agreement}.
+deep.{conditioning_facts(config)} Top-1 agreement with the base on held-out data: {agreement}.
 
 {card_usage(config.base_model, location)}
 """
+
+
+def conditioning_facts(config: BlockConfig) -> str:
+    """What the card says of the conditioned block (heads/block/condition.py): nothing when it is off."""
+    parts = []
+    if config.condition_rank:
+        parts.append(f" Each block position after the first gets a rank-{config.condition_rank} logit bias keyed on "
+                     "the token drafted before it, chained per tree node.")
+    if config.confidence:
+        parts.append(f" A confidence head per position stops branches below {config.confidence_min} and the tree "
+                     f"keeps nodes by {config.rank_by}.")
+    return "".join(parts)
 
 
 class BlockHead(EagleHead):
@@ -90,11 +105,37 @@ class BlockHead(EagleHead):
         dcfg = self.decoder.config
         self.mask = nn.Parameter(torch.empty(config.block_size - 1, config.hidden_size))  # [M, D]
         nn.init.normal_(self.mask, std=float(getattr(dcfg, "initializer_range", 0.02)))
+        r = config.condition_rank  # the conditioned block (heads/block/condition.py); absent: today's block head
+        self.markov = MarkovBias(config.hidden_size, r, config.draft_vocab_size) if r else None
+        self.confidence = Confidence(config.hidden_size, r) if config.confidence else None
 
     @property
     def block_size(self) -> int:
         """K: tokens one forward drafts (the last true pair's and the K - 1 masks')."""
         return self.config.block_size
+
+    @property
+    def chained(self) -> bool:
+        """Whether drafting chains anything after the forward (a Markov bias or a confidence head): the tree is then
+        grown node by node (heads/block/chained.py), not from the block's per-position candidates alone."""
+        return self.markov is not None or self.confidence is not None
+
+    def prev_code(self, prev: torch.Tensor) -> torch.Tensor | None:
+        """prev [N] target token ids (each the token before a block position) -> their codes [N, r] (None: not
+        conditioned)."""
+        return None if self.markov is None else self.markov.code(self.embed(prev))
+
+    def conditioned_logits(self, states: torch.Tensor, code: torch.Tensor | None) -> torch.Tensor:
+        """states [N, D] and the codes [N, r] of the tokens before them (None: block offset 0, or not conditioned) ->
+        draft-vocabulary logits [N, V'] with the Markov bias added."""
+        logits = self.logits(states)
+        return logits if code is None or self.markov is None else logits + self.markov.bias(code).to(logits.dtype)
+
+    def confidence_logits(self, states: torch.Tensor, code: torch.Tensor | None) -> torch.Tensor:
+        """states [N, D] (and codes [N, r], None at offset 0) -> the confidence head's logits [N]."""
+        if self.confidence is None:
+            raise ValueError("this block drafter has no confidence head (config confidence: false)")
+        return self.confidence(states, code)
 
     def new_cache(self) -> DynamicCache:
         """The drafter's cache of this head's decoder: the committed pairs (and, between steps, the last block)."""

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 from transformers import SchedulerType, get_scheduler
 
+from heads.block.config import check_conditioning
 from heads.checkpoints.hub import check_repo_id
 from heads.eagle.config import check_feature_layer_list
 from heads.training.data import DataConfig
@@ -62,9 +63,13 @@ class HeadsConfig:
 
 @dataclass
 class LossConfig:
-    kind: Literal["ce", "kl"] = "ce"
+    kind: Literal["ce", "kl", "rkl", "tv", "jsd", "tv_ce"] = "ce"
     """"ce": cross-entropy on the data's tokens (a draft model: on the target's own greedy token); "kl": KL(target ||
-    head) to the target's own distribution."""
+    head) to the target's own distribution; methods block and dflash also take "rkl" (KL(head || target)), "tv" (total
+    variation: one minus the chance of acceptance), "jsd" (Jensen-Shannon) and "tv_ce" (DSpark's (1 - ce_mix)·TV +
+    ce_mix·CE); heads/block/loss.py."""
+    ce_mix: float = 0.1
+    """loss.kind tv_ce: the cross-entropy's share (DSpark: 0.1)."""
     decay: float = 0.8
     """head k's loss weight is decay**(k-1)."""
     vocab: Literal["draft", "full"] = "draft"
@@ -261,6 +266,20 @@ class BlockSection:
     mask_token_id: int | None = None
     """method dflash only: the token whose (the target's) embedding fills the mask slots; null: the tokenizer's mask,
     unknown or padding token."""
+    condition_rank: int = 0
+    """method block: r of the low-rank Markov logit bias keyed on the token before each block position, chained per
+    tree node when drafting and trained on the true token before it (heads/block/condition.py); 0: none."""
+    confidence: bool = False
+    """method block: a confidence head per block position, trained to predict whether the target accepts its draft;
+    it stops unsure branches (confidence_min) and can rank nodes (rank_by)."""
+    confidence_weight: float = 0.1
+    """weight of the confidence head's binary cross-entropy in each block offset's loss."""
+    confidence_min: float = 0.0
+    """drafting default stored in the checkpoint: a branch stops where the product of its confidences falls below
+    this (0: never)."""
+    rank_by: Literal["probability", "confidence"] = "probability"
+    """drafting default stored in the checkpoint: the tree budget keeps the nodes of highest path probability, or of
+    highest estimated chance of acceptance (the confidence head)."""
 
 
 @dataclass
@@ -414,6 +433,7 @@ class TrainConfig:
                              f"found {b.block_size}")
         if b.depth is not None and not 1 <= b.depth <= b.block_size:
             raise ValueError(f"block.depth: expected null or 1..{b.block_size} (block.block_size), found {b.depth}")
+        self.check_block_options()
         if self.method == "draft_model":
             self.check_draft_model()
         if self.publish.repo_id is not None:
@@ -423,6 +443,22 @@ class TrainConfig:
                              "resumes it: set one of them")
         if self.eval.ranks < 5:
             raise ValueError(f"eval.ranks: expected >= 5 (top-5 accuracy is reported), found {self.eval.ranks}")
+
+    def check_block_options(self) -> None:
+        """The conditioned block's options (heads/block/condition.py) and the losses only the block loss computes."""
+        b = self.block
+        check_conditioning("block.", b.condition_rank, b.confidence, b.confidence_min, b.rank_by)
+        if not (math.isfinite(b.confidence_weight) and b.confidence_weight >= 0):
+            raise ValueError(f"block.confidence_weight: expected a finite value >= 0, found {b.confidence_weight}")
+        if self.method == "dflash" and (b.condition_rank or b.confidence):
+            raise ValueError(f"block.condition_rank={b.condition_rank}, block.confidence={b.confidence}: method dflash "
+                             "saves speculators' DFlash format, which has no Markov bias or confidence head; use "
+                             "method block, or set block.condition_rank=0 and block.confidence=false")
+        if self.loss.kind in ("rkl", "tv", "jsd", "tv_ce") and self.method not in ("block", "dflash"):
+            raise ValueError(f"loss.kind {self.loss.kind!r}: only the block drafter's loss computes it (methods block "
+                             f"and dflash), found method {self.method!r}; use loss.kind ce or kl")
+        if not 0.0 <= self.loss.ce_mix <= 1.0:
+            raise ValueError(f"loss.ce_mix: expected a share in [0, 1], found {self.loss.ce_mix}")
 
     def check_draft_model(self) -> None:
         """What method draft_model needs of the rest of the recipe: the layers to copy."""

@@ -37,6 +37,7 @@ Shapes: K heads, B batch, T time, V vocabulary, V' draft vocabulary, N gathered 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -218,3 +219,42 @@ def batch_loss(logits: torch.Tensor, scored: torch.Tensor, targets: torch.Tensor
         outs.append(scored_loss(logits[:, m], targets[:, m], decay, kind,
                                 None if shifted is None else [p[m] for p in shifted], ranks, vocab))
     return outs
+
+
+# ------------------------------------------------------------------------------------------ distribution distances
+DIVERGENCES = ("kl", "rkl", "tv", "jsd")
+"""the distances ``divergence`` computes between the target's distribution p and the draft's q."""
+
+
+def divergence(kind: str, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """log_p, log_q [N, V] (log-probabilities: each row sums to 1 in probability) -> [N], one distance per row:
+
+        kl   KL(p || q) = sum p (log p - log q)            forward KL (mass-covering)
+        rkl  KL(q || p) = sum q (log q - log p)            reverse KL (mode-seeking)
+        tv   TV(p, q)   = 1/2 sum |p - q|                  total variation: 1 - TV is the chance a draft drawn from q
+                                                           is accepted by rejection sampling against p (DSpark's L1)
+        jsd  JSD(p, q)  = 1/2 KL(p || m) + 1/2 KL(q || m),  m = (p + q) / 2   (bounded by log 2)
+
+    Gradients flow into both arguments (the caller detaches the target's)."""
+    if log_p.shape != log_q.shape:
+        raise ValueError(f"expected log_p and log_q of one shape [N, V], found {list(log_p.shape)} and "
+                         f"{list(log_q.shape)}")
+    p, q = log_p.exp(), log_q.exp()
+    if kind == "kl":
+        return (p * (log_p - log_q)).sum(-1)
+    if kind == "rkl":
+        return (q * (log_q - log_p)).sum(-1)
+    if kind == "tv":
+        return 0.5 * (p - q).abs().sum(-1)
+    if kind == "jsd":
+        log_m = torch.logaddexp(log_p, log_q) - math.log(2.0)
+        return 0.5 * (p * (log_p - log_m)).sum(-1) + 0.5 * (q * (log_q - log_m)).sum(-1)
+    raise ValueError(f"divergence kind: expected one of {list(DIVERGENCES)}, found {kind!r}")
+
+
+def confidence_bce(logits: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """logits [N] of a confidence head, accepted [N] bool (whether the target kept that position's draft) -> the mean
+    binary cross-entropy (0 with no rows): sigmoid(logit) learns the chance of acceptance."""
+    if logits.numel() == 0:
+        return logits.sum()
+    return F.binary_cross_entropy_with_logits(logits.float(), accepted.float())
