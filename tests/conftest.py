@@ -45,6 +45,9 @@ their dry run, selfspec/tools/gpu.py dry-run); None: they are skipped, saying wh
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # the real model is built from its PyPI package on a machine's first use
+        if "smollm2" in item.keywords:
+            item.add_marker(pytest.mark.index)
     if GPU is not None:
         return
     skip = pytest.mark.skip(reason="cuda: torch sees no CUDA device here (they run on a GPU: selfspec/tools/gpu.py; "
@@ -52,6 +55,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+NEEDED_INDEX: dict[str, str] = {}
+"""nodeid -> outcome of the tests marked ``index`` that ran (pytest_terminal_summary lists them)."""
+
+
+def pytest_runtest_logreport(report):
+    if "index" in report.keywords and (report.when == "call" or report.outcome != "passed"):
+        NEEDED_INDEX[report.nodeid] = report.outcome
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say which tests needed the package index and how they ended (CI prints it: .ci/run runs the README's command)."""
+    outcomes = list(NEEDED_INDEX.values())
+    terminalreporter.write_line(f"package index: {len(outcomes)} tests needed it, {outcomes.count('passed')} passed, "
+                                f"{outcomes.count('failed')} failed" + "".join(
+                                    f"\n  {outcome}: {nodeid}" for nodeid, outcome in NEEDED_INDEX.items()))
 
 
 @pytest.fixture(scope="module", autouse=True)

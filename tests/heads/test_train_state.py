@@ -6,8 +6,6 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,25 +13,9 @@ import torch
 from accelerate.utils import load as accelerate_load
 
 from heads.training.state import CorruptCheckpoint, check_intact, unreadable
+from tiny_run import run, train  # noqa: F401  (run: the shared 4-step run)
 
-REPO = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
 FILES = ("model.safetensors", "optimizer.bin", "scheduler.bin", "progress.json", "random_states_0.pkl")
-
-
-def train(out: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "train.py", "--config", "configs/medusa_tiny.yaml", f"output_dir={out}",
-           "checkpoint.every=2", "eval.every=0", "logging.log_with=[]", *overrides]
-    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    """A 4-step tiny run: checkpoints step_0000002 and step_0000004."""
-    out = tmp_path_factory.mktemp("run")
-    result = train(out, "optim.max_steps=4")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
 
 
 def truncate(file: Path) -> None:
