@@ -135,6 +135,8 @@ class SpecModel:
         return torch.tensor([int(i) for i in items], dtype=torch.long, device=self.target.device)
 
     def _encode_text(self, prompt: str | Sequence[dict[str, str]], chat: bool) -> list[int]:
+        if isinstance(prompt, str):
+            check_unicode(prompt, "the prompt")
         if isinstance(prompt, str) and not chat:
             return self.tokenizer(prompt).input_ids
         if isinstance(prompt, str):
@@ -146,6 +148,8 @@ class SpecModel:
         for n, m in enumerate(messages):
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise ValueError(f"message {n}: expected {{'role': str, 'content': str}}, found {m!r:.80}")
+            check_unicode(m["content"], f"message {n}'s content")
+            check_unicode(m["role"], f"message {n}'s role")
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
@@ -162,6 +166,8 @@ class SpecModel:
                        eta_cutoff=float(gen.eta_cutoff or 0.0))
         penalty = self.repetition_penalty if options.repetition_penalty is None else options.repetition_penalty
         stops = self.stop_strings if options.stop is None else options.stop
+        for s in stops:
+            check_unicode(s, "a stop string")
         if stops not in self._criteria:
             if len(self._criteria) >= 16:  # a server's clients may each send their own: keep the latest few
                 self._criteria.pop(next(iter(self._criteria)))
@@ -384,6 +390,34 @@ def _set(obj: Any, **values: Any) -> Iterator[None]:
     finally:
         for k, v in old.items():
             setattr(obj, k, v)
+
+
+def unicode_problem(text: str) -> str | None:
+    """None if ``text`` can be written as UTF-8, else what is wrong with it: expected vs found, and where.
+
+    Python reads command-line arguments (and stdin, as infer.py's chat reads it) with errors='surrogateescape': a byte
+    that is not UTF-8 arrives as a lone surrogate U+DC80..U+DCFF, named here as that byte at its offset in the bytes
+    given. Any other lone surrogate (a JSON string may escape one, as \\ud800) is named by its character index."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as err:
+        i = err.start
+    after = f" (after {text[max(0, i - 20):i]!r})" if i else ""
+    if 0xDC80 <= ord(text[i]) <= 0xDCFF:  # a byte surrogateescape stood in for; the text before it is clean
+        offset = len(text[:i].encode("utf-8", "surrogateescape"))
+        return (f"expected UTF-8 text, found the byte 0x{ord(text[i]) - 0xDC00:02x} at byte {offset}{after}, which is "
+                "not UTF-8: give the text as UTF-8")
+    return f"expected Unicode text, found a lone surrogate {text[i]!r} at character {i}{after}, which no UTF-8 text holds"
+
+
+def check_unicode(text: str, where: str) -> str:
+    """``text`` if it can be written as UTF-8 (what a tokenizer reads), else a one-line ValueError naming ``where``
+    and the first byte or character that cannot (``unicode_problem``)."""
+    problem = unicode_problem(text)
+    if problem is not None:
+        raise ValueError(f"{where}: {problem}")
+    return text
 
 
 def check_message(text: str) -> None:

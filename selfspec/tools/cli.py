@@ -14,6 +14,7 @@ command line: ``selfspec.tools.cli_parsers``.
 from __future__ import annotations
 
 import argparse
+import io
 import re
 import sys
 from typing import Callable, Sequence, TextIO
@@ -101,6 +102,9 @@ def run_decode(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
     if args.system is not None and args.no_chat:
         err.write("error: --system is a message of the chat template: drop --no-chat, or put it in the prompt\n")
         return 2
+    for flag, text in (("--prompt", args.prompt), ("--system", args.system)):
+        if text is not None:  # before the model loads: bytes that are not UTF-8 arrive as lone surrogates
+            api.check_unicode(text, flag)
     if args.prompt is not None and not args.no_chat:
         api.check_message(args.prompt)  # before the model loads; with --system too
     system = [] if args.system is None else [{"role": "system", "content": args.system}]
@@ -127,6 +131,8 @@ def run_decode(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
     err.write(f"chat with {args.model} (--draft {args.draft}); an empty line, Ctrl-D or Ctrl-C here ends, Ctrl-C "
               f"during a reply stops it\n")
     messages: list[dict[str, str]] = list(system)
+    if read is input and isinstance(sys.stdin, io.TextIOWrapper):  # a line that is not UTF-8: refused below, not a
+        sys.stdin.reconfigure(errors="surrogateescape")  # UnicodeDecodeError that loses what was read with it
     while True:
         try:
             text = read("you> ")
@@ -135,6 +141,9 @@ def run_decode(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
             return 0
         if not text.strip():
             return 0
+        if (problem := api.unicode_problem(text)) is not None:  # the line is dropped; the conversation goes on
+            err.write(f"error: this line: {problem}; the conversation goes on without it\n")
+            continue
         messages.append({"role": "user", "content": text})
         out.write("assistant> ")
         stream, _ = _reply(model, messages, args, out, err, label)
@@ -194,7 +203,8 @@ def run_serve_cli(argv: Sequence[str], err: TextIO | None = None) -> int:
     a = build_serve_parser().parse_args(argv)
     serve.check_exposure(a.host, a.api_key, a.insecure)  # before the address is bound
     try:  # the address first: a port in use fails at once, not after the model has loaded
-        server = serve.make_server(None, a.host, a.port, verbose=not a.quiet, max_body_bytes=a.max_body_bytes)
+        server = serve.make_server(None, a.host, a.port, verbose=not a.quiet, max_body_bytes=a.max_body_bytes,
+                                   read_timeout=a.read_timeout, max_connections=a.max_connections)
     except OSError as e:
         raise ValueError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}; pick another --port (0: any free "
                          f"port) or --host") from None

@@ -11,7 +11,7 @@ from pathlib import Path
 from selfspec.core.models import DEFAULT_MODEL
 from selfspec.tools.bench import DEFAULT_QUESTIONS
 from selfspec.tools.options import integer, integers, number
-from selfspec.tools.serve.server import MAX_BODY_BYTES
+from selfspec.tools.serve.server import MAX_BODY_BYTES, MAX_CONNECTIONS, READ_TIMEOUT_S
 from selfspec.tools.serve.session import MAX_CHOICES
 
 
@@ -244,6 +244,13 @@ def build_serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=integer(1), default=MAX_BODY_BYTES,
                    help="the most bytes of a request body; a larger one is answered 413 before it is read (default: "
                         "%(default)s, 16 MiB)")
+    p.add_argument("--read-timeout", type=number(0.001, 86400.0), default=READ_TIMEOUT_S, metavar="SECONDS",
+                   help="the time a client has to send one whole request (request line, headers and body), however "
+                        "slowly its bytes come; late headers or body are answered 408 and the connection closed, a "
+                        "connection without a request line by then (idle) is closed (default: %(default)g)")
+    p.add_argument("--max-connections", type=integer(1), default=MAX_CONNECTIONS,
+                   help="the most connections served at once, a thread each, whether decoding, waiting in line or "
+                        "still arriving; one more is answered 503 at once (default: %(default)s)")
     p.add_argument("--max-batch", type=integer(1), default=8,
                    help="the most requests decoding together (default: 8; 1: one at a time, the others wait). A draft "
                         "that runs the target's own layers (early exit, layer skipping) decodes one at a time")

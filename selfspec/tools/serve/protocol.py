@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from selfspec.api import unicode_problem
 from selfspec.core.logprobs import MAX_TOP
 from selfspec.core.request import GenerationOptions
 
@@ -32,12 +33,11 @@ class RequestError(ValueError):
 
 def check_text(text: str, where: str) -> str:
     """``text`` if it is Unicode text a tokenizer can read; a JSON string may escape a lone surrogate (\\ud800), which
-    no UTF-8 text holds (bytes that were not UTF-8, read with errors="surrogateescape", look like that too)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise RequestError(f"'{where}': expected Unicode text, found a lone surrogate {text[err.start]!r} at character "
-                           f"{err.start} (bytes that are not UTF-8?)", where.split("[")[0].split(".")[0]) from None
+    no UTF-8 text holds (a client that read bytes that were not UTF-8 with errors="surrogateescape" sends them so):
+    refused as the Python API refuses them (``selfspec.api.unicode_problem``)."""
+    problem = unicode_problem(text)
+    if problem is not None:
+        raise RequestError(f"'{where}': {problem}", where.split("[")[0].split(".")[0])
     return text
 
 
@@ -148,6 +148,8 @@ def parse_request(body: Any, chat: bool, default_temperature: float = 0.0) -> Re
     stops = tuple(stop) if isinstance(stop, list) else () if stop is None else (stop,)  # a wrong type fails below
     if not all(isinstance(s, str) and s for s in stops):
         raise RequestError(f"'stop': expected a non-empty string or a list of them, found {stop!r:.80}", "stop")
+    for i, s in enumerate(stops):
+        check_text(s, f"stop[{i}]" if isinstance(stop, list) else "stop")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError(f"'stream': expected true or false, found {stream!r}", "stream")

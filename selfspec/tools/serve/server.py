@@ -5,17 +5,27 @@ object; 400 names the field at fault), checks the API key and streams chunks as 
 What one client can cost the server is bounded before anything is read or decoded: the key is checked from the
 headers, a body over ``max_body_bytes`` is answered 413 unread, a malformed ``Content-Length`` 400; a body that is not
 JSON, not UTF-8 or nested past Python's recursion limit is answered 400; and a request whose client goes away, streamed
-or not, stops decoding at its next step (``Handler.gone``)."""
+or not, stops decoding at its next step (``Handler.gone``).
+
+What a slow client can hold is bounded too: each request must arrive whole (request line, headers, body) within
+``read_timeout`` of the moment the server begins to wait for it, however its bytes trickle in (``Deadline``): its
+headers or body late, it is answered 408 and closed; no request line in that time (an idle keep-alive connection, or
+half a line), it is closed. At most ``max_connections`` connections are served at once, a thread each; one more is
+answered 503 at once, from the accepting thread."""
 
 from __future__ import annotations
 
+import contextlib
 import hmac
+import io
 import ipaddress
 import itertools
 import json
+import math
 import re
 import select
 import socket
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
@@ -29,15 +39,91 @@ MAX_BODY_BYTES = 16 * 2**20
 """the default cap on a request body (16 MiB): room for a batch of prompts that fill a long context, as text or as
 token ids; a larger body is answered 413 before it is read."""
 
+READ_TIMEOUT_S = 30.0
+"""the default time a client has to send one whole request (request line, headers and body), from the moment the server
+begins to wait for it: 16 MiB (the default body cap) at 0.5 MB/s."""
+
+MAX_CONNECTIONS = 64
+"""the default cap on connections served at once (each holds a thread, whether its request decodes, waits in line or
+is still arriving): 8 requests decoding in a batch (--max-batch's default) and 56 waiting."""
+
 LINGER_S = 5.0
 """after answering a request whose body was left unread, how long its bytes are read and dropped (never kept) so
 that the client, still sending, reads the answer instead of a reset connection."""
 
 
+class Deadline(io.RawIOBase):
+    """A connection's bytes, read before a deadline: each read waits only for the time left, so a client that trickles
+    its bytes (a slowloris) is cut off at the deadline, not at a timeout that every new byte restarts."""
+
+    def __init__(self, sock: socket.socket):
+        super().__init__()
+        self.sock = sock
+        self.deadline: float | None = None
+        """time.monotonic() by which the bytes must have come; None: no limit (the request has been read)."""
+        self.received = 0
+        """bytes received since the deadline was set."""
+
+    def start(self, seconds: float) -> None:
+        """The next request's bytes must all have come in ``seconds``."""
+        self.deadline, self.received = time.monotonic() + seconds, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the request did not arrive in time")
+            self.sock.settimeout(left)
+        n = self.sock.recv_into(buffer)
+        self.received += n
+        return n
+
+
 class Handler(BaseHTTPRequestHandler):
     session: Session  # set on the subclass make_server builds
     max_body_bytes: int = MAX_BODY_BYTES  # make_server sets the server's own
+    read_timeout: float = READ_TIMEOUT_S  # make_server sets the server's own
     protocol_version = "HTTP/1.1"
+
+    def setup(self) -> None:
+        super().setup()
+        self.arriving = Deadline(self.connection)
+        self.rfile = io.BufferedReader(self.arriving)  # type: ignore[assignment] - what http.server reads requests from
+
+    def handle_one_request(self) -> None:
+        """One request, to be read whole within read_timeout (no request line by then: http.server closes the
+        connection; headers or body late: 408, ``parse_request`` and ``do_POST``)."""
+        self.arriving.start(self.read_timeout)
+        super().handle_one_request()
+
+    def log_error(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        if format.startswith("Request timed out") and not self.arriving.received:
+            return  # an idle keep-alive connection, closed: nothing to report
+        super().log_error(format, *args)
+
+    def parse_request(self) -> bool:
+        try:
+            parsed = super().parse_request()
+        except TimeoutError:
+            self._late("headers")
+            return False
+        if parsed and self.command != "POST":  # nothing more to read: answers are written without the deadline
+            self._read()
+        return parsed
+
+    def _read(self) -> None:
+        """The request has been read: what follows (writing its answer) has no deadline."""
+        self.arriving.deadline = None
+        self.connection.settimeout(None)
+
+    def _late(self, part: str) -> None:
+        self._read()
+        self.close_connection = True
+        self._error(408, f"the request's {part} did not arrive within {self.read_timeout:g} s of its start: send a "
+                    "request whole (infer.py serve --read-timeout sets the time)", kind="request_timeout")
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         if getattr(self.server, "verbose", True):
@@ -153,7 +239,12 @@ class Handler(BaseHTTPRequestHandler):
         if refusal is not None:
             self._refuse_unread(refusal[0], refusal[1], kind=refusal[2])
             return
-        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        try:
+            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        except TimeoutError:
+            self._late("body")
+            return
+        self._read()
         path = self.path.rstrip("/")
         tools = {"/tokenize": tokenize, "/detokenize": detokenize}
         if path not in ("/v1/chat/completions", "/v1/completions", *tools):
@@ -219,18 +310,64 @@ class Handler(BaseHTTPRequestHandler):
             events.close()
 
 
+class Server(ThreadingHTTPServer):
+    """http.server's threading server, serving at most ``max_connections`` connections at once."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[Handler], max_connections: int, verbose: bool):
+        super().__init__(address, handler)
+        self.max_connections, self.verbose = max_connections, verbose
+        self.slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.refuse_busy(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: nothing else will give its place back
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def refuse_busy(self, request: socket.socket) -> None:
+        """503 from the accepting thread, without waiting on the client: what it has sent so far is dropped (unread
+        bytes at close would reset the connection before it reads the answer)."""
+        data = json.dumps({"error": {"message": f"the server is serving {self.max_connections} connections, as many "
+                                     "as it takes (infer.py serve --max-connections): retry later",
+                                     "type": "server_busy", "param": None, "code": None}}).encode()
+        try:
+            request.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                request.recv(65536)
+            request.send(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+                         b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
+        except OSError:  # the client has gone, or its buffer is full: it is closed either way
+            pass
+        self.shutdown_request(request)
+
+
 def make_server(session: Session | None, host: str = "127.0.0.1", port: int = 8000, verbose: bool = True,
-                max_body_bytes: int = MAX_BODY_BYTES) -> ThreadingHTTPServer:
+                max_body_bytes: int = MAX_BODY_BYTES, read_timeout: float = READ_TIMEOUT_S,
+                max_connections: int = MAX_CONNECTIONS) -> Server:
     """A threading HTTP server for ``session`` (port 0: any free port; ``server.server_address`` says which), bound
     at once. session None: set ``server.RequestHandlerClass.session`` before serving (infer.py serve binds the address
-    before it loads the model). max_body_bytes: a larger request body is answered 413 unread."""
-    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
-        raise ValueError(f"max_body_bytes must be an int >= 1, found {max_body_bytes!r}")
-    handler = type("SelfspecHandler", (Handler,), {"session": session, "max_body_bytes": max_body_bytes})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    server.verbose = verbose  # type: ignore[attr-defined]
-    return server
+    before it loads the model). max_body_bytes: a larger request body is answered 413 unread. read_timeout: seconds a
+    request has to arrive whole. max_connections: the most connections served at once (one more: 503)."""
+    for name, value in (("max_body_bytes", max_body_bytes), ("max_connections", max_connections)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, found {value!r}")
+    if isinstance(read_timeout, bool) or not isinstance(read_timeout, (int, float)) or not 0 < read_timeout < math.inf:
+        raise ValueError(f"read_timeout must be a number of seconds > 0, found {read_timeout!r}")
+    handler = type("SelfspecHandler", (Handler,), {"session": session, "max_body_bytes": max_body_bytes,
+                                                   "read_timeout": float(read_timeout)})
+    return Server((host, port), handler, max_connections, verbose)
 
 
 def is_loopback(host: str) -> bool:
