@@ -50,6 +50,7 @@ class Chain:
         self.min_log_conf = math.log(cut) if cut > 0 else -math.inf
         self.by_confidence = head.config.rank_by == "confidence"
 
+    @torch.no_grad()
     def expand(self, d: int, prev: int) -> tuple[list[float], list[int], float]:
         """Position d's candidates after token ``prev`` (a target id): their log-probabilities (best first), target
         ids, and log c_d(prev) (0 without a confidence head)."""

@@ -178,3 +178,56 @@ def test_on_a_draft_vocabulary_the_loss_reads_its_columns_and_counts_tokens_outs
     assert math.isclose(off.per_head[0].item(), want.item(), rel_tol=1e-5)
     with pytest.raises(ValueError, match=r"draft vocabulary \[V'\] = \[10\]"):
         scored_loss(full[..., vocab], targets, vocab=vocab[:5])
+
+
+# ------------------------------------------------------------------------------------------ distribution distances
+def test_the_divergences_are_their_hand_computed_values():
+    """p = (1/2, 1/2), q = (1/4, 3/4): every value worked out by hand, in nats."""
+    from heads.training.losses import divergence
+
+    log_p = torch.tensor([[0.5, 0.5]]).log()
+    log_q = torch.tensor([[0.25, 0.75]]).log()
+    kl = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)  # 0.14384
+    rkl = 0.25 * math.log(0.25 / 0.5) + 0.75 * math.log(0.75 / 0.5)  # 0.13081
+    m = (0.375, 0.625)
+    jsd = 0.5 * (0.5 * math.log(0.5 / m[0]) + 0.5 * math.log(0.5 / m[1])) \
+        + 0.5 * (0.25 * math.log(0.25 / m[0]) + 0.75 * math.log(0.75 / m[1]))  # 0.03382
+    want = {"kl": kl, "rkl": rkl, "tv": 0.25, "jsd": jsd}
+    for kind, value in want.items():
+        assert divergence(kind, log_p, log_q).item() == pytest.approx(value, abs=1e-6), kind
+    assert kl == pytest.approx(0.143841, abs=1e-6) and rkl == pytest.approx(0.130812, abs=1e-6)
+    assert jsd == pytest.approx(0.033822, abs=1e-6)
+    same = divergence("tv", log_p, log_p)
+    assert same.item() == 0.0
+    # rows are independent, each distance >= 0, JSD <= log 2 and TV <= 1 at disjoint supports
+    far = torch.tensor([[1.0 - 1e-12, 1e-12], [0.5, 0.5]]).log()
+    other = torch.tensor([[1e-12, 1.0 - 1e-12], [0.5, 0.5]]).log()
+    assert divergence("tv", far, other).tolist() == pytest.approx([1.0, 0.0], abs=1e-9)
+    assert divergence("jsd", far, other)[0].item() == pytest.approx(math.log(2), abs=1e-6)
+    with pytest.raises(ValueError, match=r"expected one of \['kl', 'rkl', 'tv', 'jsd'\], found 'l2'"):
+        divergence("l2", log_p, log_q)
+    with pytest.raises(ValueError, match=r"of one shape \[N, V\], found \[1, 2\] and \[1, 3\]"):
+        divergence("kl", log_p, torch.zeros(1, 3))
+
+
+def test_the_divergences_gradients_move_q_towards_p():
+    from heads.training.losses import divergence
+
+    log_p = torch.tensor([[0.7, 0.2, 0.1]]).log()
+    for kind in ("kl", "rkl", "tv", "jsd"):
+        z = torch.zeros(1, 3, requires_grad=True)
+        before = divergence(kind, log_p, torch.log_softmax(z, -1)).item()
+        for _ in range(50):
+            loss = divergence(kind, log_p, torch.log_softmax(z, -1)).sum()
+            (grad,) = torch.autograd.grad(loss, z)
+            z = (z - 0.5 * grad).detach().requires_grad_()
+        assert divergence(kind, log_p, torch.log_softmax(z, -1)).item() < 0.2 * before, kind
+
+
+def test_the_confidence_bce_is_its_hand_computed_value():
+    from heads.training.losses import confidence_bce
+
+    logits = torch.tensor([0.0, math.log(3.0)])  # sigmoid: 1/2, 3/4
+    accepted = torch.tensor([True, False])
+    assert confidence_bce(logits, accepted).item() == pytest.approx((math.log(2) + math.log(4)) / 2, abs=1e-6)
+    assert confidence_bce(torch.zeros(0), torch.zeros(0, dtype=torch.bool)).item() == 0.0
