@@ -293,10 +293,14 @@ MALFORMED = [
     (request(b"[" * 100_000), 400, "the request body is not JSON this server reads: it is nested too deeply"),
     (request(b'{"messages": "\xff\xfe"}'), 400, "the request body is not JSON: 'utf-8' codec can't decode"),
     (request(b'{"messages": [{"role": "user", "content": "hi \\udc80"}]}'), 400,
-     "'messages[0].content': expected Unicode text, found a lone surrogate '\\udc80' at character 3 (bytes that are "
-     "not UTF-8?)"),
+     "'messages[0].content': expected UTF-8 text, found the byte 0x80 at byte 3 (after 'hi '), which is not UTF-8: "
+     "give the text as UTF-8"),
     (request(b'{"prompt": "\\ud800"}', path="/v1/completions"), 400,
-     "'prompt': expected Unicode text, found a lone surrogate"),
+     "'prompt': expected Unicode text, found a lone surrogate '\\ud800' at character 0, which no UTF-8 text holds"),
+    (request(b'{"messages": [{"role": "user", "content": "hi"}], "stop": ["ok", "\\ud800"]}'), 400,
+     "'stop[1]': expected Unicode text, found a lone surrogate '\\ud800' at character 0, which no UTF-8 text holds"),
+    (request(b'{"prompt": "hi", "stop": "\\udcff", "stream": true}', path="/v1/completions"), 400,
+     "'stop': expected UTF-8 text, found the byte 0xff at byte 0, which is not UTF-8"),
     (request(b'{"prompt": "\\ud800"}', path="/tokenize"), 400, "'prompt': expected Unicode text"),
     (request(b"2\r\n{}\r\n0\r\n\r\n", None, "Transfer-Encoding: chunked\r\n"), 411,
      "a body sent with Transfer-Encoding is not read"),

@@ -318,23 +318,32 @@ class Server(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], handler: type[Handler], max_connections: int, verbose: bool):
         super().__init__(address, handler)
         self.max_connections, self.verbose = max_connections, verbose
-        self.slots = threading.BoundedSemaphore(max_connections)
+        self.serving = 0
+        """connections being served now (a thread each)."""
+        self.lock = threading.Lock()
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False):
+        with self.lock:
+            full = self.serving >= self.max_connections
+            self.serving += not full
+        if full:
             self.refuse_busy(request)
             return
         try:
             super().process_request(request, client_address)
         except BaseException:  # no thread started: nothing else will give its place back
-            self.slots.release()
+            self.done()
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.slots.release()
+            self.done()
+
+    def done(self) -> None:
+        with self.lock:
+            self.serving -= 1
 
     def refuse_busy(self, request: socket.socket) -> None:
         """503 from the accepting thread, without waiting on the client: what it has sent so far is dropped (unread
