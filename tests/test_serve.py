@@ -360,7 +360,8 @@ def test_an_api_key_is_required_when_the_server_has_one(model):
 def test_infer_py_serve_answers_over_http(model_dir, model):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONIOENCODING": "utf-8"}
     proc = subprocess.Popen([sys.executable, "infer.py", "serve", "--model", str(model_dir), "--port", "0",
-                             "--name", "tiny-served", "--quiet"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+                             "--name", "tiny-served", "--quiet", "--read-timeout", "1.5", "--max-connections", "4"],
+                            cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     try:
         line = ""
         while "serving" not in line:
@@ -370,6 +371,9 @@ def test_infer_py_serve_answers_over_http(model_dir, model):
         status, body = post(port, "/v1/chat/completions", {"messages": USER, "max_tokens": 12})
         assert status == 200 and body["model"] == "tiny-served"
         assert body["choices"][0]["message"]["content"] == model.generate(USER, max_new_tokens=12).text
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:  # --read-timeout reached the server
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            assert b"did not arrive within 1.5 s" in sock.recv(65536)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
