@@ -208,3 +208,24 @@ def test_cli_mistakes_are_one_error_line_before_the_model_loads(tmp_path, capsys
         assert main([*out, *argv]) == 2
         assert capsys.readouterr().err == f"error: {message}\n"
     assert not (tmp_path / "out").exists()
+
+
+def test_the_block_recipes_data_section_trains_on_a_distilled_directory(model, tok, source, tmp_path):
+    """Issue 62's regenerated data: a distillation run killed after one shard and resumed is what
+    configs/block_cond_smollm2.yaml's data.source points to, and its rows are the target's replies, trained."""
+    from pathlib import Path
+
+    from heads.training.recipe import load_config
+
+    out = tmp_path / "distilled"
+    cfg = DistillConfig(max_new_tokens=4, batch_size=3, shard_size=2)
+    assert distill(model, tok, source, out, cfg, max_shards=1) is None  # killed after one shard
+    assert distill(model, tok, source, out, cfg) == out  # resumed
+    recipe = load_config(Path(__file__).resolve().parents[2] / "configs/block_cond_smollm2.yaml",
+                         [f"data.source={out}", "data.eval_fraction=0.0", "data.max_conversations=null"])
+    assert recipe.data.source == str(out)
+    train, _ = build_datasets(recipe.data, tok)
+    assert len(train) == 1  # the three conversations packed into one row of at most 512 tokens
+    trained = [t for t, label in zip(train[0]["input_ids"], train[0]["labels"]) if label != -100]
+    replies = [m["content"] for c in datasets.load_from_disk(str(out))["messages"] for m in c if m["role"] == "assistant"]
+    assert tok.decode(trained).count("<|im_end|>") == len(replies) == 4
