@@ -38,6 +38,7 @@ V vocabulary, V' draft vocabulary.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -294,10 +295,18 @@ def dflash_mask(n: int, anchors: torch.Tensor, lengths: torch.Tensor, slots: int
     positions <= j that lie in the row (< length) and every slot of its own block, nothing of another block; an absent
     anchor (-1) sees its own block only and is never scored."""
     B, A = anchors.shape
-    anchors, lengths = anchors.cpu(), lengths.cpu()
-    position = torch.arange(n)
-    sees = (position[None, None, :] <= anchors[:, :, None]) & (position[None, None, :] < lengths[:, None, None])
-    block = torch.arange(A).repeat_interleave(slots)  # [Q] the anchor each slot belongs to
+    device = anchors.device
+    position = torch.arange(n, device=device)
+    sees = (position[None, None, :] <= anchors[:, :, None]) & \
+        (position[None, None, :] < lengths.to(device)[:, None, None])  # [B, A, n]
     allowed = torch.cat([sees.repeat_interleave(slots, dim=1),  # [B, Q, n]
-                         (block[:, None] == block[None, :])[None].expand(B, -1, -1)], dim=2)  # [B, Q, n + Q]
+                         own_blocks(A, slots, device)[None].expand(B, -1, -1)], dim=2)  # [B, Q, n + Q]
     return allowed[:, None]
+
+
+@functools.lru_cache(maxsize=64)
+def own_blocks(A: int, slots: int, device: torch.device) -> torch.Tensor:
+    """bool [Q, Q] (Q = A·slots) on ``device``, built once per shape: each slot sees every slot of its own block.
+    Read only."""
+    block = torch.arange(A, device=device).repeat_interleave(slots)  # [Q] the anchor each slot belongs to
+    return block[:, None] == block[None, :]

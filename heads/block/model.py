@@ -38,6 +38,7 @@ sequence (n + A·M), D hidden size, F the width a true pair reads (D, or L·D wi
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -200,17 +201,25 @@ def block_mask(n: int, anchors: torch.Tensor, lengths: torch.Tensor, M: int, dty
     anchor (-1) sees its own block only and is never scored. Every query sees itself (no empty row).
     """
     B, A = anchors.shape
-    L = n + A * M
-    anchors, lengths = anchors.cpu(), lengths.cpu()
-    pair = torch.arange(n)
-    valid_key = pair[None, :] < (lengths[:, None] - 1)  # [B, n] keys of true (not padding) pairs
-    allowed = torch.zeros(B, L, L, dtype=torch.bool)
-    allowed[:, :n, :n] = (pair[None, :] <= pair[:, None])[None] & valid_key[:, None, :]  # pairs: causal
+    device = anchors.device
+    causal, blocks, eye = block_structure(n, A, M, device)  # [n, n], [A·M, A·M], [L, L]: built once per shape
+    pair = torch.arange(n, device=device)
+    valid_key = pair[None, :] < (lengths.to(device)[:, None] - 1)  # [B, n] keys of true (not padding) pairs
     sees = (pair[None, None, :] <= anchors[:, :, None]) & valid_key[:, None, :]  # [B, A, n] pairs <= the anchor
-    allowed[:, n:, :n] = sees.repeat_interleave(M, dim=1)  # [B, A·M, n]
-    block = torch.arange(A).repeat_interleave(M)  # [A·M] the anchor each mask query belongs to
-    allowed[:, n:, n:] = (block[:, None] == block[None, :])[None]  # its own block, both ways
-    allowed |= torch.eye(L, dtype=torch.bool)[None]
-    mask = torch.zeros(allowed.shape, dtype=dtype)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    top = torch.cat([causal[None] & valid_key[:, None, :], torch.zeros(B, n, A * M, dtype=torch.bool, device=device)],
+                    dim=2)  # [B, n, L] pairs: causal
+    bottom = torch.cat([sees.repeat_interleave(M, dim=1), blocks[None].expand(B, -1, -1)], dim=2)  # [B, A·M, L]
+    allowed = torch.cat([top, bottom], dim=1) | eye[None]  # [B, L, L]; its own block both ways, itself always
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)  # additive: the decoder may attend eagerly (bool: sdpa only)
     return mask[:, None]
+
+
+@functools.lru_cache(maxsize=64)
+def block_structure(n: int, A: int, M: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``block_mask``'s parts that are the same for every row, bool on ``device``, built once per (n, A, M, device):
+    (causal [n, n] over the pairs, blocks [A·M, A·M] a mask query's own block, eye [L, L]). Read only."""
+    pair = torch.arange(n, device=device)
+    block = torch.arange(A, device=device).repeat_interleave(M)  # [A·M] the anchor each mask query belongs to
+    eye = torch.eye(n + A * M, dtype=torch.bool, device=device)
+    return pair[None, :] <= pair[:, None], block[:, None] == block[None, :], eye

@@ -34,7 +34,7 @@ from selfspec.core.accept import Acceptance
 from selfspec.core.drafter import Draft, Drafter, DraftState
 from selfspec.core.files import read_json_object
 from selfspec.core.target import Target
-from selfspec.core.tree import DynamicTree, Tree, cut_logp
+from selfspec.core.tree import DynamicTree, Tree, cut_logp, read_candidates
 
 
 class EagleDrafter(Drafter):
@@ -121,8 +121,7 @@ class EagleDrafter(Drafter):
         """out [Q, D]: f̂ after each of ``nodes``; adds each node's topk children (depth d) and returns their indices."""
         logp = torch.log_softmax(head.logits(out).float(), dim=-1)  # [Q, V']
         top = logp.topk(self.topk, dim=-1)
-        ids = head.base_ids(top.indices).tolist()  # [Q][k] base token ids
-        values = top.values.tolist()
+        ids, values = read_candidates(head.base_ids(top.indices), top.values)  # [Q][k] base token ids, log-probs
         added = []
         for q, node in enumerate(nodes):
             for r in range(self.topk):

@@ -33,6 +33,7 @@ feature width (D, or L·D with feature_layers), V vocabulary, V' draft vocabular
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -249,17 +250,27 @@ def unroll_mask(u: int, n: int, lengths: torch.Tensor, dtype: torch.dtype, devic
     Queries of pairs i < u have no full chain behind them; they attend to what exists (their own key at least) and are
     never scored. Keys of padding pairs (i >= length - 1) are masked for every query.
     """
-    i = torch.arange(n)[:, None]  # [n, 1] query pair
-    j = torch.arange(n)[None, :]  # [1, n] key pair
+    device = torch.device(device or lengths.device)
+    keys, own = unroll_keys(u, n, device)  # [n, (u + 1) n] each, built once per shape
+    valid_key = (torch.arange(n, device=device)[None, :] < (lengths.to(device)[:, None] - 1)).repeat(1, u + 1)
+    allowed = (keys[None] & valid_key[:, None, :]) | own[None]  # [B, n, (u + 1) n]; a query always sees its own key
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)  # additive: the decoder may attend eagerly (bool: sdpa only)
+    return mask[:, None]
+
+
+@functools.lru_cache(maxsize=64)
+def unroll_keys(u: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unroll step u's mask where it is the same for every row, bool on ``device``, built once per (u, n, device):
+    (keys [n, (u + 1) n]: step 0's true pairs up to i - u, step m's key at pair i - u + m; own [n, (u + 1) n]: each
+    query's own key). Read only: callers never write into them."""
+    i = torch.arange(n, device=device)[:, None]  # [n, 1] query pair
+    j = torch.arange(n, device=device)[None, :]  # [1, n] key pair
     blocks = [j <= i - u]  # step 0's keys: the true pairs up to i - u
     blocks += [j == i - u + m for m in range(1, u + 1)]  # step m's key at pair i - u + m (m = u: its own)
-    allowed = torch.cat(blocks, dim=1)  # [n, (u + 1) n]
-    valid_key = (torch.arange(n)[None, :] < (lengths[:, None].cpu() - 1)).repeat(1, u + 1)  # [B, (u + 1) n]
-    allowed = allowed[None] & valid_key[:, None, :]  # [B, n, (u + 1) n]
-    allowed[:, :, u * n:] |= torch.eye(n, dtype=torch.bool)[None]  # a query always sees its own key (no empty row)
-    mask = torch.zeros(allowed.shape, dtype=dtype)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[:, None].to(device or lengths.device)
+    own = torch.cat([torch.zeros(n, u * n, dtype=torch.bool, device=device),
+                     torch.eye(n, dtype=torch.bool, device=device)], dim=1)  # [n, (u + 1) n]
+    return torch.cat(blocks, dim=1), own
 
 
 LEGACY_KEYS = {"draft_tokens": "draft_vocab.tokens"}

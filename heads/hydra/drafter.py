@@ -29,7 +29,7 @@ from heads.hydra.model import HydraHeads
 from selfspec.core.accept import Acceptance
 from selfspec.core.drafter import Draft, Drafter, DraftState, check_tree
 from selfspec.core.target import Target
-from selfspec.core.tree import DynamicTree, Tree
+from selfspec.core.tree import DynamicTree, Tree, read_candidates
 
 
 class HydraDrafter(Drafter):
@@ -86,7 +86,8 @@ class HydraDrafter(Drafter):
     def _draft_dynamic(self, state: DraftState) -> Draft:
         """1. expand the best nodes of the newest depth, one batched head call per depth; 2. keep the budget best."""
         root, k = state.tokens[-1], self.dynamic.max_rank
-        tok, parent, score, depth, path = [int(root)], [-1], [0.0], [0], [[int(root)]]
+        first = int(root)
+        tok, parent, score, depth, path = [first], [-1], [0.0], [0], [[first]]
         layer = [0]
         for d in range(1, self.depth + 1):
             expand = sorted(layer, key=lambda i: -score[i])[:k]
@@ -94,10 +95,10 @@ class HydraDrafter(Drafter):
             paths = torch.tensor([path[i] for i in expand], device=root.device)  # [Q, d]
             logp = torch.log_softmax(self.heads.draft_logits(hidden, paths, d).float(), dim=-1)  # [Q, V']
             top = logp.topk(k, dim=-1)
-            ids = self.heads.draft_vocab.base_ids(top.indices)  # [Q, k] token ids
+            ids, values = read_candidates(self.heads.draft_vocab.base_ids(top.indices), top.values)  # [Q][k], one read
             layer = []
             for q, node in enumerate(expand):
-                for token, value in zip(ids[q].tolist(), top.values[q].tolist()):
+                for token, value in zip(ids[q], values[q]):
                     layer.append(len(tok))
                     tok.append(token)
                     parent.append(node)

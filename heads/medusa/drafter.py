@@ -60,7 +60,7 @@ class MedusaDrafter(Drafter):
         root = state.tokens[-1:]  # [1]
         if len(self.tree) == 1:
             return Draft(tree=self.tree, tokens=root.clone())
-        used = int(self._depth.max()) + 1
+        used = self.tree.depth  # the heads the tree reads (no host read of _depth)
         logits = self.heads.draft_logits(state.hidden, used)  # [K', V']
         cand = self.heads.draft_vocab.base_ids(logits.topk(self.topk, dim=-1).indices)  # [K', R] token ids
         nodes = cand[self._depth.to(cand.device), self._rank.to(cand.device)]  # [N - 1]

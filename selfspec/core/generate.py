@@ -152,7 +152,7 @@ def stream(target: Target, drafter: Drafter, input_ids: torch.Tensor, max_new_to
                logprobs=scored(pre.logits[-1:], prompt.new_tensor([root]), logprobs),
                prompt_logprobs=scored(pre.logits[:-1], prompt[1:], prompt_logprobs))
     produced = 1
-    if produced >= max_new_tokens or first_stop(stopping_criteria, tokens, 1, set(eos)) is not None:
+    if produced >= max_new_tokens or first_stop(stopping_criteria, tokens, 1, set(eos), new=[root]) is not None:
         return
 
     while True:
@@ -222,9 +222,10 @@ def extend(tokens: torch.Tensor, draft: Draft, acc: Acceptance, room: int, crite
            eos: list[int]) -> tuple[torch.Tensor, list[int], int | None]:
     """Step 7 for one sequence: tokens [T] with the accepted drafts and the bonus token, no more than ``room``, cut
     after the first EOS or stop string -> (tokens [T + len(new)], new, where it stopped in new or None)."""
-    new = ([int(draft.tokens[i]) for i in acc.path[1:]] + [acc.bonus])[:room]
+    drafts = acc.drafts if acc.drafts is not None else draft.tokens[list(acc.path[1:])].tolist()  # read with the path
+    new = (list(drafts) + [acc.bonus])[:room]
     tokens = torch.cat([tokens, tokens.new_tensor(new)])
-    stop = first_stop(criteria, tokens, len(new), set(eos))
+    stop = first_stop(criteria, tokens, len(new), set(eos), new=new)
     if stop is not None:
         tokens, new = tokens[: tokens.shape[0] - len(new) + stop + 1], new[: stop + 1]
     return tokens, new, stop

@@ -35,12 +35,12 @@ def stop_strings(tokenizer: PreTrainedTokenizerBase, strings: str | Sequence[str
 
 
 def first_stop(criteria: Sequence[Criterion], tokens: torch.Tensor, n_new: int,
-               eos: Collection[int] = ()) -> int | None:
+               eos: Collection[int] = (), new: Sequence[int] | None = None) -> int | None:
     """tokens [T], the last n_new of them new -> the index j (0..n_new-1) of the first new token that is an
     end-of-sequence token or after which a criterion says stop (plain decoding ends there, that token included), or
-    None."""
+    None. new: those n_new tokens as numbers where the caller has them (no read of ``tokens``)."""
     start = tokens.shape[0] - n_new
-    new = tokens[start:].tolist()
+    new = tokens[start:].tolist() if new is None else list(new)
     for j in range(n_new):
         if new[j] in eos:
             return j

@@ -193,32 +193,84 @@ class Tree:
         return path[::-1]
 
     # --------------------------------------------------------------------------------------------------- tensors
+    def on(self, device: torch.device | str) -> "TreeTensors":
+        """The tensors a verification and an acceptance rule read, built on ``device`` once per tree and device: the
+        parent pointers go over as N integers, everything else is computed there (no host read, no Python loop per
+        node)."""
+        device = torch.device(device)
+        cached = self._tensors.get(device)
+        if cached is None:
+            cached = self._tensors[device] = TreeTensors.build(self, device)
+        return cached
+
     @cached_property
+    def _tensors(self) -> dict[torch.device, "TreeTensors"]:
+        return {}
+
+    @property
     def ancestor_mask(self) -> torch.Tensor:
         """bool [N, N]: mask[i, j] is True when node j is node i or one of its ancestors (i may attend to j)."""
-        n = len(self.parents)
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        for i in range(n):
-            mask[i, self.path_to(i)] = True
-        return mask
+        return self.on("cpu").ancestors
 
-    @cached_property
+    @property
     def depth_tensor(self) -> torch.Tensor:
         """long [N]: each node's depth, the offset of its position id from the root's."""
-        return torch.tensor(self.depths, dtype=torch.long)
+        return self.on("cpu").depth
 
-    @cached_property
+    @property
     def parent_tensor(self) -> torch.Tensor:
         """long [N]: parent indices, with the root pointing at itself (so gathers stay in range)."""
-        return torch.tensor([max(p, 0) for p in self.parents], dtype=torch.long)
+        return self.on("cpu").parent
 
-    @cached_property
+    @property
     def leaf_paths(self) -> torch.Tensor:
         """long [L, D]: root-to-leaf node indices, right-padded with -1."""
-        leaves = [i for i in range(len(self.parents)) if not self.children[i]]
-        width = self.depth + 1
-        rows = [self.path_to(i) + [-1] * (width - len(self.path_to(i))) for i in leaves]
-        return torch.tensor(rows, dtype=torch.long)
+        return self.on("cpu").leaf_paths
+
+
+@dataclass(frozen=True)
+class TreeTensors:
+    """A tree's tensors on one device (``Tree.on``). N nodes, L leaves, D = depth + 1, M = most children of a node."""
+
+    parent: torch.Tensor
+    """long [N]: parent indices, the root pointing at itself (so gathers stay in range)."""
+    depth: torch.Tensor
+    """long [N]: each node's depth."""
+    ancestors: torch.Tensor
+    """bool [N, N]: [i, j] True when j is i or one of its ancestors."""
+    leaf_paths: torch.Tensor
+    """long [L, D]: root-to-leaf node indices, right-padded with -1 (leaves in index order)."""
+    children: torch.Tensor
+    """long [N, M]: each node's children in the order they are tried (by rank), right-padded with -1 (M >= 1)."""
+
+    @classmethod
+    def build(cls, tree: Tree, device: torch.device) -> "TreeTensors":
+        n, width = len(tree), tree.depth + 1
+        parent = torch.tensor([max(p, 0) for p in tree.parents], dtype=torch.long, device=device)  # [N]
+        ancestors = ancestor_mask(parent, tree.depth)  # [N, N]
+        depth = ancestors.sum(-1) - 1  # [N] a node's ancestors, itself left out
+        leaves = torch.tensor([i for i in range(n) if not tree.children[i]], dtype=torch.long, device=device)  # [L]
+        at = ancestors[leaves][:, :, None] & (depth[None, :, None] == torch.arange(width, device=device))  # [L, N, D]
+        nodes = torch.arange(n, device=device)[None, :, None]
+        leaf_paths = torch.where(at.any(1), (at * nodes).sum(1), -1)  # [L, D]: the one node per (leaf, depth)
+        most = max(1, max(len(k) for k in tree.children))
+        children = torch.tensor([list(k) + [-1] * (most - len(k)) for k in tree.children], dtype=torch.long,
+                                device=device)  # [N, M]
+        return cls(parent=parent, depth=depth, ancestors=ancestors, leaf_paths=leaf_paths, children=children)
+
+
+def ancestor_mask(parent: torch.Tensor, depth: int) -> torch.Tensor:
+    """parent long [N] (the root pointing at itself), the tree's depth -> bool [N, N]: [i, j] True when j is i or an
+    ancestor of i. Pointer doubling on parent's device: after k rounds each row holds the ancestors up to 2^k levels
+    up, so ceil(log2(depth)) rounds of [N, N] gathers build it, whatever the tree."""
+    n = parent.shape[0]
+    eye = torch.eye(n, dtype=torch.bool, device=parent.device)  # [N, N]
+    mask = eye | eye[parent]  # node and parent
+    jump, reach = parent, 1  # jump[i]: the ancestor 'reach' levels up (the root saturates)
+    while reach < depth:
+        mask = mask | mask[jump]  # rows reach..2*reach up
+        jump, reach = jump[jump], 2 * reach
+    return mask
 
 
 class TokenTrie:
@@ -300,3 +352,11 @@ class DynamicTree:
                              f"the top {DynamicTree.max_rank} candidates per depth)")
         return (f"dynamic:{self.budget}" + (f",depth={self.depth}" if self.depth is not None else "")
                 + (f",min_prob={self.min_prob:g}" if self.min_prob > 0 else ""))
+
+
+def read_candidates(ids: torch.Tensor, values: torch.Tensor) -> tuple[list[list[int]], list[list[float]]]:
+    """ids long [Q, k] and values [Q, k] (a depth's top-k per expanded node) -> the same as Python lists, in one host
+    read: what a drafter growing its tree on the host (``Tree.best_scored``) reads once per depth, never per node.
+    (Token ids are exact in float64.)"""
+    both = torch.stack([ids.to(torch.float64), values.to(torch.float64)]).tolist()  # [2][Q][k]
+    return [[int(i) for i in row] for row in both[0]], both[1]

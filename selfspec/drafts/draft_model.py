@@ -38,7 +38,7 @@ from selfspec.core.draft_vocab import check_draft_tokens
 from selfspec.core.drafter import Draft, Drafter, DraftState
 from selfspec.core.sampling import Sampling, process_logits
 from selfspec.core.target import Target
-from selfspec.core.tree import DynamicTree, Tree
+from selfspec.core.tree import DynamicTree, Tree, read_candidates
 
 DEFAULT_TREE = DynamicTree(8, depth=4)
 """what ``--draft model:DIR`` drafts without a --tree (``dynamic:8,depth=4``): 8 nodes, 4 deep, the top 8 candidates
@@ -198,7 +198,8 @@ class ModelDrafter(Drafter):
         without replacement from the processed distribution (sampling). logits [V]."""
         if sampling is None:
             top = torch.log_softmax(logits.float(), dim=-1).topk(k)
-            return [(t, lp, None) for t, lp in zip(top.indices.tolist(), top.values.tolist())]
+            [ids], [values] = read_candidates(top.indices[None], top.values[None])  # one read
+            return [(t, lp, None) for t, lp in zip(ids, values)]
         return draws(process_logits(logits, sampling), k, generator)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,

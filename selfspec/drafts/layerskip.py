@@ -37,7 +37,7 @@ from selfspec.core.draft_vocab import DraftVocab
 from selfspec.core.files import read_json_object
 from selfspec.core.drafter import Draft, Drafter, DraftState
 from selfspec.core.target import Target
-from selfspec.core.tree import DynamicTree, Tree
+from selfspec.core.tree import DynamicTree, Tree, read_candidates
 
 
 def check_skip_layers(skip_layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
@@ -163,7 +163,7 @@ class PartialModelDrafter(Drafter):
             logits = self._forward(tokens[rows], positions, hf.additive_mask(allowed, dtype), cache)  # [E, V]
             fed.extend(level)
             top = logits.float().softmax(-1).topk(width, dim=-1)  # values, indices [E, width]
-            if float(top.values[:, 0].max()) < self.stop_below:
+            if self.stop_below > 0 and float(top.values[:, 0].max()) < self.stop_below:  # read only when asked
                 kept_depth = depth
                 break
             ids = self._ids(top.indices)  # [E, width] token ids
@@ -196,9 +196,9 @@ class PartialModelDrafter(Drafter):
             logits = self._forward(ids, positions, hf.additive_mask(allowed.to(device), dtype), state.cache)  # [E, V]
             fed.extend(frontier)
             top = logits.float().log_softmax(-1).topk(k, dim=-1)  # values, indices [E, k]
-            if float(top.values[:, 0].max().exp()) < self.stop_below:
+            if self.stop_below > 0 and float(top.values[:, 0].max().exp()) < self.stop_below:  # read only when asked
                 break
-            values, indices = top.values.tolist(), self._ids(top.indices).tolist()
+            indices, values = read_candidates(self._ids(top.indices), top.values)  # [E][k]: one read per depth
             layer = []
             for row, c in enumerate(frontier):
                 for r in range(k):

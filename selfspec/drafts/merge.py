@@ -189,7 +189,8 @@ class MergedDrafter(Drafter):
 
     def update(self, draft: Draft, acceptance: Acceptance) -> None:
         # 3. each drafter that drafted hears the verdict on its own draft
-        accepted = [int(draft.tokens[i]) for i in acceptance.path[1:]] + [acceptance.bonus]
+        drafts = acceptance.drafts if acceptance.drafts is not None else draft.tokens[list(acceptance.path[1:])].tolist()
+        accepted = list(drafts) + [acceptance.bonus]  # the drafts were read with the path (accept.read)
         for k, (d, own) in enumerate(zip(self.drafters, self.part_drafts)):
             if own is None:
                 self._accepted[k] = 0
