@@ -23,10 +23,7 @@ from pathlib import Path
 from heads.checkpoints.contents import check_output, describe, is_draft_checkpoint, stored_draft_type
 from heads.checkpoints.files import resolve
 from heads.cli import check_source, positive_int, report_errors
-from heads.exit_head.model import ExitHead
-from heads.hydra.model import HydraHeads
-from heads.medusa.config import read_config
-from heads.medusa.model import MedusaHeads
+from heads.draft_types import DRAFT_TYPES
 from heads.training.base_model import load_base
 from heads.training.config import ModelConfig
 from heads.training.data import DataConfig, build_datasets
@@ -59,11 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     check_source(a.source)
     directory = resolve(a.checkpoint)
-    kinds = {"medusa": MedusaHeads, "hydra": HydraHeads, "exit-head": ExitHead}
     kind = stored_draft_type(directory, "the heads' config")
     if kind is None and describe(directory) == "a selfspec draft model":
         return _draft_model(a, directory)
-    if kind not in (*kinds, "layerskip"):
+    cls = DRAFT_TYPES.get(kind)
+    if kind != "layerskip" and not (cls is not None and cls.ADDS_VOCAB):
         why = " (an EAGLE head stores its draft vocabulary when it is trained: eagle.draft_vocab)" if kind == "eagle" else ""
         raise ValueError(f"{a.checkpoint} holds {describe(directory)}; heads.add_vocab takes a selfspec checkpoint of "
                          f"Medusa heads, Hydra heads, an exit head or a layer-skip draft, or a draft model (train.py "
@@ -72,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         check_output(Path(a.out), lambda d: is_draft_checkpoint(d, kind), f"a selfspec {kind} checkpoint", "--out")
     if kind == "layerskip":
         return _layer_skip(a, directory)
-    cls = kinds[kind]
-    config = read_config(directory) if kind == "medusa" else cls.read_checkpoint(directory)[0]
+    config = cls.read_checkpoint(directory)[0]
     if not 1 <= a.size <= config.vocab_size:
         print(f"error: --size: expected 1..{config.vocab_size} (the base's vocabulary), found {a.size}", file=sys.stderr)
         return 2

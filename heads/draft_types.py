@@ -25,12 +25,18 @@ from heads.hydra.model import HydraHeads
 from heads.medusa.model import MedusaHeads
 from selfspec.drafts.layerskip import LayerSkipConfig, layerskip_card
 
-DRAFT_TYPES: dict[str, type[DraftCheckpoint]] = {
-    cls.DRAFT_TYPE: cls for cls in (MedusaHeads, ExitHead, EagleHead, HydraHeads, BlockHead)}
+MODULES: tuple[type[DraftCheckpoint], ...] = (MedusaHeads, ExitHead, EagleHead, HydraHeads, BlockHead, Eagle3Head,
+                                              DFlashHead)
+"""every module class a checkpoint with weights is read by; each declares its draft_type or speculators type and what
+it can be turned into (``DraftCheckpoint``)."""
+DRAFT_TYPES: dict[str, type[DraftCheckpoint]] = {cls.DRAFT_TYPE: cls for cls in MODULES if cls.DRAFT_TYPE}
 """draft_type -> the module class that reads, loads and cards checkpoints of that kind (those with weights)."""
-SPECULATORS: dict[str, type[DraftCheckpoint]] = {"a speculators eagle3 checkpoint": Eagle3Head,
-                                                 "a speculators dflash checkpoint": DFlashHead}
-"""speculators checkpoints (no draft_type) -> the module class that reads and cards them."""
+SPECULATORS_TYPES: dict[str, type[DraftCheckpoint]] = {cls.SPECULATORS_TYPE: cls for cls in MODULES
+                                                       if cls.SPECULATORS_TYPE}
+"""speculators_model_type -> the module class that reads, writes and cards such a speculators draft."""
+SPECULATORS: dict[str, type[DraftCheckpoint]] = {f"a speculators {t} checkpoint": cls
+                                                 for t, cls in SPECULATORS_TYPES.items()}
+"""speculators checkpoints (no draft_type), as ``describe`` names them -> the module class that reads and cards them."""
 
 
 def publish_files(directory: Path, repo_id: str) -> dict[str, Path | bytes]:

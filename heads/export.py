@@ -29,7 +29,7 @@ from heads.checkpoints.files import CONFIG, resolve
 from heads.cli import report_errors
 from heads import gguf_export
 from heads.eagle.speculators_config import Eagle3Config
-from heads.speculators_export import FORMATS, INSTEAD, differences, export_speculators, refuse, vllm_caveats
+from heads.speculators_export import FORMATS, differences, export_speculators, instead_of, refuse, vllm_caveats
 from heads.medusa.config import read_config
 from heads.medusa.model import load_heads
 from heads.medusa.vllm import export_vllm
@@ -144,7 +144,7 @@ def gguf_main(args: argparse.Namespace, out: Path) -> int:
     source, data = draft
     if found := differences(data):
         parts = "\n".join(f"  - {line}" for line in found)
-        instead = INSTEAD.get(data.get("draft_type"))
+        instead = instead_of(data)
         raise ValueError(f"{args.heads} cannot be exported for llama.cpp: llama.cpp loads speculators' EAGLE-3 and "
                          f"DFlash drafts (--spec-type draft-eagle3, draft-dflash), and this draft differs from them:\n"
                          f"{parts}" + (f"\nInstead: {instead}" if instead else ""))

@@ -46,16 +46,16 @@ import gguf
 import numpy as np
 import torch
 
-from heads.block.dflash import read_dflash_checkpoint
 from heads.block.dflash_config import DFlashConfig
-from heads.eagle.eagle3 import read_eagle3_checkpoint
+from heads.draft_types import SPECULATORS_TYPES
 from heads.eagle.speculators_config import Eagle3Config
 
 OUTTYPES = {"f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
             "bf16": (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
             "f16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16)}
 """--outtype -> (the type of 2-D tensors, general.file_type), as llama.cpp's converter names them."""
-ARCHITECTURES = {"eagle3": ("eagle3", "draft-eagle3"), "dflash": ("dflash", "draft-dflash")}
+ARCHITECTURES = {  # not kinds: speculators' model types -> llama.cpp's names for them
+    "eagle3": ("eagle3", "draft-eagle3"), "dflash": ("dflash", "draft-dflash")}
 """speculators_model_type -> (GGUF general.architecture, llama-server --spec-type)."""
 LAYER_TENSORS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "hidden_norm": "attn_norm_2",
                  "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -96,9 +96,7 @@ def _sha256(raw: bytes) -> str:
 
 def read_draft(directory: Path) -> tuple[Eagle3Config | DFlashConfig, dict[str, torch.Tensor]]:
     """A speculators EAGLE-3 or DFlash checkpoint (config and tensors, read strictly)."""
-    from_json = {"eagle3": read_eagle3_checkpoint, "dflash": read_dflash_checkpoint}
-    kind = _kind(directory)
-    return from_json[kind](directory)
+    return SPECULATORS_TYPES[_kind(directory)].read_checkpoint(directory)
 
 
 def _kind(directory: Path) -> str:

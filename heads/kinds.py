@@ -1,27 +1,36 @@
-"""The kinds of draft the trainer trains, by the name a recipe gives them (``method``): the one lookup.
+"""The kinds of draft the trainer trains, by the name a recipe gives them (``method``): the one registry of kinds on
+the training side (``selfspec.registry`` is the decoding side's: entry points of ``selfspec.drafters``).
 
-A new kind provides its package (config and module, checkpoint, drafter, and a ``HeadKind``, heads/training/kind.py)
-and one line here; the recipe's ``method`` lists the names it accepts (heads/training/config.py).
+A new kind provides its package (config and module, checkpoint, drafter, and a ``HeadKind``, heads/training/kind.py,
+which declares what the kind can do: its final directory, how it checks its recipe section, the losses it computes)
+and one line here. A kind's module is imported when its method is first asked for, so training one kind, or importing
+one kind's drafter, loads no other kind.
 """
 
 from __future__ import annotations
 
-from heads.block.kind import BlockKind, DFlashKind
-from heads.draft_model.kind import DraftModelKind
-from heads.eagle.kind import Eagle3Kind, EagleKind
-from heads.exit_head.kind import ExitHeadKind
-from heads.hydra.kind import HydraKind
-from heads.medusa.kind import MedusaKind
-from heads.training.kind import HeadKind
+import functools
+import importlib
 
-KINDS: dict[str, HeadKind] = {"medusa": MedusaKind(), "hydra": HydraKind(), "exit_head": ExitHeadKind(),
-                              "eagle": EagleKind(), "eagle3": Eagle3Kind(), "block": BlockKind(),
-                              "dflash": DFlashKind(), "draft_model": DraftModelKind()}
-"""method -> what the trainer asks of that kind."""
+KINDS: dict[str, str] = {"medusa": "heads.medusa.kind:MedusaKind", "hydra": "heads.hydra.kind:HydraKind",
+                         "exit_head": "heads.exit_head.kind:ExitHeadKind", "eagle": "heads.eagle.kind:EagleKind",
+                         "eagle3": "heads.eagle.kind:Eagle3Kind", "block": "heads.block.kind:BlockKind",
+                         "dflash": "heads.block.kind:DFlashKind", "draft_model": "heads.draft_model.kind:DraftModelKind"}
+"""method -> where its HeadKind is ('module:class'), imported on first use (``kind_for``)."""
+METHODS = tuple(KINDS)
+"""the recipe's ``method`` values (heads/training/config.py types it ``Literal[METHODS]``)."""
 
 
-def kind_for(method: str) -> HeadKind:
-    """The kind a recipe's ``method`` trains."""
+@functools.cache
+def kind_for(method: str) -> "heads.training.kind.HeadKind":  # noqa: F821 (a string: importing it would be a cycle)
+    """The kind a recipe's ``method`` trains (its module imported now, once)."""
     if method not in KINDS:
         raise ValueError(f"method: expected one of {list(KINDS)}, found {method!r}")
-    return KINDS[method]
+    module, _, name = KINDS[method].partition(":")
+    return getattr(importlib.import_module(module), name)()
+
+
+def every_kind() -> dict[str, "heads.training.kind.HeadKind"]:  # noqa: F821
+    """method -> its kind, for every method (imports them all: for what must know each kind's answer, such as which
+    folders of an output_dir hold a trained draft)."""
+    return {method: kind_for(method) for method in KINDS}

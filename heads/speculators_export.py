@@ -23,15 +23,16 @@ import torch
 from transformers import PreTrainedModel
 
 from heads.block.dflash import DFlashHead
-from heads.block.dflash_config import DFlashConfig
 from heads.checkpoints.files import CONFIG, resolve
+from heads.draft_types import DRAFT_TYPES, SPECULATORS_TYPES
 from heads.eagle.config import EagleConfig
 from heads.eagle.eagle3 import Eagle3Head
 from heads.eagle.speculators_config import Eagle3Config, is_speculators
 from selfspec.core.files import read_json_object
 
-FORMATS = {"eagle3": (Eagle3Config, Eagle3Head), "dflash": (DFlashConfig, DFlashHead)}
-"""speculators_model_type -> the config and module selfspec reads and writes it with."""
+FORMATS = {kind: (cls.CONFIG, cls) for kind, cls in SPECULATORS_TYPES.items()}
+"""speculators_model_type -> the config and module selfspec reads and writes it with (every module class that declares
+a ``SPECULATORS_TYPE``, heads/draft_types.py)."""
 DIFFERENCES = (
     "input fusion: selfspec maps [embedding, features] through fc [2D -> D, with bias] and then an ordinary decoder "
     "layer; speculators' first layer has no such fc: it normalises the embedding (input_layernorm) and the features "
@@ -54,9 +55,6 @@ BLOCK_DIFFERENCES = (
     "DFlash runs Qwen3-style layers (per-head q / k norms) and a final norm before its LM head",
 )
 """How selfspec's block head (heads/block/model.py) differs from speculators' DFlash draft, part by part."""
-INSTEAD = {"eagle": "train.py method: eagle3 trains an EAGLE-3 draft of speculators' architecture, which exports as it is",
-           "block": "train.py method: dflash trains a block drafter of DFlash's architecture, which exports as it is"}
-"""What a user whose selfspec draft is refused can train instead."""
 
 
 def differences(config: dict) -> list[str]:
@@ -100,10 +98,17 @@ def refuse(config: dict, source: str) -> None:
     """Raise, naming each part that differs, unless ``config`` can be written in speculators' format."""
     if found := differences(config):
         parts = "\n".join(f"  - {line}" for line in found)
-        instead = INSTEAD.get(config.get("draft_type"))
+        instead = instead_of(config)
         raise ValueError(f"{source} cannot be exported in the speculators format: the format cannot express it, and a "
                          f"checkpoint that loads but drafts differently is not written. What differs:\n{parts}"
                          + (f"\nInstead: {instead}" if instead else ""))
+
+
+def instead_of(config: dict) -> str:
+    """What to train instead of the selfspec draft ``config`` describes, which exports as it is ("" where there is
+    nothing to say): its module class's ``SPECULATORS_INSTEAD``."""
+    cls = DRAFT_TYPES.get(config.get("draft_type"))
+    return cls.SPECULATORS_INSTEAD if cls is not None else ""
 
 
 def export_speculators(source: str | Path, out_dir: Path, model: PreTrainedModel, verifier: str | None = None,

@@ -46,7 +46,7 @@ def check_base(spec: DraftSpec, model_name: str, hidden_sizes: tuple[int, ...], 
     LM head's input width where that differs)."""
     for part in spec.parts:
         check_base(part, model_name, hidden_sizes, vocab_size, aliases, allow_other_base, revision)
-    if spec.location is None or spec.kind == "model":  # a draft model: its tokenizer is checked once it loads
+    if spec.location is None or not spec.capabilities.checks_base:  # it checks itself as it loads (a draft model)
         return
     cfg = trained_for(spec.config)
     base = cfg.get("base_model")

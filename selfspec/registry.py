@@ -53,12 +53,12 @@ from huggingface_hub import hf_hub_download
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
 from selfspec import tuned
-from selfspec.core.drafter import Drafter, NoDrafter
+from selfspec.core.drafter import NO_DRAFT, DraftKind, Drafter, NoDrafter
 from selfspec.core.files import read_json_object
 from selfspec.core.models import looks_local, unreachable_hub
 from selfspec.core.target import Target
 from selfspec.core.tree import DynamicTree, Tree
-from selfspec.drafts.draft_model_load import load_model_drafter
+from selfspec.drafts import early_exit, ngram
 from selfspec.drafts.early_exit import EarlyExitDrafter
 from selfspec.drafts.merge import MergedDrafter
 from selfspec.drafts.ngram import NGramDrafter
@@ -77,6 +77,9 @@ ACCEPTED = (
 SPECULATORS_KINDS = {"eagle3": "eagle", "dflash": "block"}
 """speculators_model_type (config.json of a vLLM ``speculators`` checkpoint) -> the draft kind whose entry point loads
 it."""
+BUILT_IN: dict[str, DraftKind] = {"none": NO_DRAFT, "ngram": ngram.KIND, "early-exit": early_exit.KIND}
+"""the drafts ``--draft`` builds from its own options (no checkpoint), by kind -> what each declares; every other kind
+is a checkpoint's, found by name in entry-point group ``selfspec.drafters`` (``kind_of``)."""
 TreeArg = str | Tree | DynamicTree | None
 """a --tree: its string ('chain:3', 'dynamic:16', 'auto', ...), a Tree or a DynamicTree; None: the draft's own."""
 
@@ -98,6 +101,11 @@ class DraftSpec:
     """for kind 'merged' (``A+B``): the drafts whose trees are merged, the first one taking ``--tree``."""
     tree: TreeArg = None
     """its --tree ('DRAFT@TREE', or ``parse_draft``'s tree); None: the drafter's or checkpoint's own."""
+
+    @property
+    def capabilities(self) -> DraftKind:
+        """What its kind declares it can do (``kind_of``); a merged draft's: those of the part --tree applies to."""
+        return tree_part(self).capabilities if self.parts else kind_of(self.kind)
 
     @property
     def label(self) -> str:
@@ -186,7 +194,7 @@ def parse_draft(spec: str, revision: str | None = None, tree: TreeArg = None) ->
         if len(parts) < 2:
             raise ValueError(f"--draft {spec!r}: expected at least two drafts joined by '+', found {len(parts)}")
         for p in parts:
-            if p.kind in ("none", "merged"):
+            if p.kind == "none" or p.parts:
                 raise ValueError(f"--draft {spec!r}: a merged draft joins drafts that draft something; found {p.kind!r}")
         return DraftSpec(kind="merged", parts=parts, config=options)
     if spec == "none":
@@ -211,8 +219,6 @@ def parse_draft(spec: str, revision: str | None = None, tree: TreeArg = None) ->
     else:
         raise ValueError(f"unknown --draft {spec!r}: expected {ACCEPTED}")
     draft_type = checkpoint_kind(config, location)
-    if draft_type == "model":
-        return DraftSpec(kind="model", location=location, config=config, revision=revision)
     loaders = drafter_loaders()
     if draft_type not in loaders:
         known = ", ".join(sorted(loaders)) or "none registered: is the package that trains heads installed (pip install -e .)?"
@@ -288,7 +294,8 @@ def split_drafts(text: str) -> tuple[str, ...]:
 # ------------------------------------------------------------------------------------------------------ 2. trees
 MAX_TREE_NODES = 1024
 """the most draft nodes a --tree may verify a step: every step verifies them all, as a prompt that long would cost (a
-verify's cost grows with its nodes: docs/BENCHMARKS.md, "What a step costs"); the trees that pay hold 4-64."""
+verify's cost grows with its nodes; the sizes of the trees that pay are measured in docs/BENCHMARKS.md, "What a step
+costs"), so a bound far above them refuses a typo, not a choice."""
 
 
 def _count(text: str, what: str) -> int:
@@ -302,8 +309,8 @@ def _nodes(nodes: int) -> int:
     """A tree's draft node count, refused above MAX_TREE_NODES."""
     if nodes > MAX_TREE_NODES:
         raise ValueError(f"{nodes:,} draft nodes, more than the {MAX_TREE_NODES} a step may verify (each step verifies "
-                         f"them all, as a prompt that long would cost); trees that pay hold 4-64, 'auto' picks this "
-                         f"machine's")
+                         f"them all, as a prompt that long would cost); trees that pay are far smaller (docs/"
+                         f"BENCHMARKS.md, \"What a step costs\"), 'auto' picks this machine's")
     return nodes
 
 
@@ -381,10 +388,6 @@ def tree_part(spec: DraftSpec) -> DraftSpec:
     return next((p for p in spec.parts if p.location is not None), spec.parts[0])
 
 
-DYNAMIC_TREE_KINDS = ("medusa", "eagle", "hydra", "early-exit", "exit-head", "layerskip", "block", "model")
-"""drafters that grow a tree per step from their candidates' probabilities (--tree dynamic:N)."""
-
-
 def _ngram_size(tree: DynamicTree) -> dict[str, int]:
     """'dynamic:N,depth=D' (or a tuned tree) for prompt lookup: max_nodes N, depth D."""
     return {"max_nodes": tree.budget, **({"depth": tree.depth} if tree.depth is not None else {})}
@@ -395,6 +398,7 @@ def check_tree_applies(spec: DraftSpec, tree: Tree | DynamicTree | None) -> None
     needs to be loaded for it."""
     if spec.parts:
         return check_tree_applies(tree_part(spec), tree)
+    can = spec.capabilities
     if spec.kind == "ngram" and isinstance(tree, DynamicTree):
         if tree.min_prob > 0:
             raise ValueError(f"--tree {tree.spec}: prompt lookup's drafts have no probabilities for min_prob to cut "
@@ -402,14 +406,14 @@ def check_tree_applies(spec: DraftSpec, tree: Tree | DynamicTree | None) -> None
         if clash := sorted(_ngram_size(tree).keys() & spec.config.keys()):
             raise ValueError(f"--tree {tree.spec} sizes prompt lookup's trie, and --draft {spec.text} sets "
                              f"{' and '.join(clash)} too: give the size once")
-    elif spec.kind in ("none", "ngram") and tree is not None:
+    elif tree is not None and not can.fixed_trees and not (can.dynamic_trees and isinstance(tree, DynamicTree)):
         hint = ("ngram grows its own trie: size it with 'ngram:depth=8,max_nodes=24' or --tree dynamic:24,depth=8"
                 if spec.kind == "ngram" else "")
         raise ValueError(f"--tree does not apply to --draft {spec.kind}; {hint or 'it drafts nothing'}")
-    elif isinstance(tree, DynamicTree) and spec.kind not in DYNAMIC_TREE_KINDS:
+    elif isinstance(tree, DynamicTree) and not can.dynamic_trees:
         raise ValueError(f"--tree dynamic:{tree.budget} needs a drafter whose candidates at each depth have their own "
-                         f"probabilities ({', '.join(DYNAMIC_TREE_KINDS)}); --draft {spec.kind} takes a fixed "
-                         "tree such as chain:4")
+                         f"probabilities (its kind declares dynamic_trees); --draft {spec.kind} takes a fixed tree such "
+                         "as chain:4")
 
 
 def with_tree(spec: DraftSpec, tree: TreeArg) -> DraftSpec:
@@ -422,8 +426,27 @@ def with_tree(spec: DraftSpec, tree: TreeArg) -> DraftSpec:
 
 # ------------------------------------------------------------------------------------------------------ 3. build
 def drafter_loaders() -> dict[str, Any]:
-    """The registered checkpoint loaders: entry-point name -> EntryPoint (not imported yet)."""
+    """The registered checkpoint kinds: entry-point name -> EntryPoint (not imported yet)."""
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def kind_of(kind: str) -> DraftKind:
+    """What draft kind ``kind`` declares it can do: a built-in's (``BUILT_IN``), else the DraftKind its entry point
+    names, imported now (an entry point naming a bare loader function declares the defaults: fixed trees only, not
+    tuned, its base checked)."""
+    if kind in BUILT_IN:
+        return BUILT_IN[kind]
+    loaders = drafter_loaders()
+    if kind not in loaders:
+        known = ", ".join(sorted(loaders)) or "none registered: is the package that trains heads installed (pip install -e .)?"
+        raise ValueError(f"no loader is registered for a {kind!r} draft under entry-point group {ENTRY_POINT_GROUP!r} "
+                         f"(registered: {known})")
+    entry = loaders[kind]
+    try:
+        declared = entry.load()
+    except ImportError as err:
+        raise ImportError(f"the {kind!r} drafter is registered as {entry.value} but cannot be imported: {err}") from err
+    return declared if isinstance(declared, DraftKind) else DraftKind(load=declared)
 
 
 def build_drafter(spec: DraftSpec, target: Target, tree: Tree | DynamicTree | None = None) -> Drafter:
@@ -441,16 +464,13 @@ def build_drafter(spec: DraftSpec, target: Target, tree: Tree | DynamicTree | No
     if spec.kind == "early-exit":
         opts = dict(spec.config)
         return EarlyExitDrafter(target, opts.pop("layer"), tree=tree, **opts)
-    if spec.kind == "model":
-        return load_model_drafter(spec.location, target, spec.revision, tree)
-    entry = drafter_loaders()[spec.kind]
-    try:
-        loader: Callable[..., Drafter] = entry.load()
-    except ImportError as err:
-        raise ImportError(f"the {spec.kind!r} drafter is registered as {entry.value} but cannot be imported: {err}") from err
+    loader: Callable[..., Drafter] | None = kind_of(spec.kind).load
+    where = drafter_loaders()[spec.kind].value
+    if loader is None:
+        raise TypeError(f"{where} declares a {spec.kind!r} draft with no loader (DraftKind.load)")
     drafter = loader(spec.location, target, revision=spec.revision, tree=tree)
     if not isinstance(drafter, Drafter):
-        raise TypeError(f"{entry.value} returned {type(drafter).__name__}, expected a selfspec Drafter (draft + update)")
+        raise TypeError(f"{where} returned {type(drafter).__name__}, expected a selfspec Drafter (draft + update)")
     return drafter
 
 
@@ -467,7 +487,12 @@ def build(spec: str | DraftSpec, target: Target, model_id: str, tree: TreeArg = 
 
 def load_policy(path_or_repo_id: str | Path, target: Target, revision: str | None = None,
                 tree: TreeArg = None) -> PolicyDrafter:
-    """Entry point ``policy`` of ``selfspec.drafters``: a local policy directory (``selfspec.drafts.policy``); each arm
-    is built as ``--draft`` builds it (``DRAFT@TREE``: the arm's own tree, 'auto' as tuned for this machine)."""
+    """A local policy directory (``selfspec.drafts.policy``); each arm is built as ``--draft`` builds it
+    (``DRAFT@TREE``: the arm's own tree, 'auto' as tuned for this machine)."""
     policy = read_policy(path_or_repo_id, target, tree)
     return PolicyDrafter(policy, [build(arm, target, policy.base_model) for arm in policy.arms])
+
+
+POLICY = DraftKind(load=load_policy)
+"""draft_type "policy" (entry point ``policy`` of ``selfspec.drafters``; declared here because its arms are built by
+``build``): not tuned as a whole; a --tree is refused by ``read_policy`` itself, which says each arm carries its own."""

@@ -8,8 +8,9 @@ writes it after ``selfspec.tools.budget`` has tuned).
     file   $SELFSPEC_CACHE/tuning/tree-<sha256 of the key>.json: the key, the best (budget, depth) and the whole table
            (the verify-cost curves of ``budget.cached_verify_costs`` sit beside them as verify-<...>.json)
 
-The drafts here are ``selfspec.registry.DraftSpec``s (read for their kind, location, revision, config, parts and
-text; the registry imports this module, so it cannot import the type back).
+The drafts here are ``selfspec.registry.DraftSpec``s (read for their kind, location, revision, config, parts, text
+and ``capabilities``: whether their kind declares itself tunable; the registry imports this module, so it cannot import
+the type back).
 """
 
 from __future__ import annotations
@@ -131,10 +132,6 @@ def with_options(kind: str, config: dict) -> str:
     return f"{kind}:{options}" if options else kind
 
 
-TUNABLE_KINDS = ("eagle", "medusa", "hydra", "exit-head", "layerskip", "block", "model")
-"""drafters that grow their tree by score under a budget and a depth, and report the scores (infer.py tune-tree);
-prompt lookup ('ngram') is tuned too, for its depth and max_nodes."""
-
 TUNED_LOOKUP = ("depth", "max_nodes")
 """prompt lookup's options that ``selfspec.tools.budget.tune_lookup`` tunes (its budget and depth)."""
 
@@ -192,7 +189,7 @@ def auto_tree(spec, target, model_id: str, part=None) -> DynamicTree:
     for it. For a merge, ``part`` is its part that --tree applies to: the budget tuned inside this merge, else the one
     tuned for the part alone."""
     if part is not None:
-        if part.kind not in TUNABLE_KINDS:
+        if not part.capabilities.tunable:
             return auto_tree(part, target, model_id)
         try:
             return load_tuned(part.location, target, model_id, part.revision, merged=merge_stamp(spec, part))
@@ -206,7 +203,8 @@ def auto_tree(spec, target, model_id: str, part=None) -> DynamicTree:
     if spec.kind == "ngram":  # prompt lookup's depth and max_nodes, tuned by tune_lookup
         check_untuned(spec, "--tree auto")
         return load_tuned(lookup_name(spec), target, model_id)
-    if spec.kind not in TUNABLE_KINDS:
-        raise ValueError(f"--tree auto is for drafts whose tree budget infer.py tune-tree can tune "
-                         f"({', '.join(TUNABLE_KINDS)}, ngram); --draft {spec.kind} takes a --tree of its own")
+    if not spec.capabilities.tunable:
+        raise ValueError(f"--tree auto is for drafts whose tree budget infer.py tune-tree can tune (their kind declares "
+                         f"it: DraftKind.tunable) and prompt lookup (ngram); --draft {spec.kind} takes a --tree of its "
+                         "own")
     return load_tuned(spec.location, target, model_id, spec.revision)

@@ -146,7 +146,7 @@ def test_train_save_load_decode_on_the_device(tmp_path, method):
     """train.py (accelerate puts it on the GPU where there is one) for 3 steps -> the saved draft loaded by the
     registry onto the target on the device -> greedy decoding token-identical to ``generate`` there."""
     from heads.training.base_model import load_base
-    from heads.training.config import FINAL_DIRS
+    from heads.kinds import kind_for
     from heads.training.recipe import load_config
     from selfspec import registry
     from selfspec.api import SpecModel
@@ -157,7 +157,7 @@ def test_train_save_load_decode_on_the_device(tmp_path, method):
     assert done.returncode == 0, done.stderr[-3000:]
     base, tokenizer = load_base(load_config(REPO / args[1], args[2:]).model)
     target = Target(base.to(GPU))
-    drafter = registry.build_drafter(registry.parse_draft(str(tmp_path / FINAL_DIRS[method])), target)
+    drafter = registry.build_drafter(registry.parse_draft(str(tmp_path / kind_for(method).final_dir)), target)
     spec = SpecModel(target, tokenizer, drafter)
     ids = spec.encode("Hi there")
     assert ids.device.type == torch.device(GPU).type

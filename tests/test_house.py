@@ -164,3 +164,84 @@ def test_the_runtime_never_loads_heads(model_dir, tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[6, 6, 6, 6] []"
+
+
+KIND_REGISTRIES = {"selfspec/registry.py", "heads/kinds.py", "heads/draft_types.py"}
+"""Where kinds may be named side by side: the decoding side's registry (the drafts ``--draft`` builds itself, the
+speculators types it reads; checkpoint kinds come from entry points), the training side's (recipe method -> the
+module of its HeadKind), and the table of checkpoint module classes (by draft_type and speculators type, each read off
+its class). A kind's own package (heads/<kind>/) may name its kinds too."""
+NOT_KINDS = "# not kinds:"
+"""a line marked so (with the reason after it) names another vocabulary that shares kind names (llama.cpp's GGUF
+architectures, a command's default drafts to run)."""
+
+
+def kind_names() -> set[str]:
+    """Every kind's name: the drafts --draft builds, the checkpoint kinds registered as entry points, the speculators
+    types the registry maps, and the recipe's methods."""
+    from heads.kinds import KINDS  # heavy: only this test reads the registries themselves
+    from selfspec import registry  # heavy: as above
+    return set(registry.BUILT_IN) | set(registry.drafter_loaders()) | set(registry.SPECULATORS_KINDS) | set(KINDS)
+
+
+def name_lists(root: Path, names: set[str]) -> list[str]:
+    """'path:line [names]' for each tuple, list, set or dict (its keys) literal holding two or more of ``names``, in
+    the packages and the two commands, outside the registries and the kinds' own packages."""
+    own = {f"heads/{p.name}/" for p in (root / "heads").iterdir() if (p / "kind.py").is_file()}
+    found = []
+    for path in [p for package in PACKAGES for p in sorted((root / package).rglob("*.py"))] + [root / "train.py",
+                                                                                               root / "infer.py"]:
+        rel = path.relative_to(root).as_posix()
+        if not path.is_file() or rel in KIND_REGISTRIES or any(rel.startswith(o) for o in own):
+            continue
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse(path.read_text())):
+            elements = (node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else
+                        [k for k in node.keys if k is not None] if isinstance(node, ast.Dict) else [])
+            hits = sorted({e.value for e in elements if isinstance(e, ast.Constant) and e.value in names})
+            if len(hits) >= 2 and NOT_KINDS not in lines[node.lineno - 1]:
+                found.append(f"{rel}:{node.lineno} {hits}")
+    return found
+
+
+def test_kinds_declare_what_they_can_do_instead_of_being_listed():
+    """No list of kind names outside the registries of kinds and the kinds' own packages: what a kind can do (dynamic
+    trees, tuning, its final directory, its recipe checks, its exports) is declared by the kind (selfspec.core.drafter
+    DraftKind, heads.training.kind HeadKind, heads.checkpoints.draft DraftCheckpoint), so a new kind is named once."""
+    assert name_lists(ROOT, kind_names()) == []
+
+
+def test_the_kind_list_check_catches_a_list(tmp_path):
+    (tmp_path / "selfspec").mkdir()
+    (tmp_path / "heads" / "medusa").mkdir(parents=True)
+    (tmp_path / "heads" / "medusa" / "kind.py").write_text('OWN = ("medusa", "hydra")\n')
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "infer.py").write_text("")
+    (tmp_path / "selfspec" / "tuned.py").write_text('TUNABLE = ("medusa", "eagle", "other")\nONE = ["medusa"]\n'
+                                                    'ARCH = {"eagle": 1, "medusa": 2}  # not kinds: GGUF names\n')
+    assert name_lists(tmp_path, {"medusa", "eagle", "hydra"}) == ["selfspec/tuned.py:1 ['eagle', 'medusa']"]
+
+
+BLOCK_BUILDS_ON = {"heads.eagle", "heads.eagle.config", "heads.eagle.model", "heads.eagle.drafter",
+                   "heads.eagle.eagle3", "heads.eagle.speculators_config"}
+"""the EAGLE modules the block drafter is built on (BlockHead extends EagleHead, its drafter shares the EAGLE
+drafter's feature bookkeeping, DFlash reads speculators' format as EAGLE-3 does): the EAGLE draft's model, not the
+EAGLE kind's training (kind, loss)."""
+
+
+def test_a_kind_imports_no_other_kind():
+    """``import heads.block.drafter`` in a fresh interpreter loads no module of another kind's package (beyond the
+    EAGLE modules it is built on), and ``heads`` itself imports no kind until a name of it is asked for."""
+    script = textwrap.dedent("""
+        import json, sys
+        import heads
+        bare = sorted(m for m in sys.modules if m.startswith("heads."))
+        import heads.block.drafter
+        print(json.dumps([bare, sorted(m for m in sys.modules if m.startswith("heads."))]))
+        """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    bare, loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    kinds = {p.name for p in (ROOT / "heads").iterdir() if (p / "kind.py").is_file()} - {"block"}
+    others = [m for m in loaded if m.split(".")[1] in kinds and m not in BLOCK_BUILDS_ON]
+    assert bare == [] and others == [] and "heads.block.drafter" in loaded

@@ -65,7 +65,7 @@ def test_checkpoint_errors(tmp_path):
 
 
 def test_medusa_is_registered_in_pyproject():
-    assert registry.drafter_loaders()["medusa"].value == "heads.medusa.drafter:load_drafter"
+    assert registry.drafter_loaders()["medusa"].value == "heads.medusa.drafter:KIND"
 
 
 def test_check_base():

@@ -109,6 +109,8 @@ class DFlashHead(nn.Module, DraftCheckpoint):
     target's rows, frozen) and the draft vocabulary's maps; the target's embeddings and LM head held by reference."""
 
     WHAT = "speculators DFlash draft"
+    SPECULATORS_TYPE = "dflash"
+    CONFIG = DFlashConfig
     chained = False
     """no Markov bias or confidence head (speculators' format has neither): the block drafter's plain tree."""
 

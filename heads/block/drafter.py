@@ -37,7 +37,7 @@ from heads.block.model import BlockHead
 from heads.checkpoints.files import CONFIG, resolve
 from heads.eagle.drafter import head_features, new_positions
 from selfspec.core.accept import Acceptance
-from selfspec.core.drafter import Draft, Drafter, DraftState, check_tree
+from selfspec.core.drafter import Draft, Drafter, DraftKind, DraftState, check_tree
 from selfspec.core.files import read_json_object
 from selfspec.core.position_draft import best_first_draft
 from selfspec.core.target import Target
@@ -137,3 +137,8 @@ def load_drafter(path_or_repo_id: str | Path, target: Target, revision: str | No
     cls = DFlashHead if is_dflash(config) else BlockHead
     head = cls.from_pretrained(path_or_repo_id, target.model, revision=revision)
     return BlockDrafter.with_tree(head, tree)
+
+
+KIND = DraftKind(load=load_drafter, dynamic_trees=True, tunable=True)
+"""a block drafter (selfspec's, or a speculators DFlash draft; entry point ``block`` of ``selfspec.drafters``): fixed
+and dynamic trees (no deeper than its block: ``max_depth``), tuned by ``infer.py tune-tree``."""

@@ -33,6 +33,9 @@ class BlockKind(EagleKind):
     module and card, K predictions (the block offsets) and the anchored-block loss."""
 
     project = "block"
+    final_dir = "block_head"
+    shape = ("block.num_layers", "block.block_size", "block.draft_vocab", "block.feature_layers")
+    losses = ("ce", "kl", "rkl", "tv", "jsd", "tv_ce")  # heads/block/loss.py
     MODULE = BlockHead
     CONFIG = BlockConfig
     WHAT = "the block drafter"
@@ -79,10 +82,18 @@ class DFlashKind(SpeculatorsSaving, BlockKind):
     defaults for every such draft (the whole block, 16 nodes), not stored."""
 
     project = "dflash"
+    final_dir = "dflash_head"
     MODULE = DFlashHead
     CONFIG = DFlashConfig
     WHAT = "the DFlash draft (speculators' format)"
     FIRST_OFFSET = 0
+
+    def check_recipe(self, cfg: TrainConfig) -> None:
+        b = cfg.block
+        if b.condition_rank or b.confidence:
+            raise ValueError(f"block.condition_rank={b.condition_rank}, block.confidence={b.confidence}: method dflash "
+                             "saves speculators' DFlash format, which has no Markov bias or confidence head; use "
+                             "method block, or set block.condition_rank=0 and block.confidence=false")
 
     def build(self, cfg: TrainConfig, model: PreTrainedModel, train_rows=None, tokenizer=None
               ) -> tuple[DFlashHead, DFlashConfig]:

@@ -100,6 +100,8 @@ class BlockHead(EagleHead):
 
     WHAT = "block drafter"
     DRAFT_TYPE = DRAFT_TYPE
+    SPECULATORS_INSTEAD = ("train.py method: dflash trains a block drafter of DFlash's architecture, which exports as "
+                           "it is")
 
     def __init__(self, config: BlockConfig, embed: nn.Module, lm_head: nn.Module):
         super().__init__(config, embed, lm_head)

@@ -4,6 +4,9 @@ mixin surface), over the files of heads/checkpoints/files.py.
 A draft module subclasses ``DraftCheckpoint`` next to ``nn.Module`` and says what is its own:
 
 - ``WHAT``: its name in messages and commit messages ("Hydra heads"); ``DRAFT_TYPE``: the draft_type of its config;
+- what it can be turned into: ``SPECULATORS_TYPE`` (it is a draft of vLLM's speculators format, which
+  ``python -m heads.export --format speculators`` and ``--format gguf`` write), ``SPECULATORS_INSTEAD`` (why not, and
+  what to train instead), ``ADDS_VOCAB`` (``python -m heads.add_vocab`` adds a draft vocabulary after training);
 - ``card_for(config, location)``: its README.md;
 - ``read_checkpoint(directory)``: (config, tensors), checked against each other;
 - ``on_base(config, base_model)``: a new module on the base (its embeddings, LM head) before the weights load;
@@ -32,6 +35,12 @@ class DraftCheckpoint:
 
     WHAT = "draft"
     DRAFT_TYPE = ""
+    SPECULATORS_TYPE = ""
+    """the speculators_model_type of its config.json when it is a draft of vLLM's speculators format ("": it is not)."""
+    SPECULATORS_INSTEAD = ""
+    """for a selfspec draft the speculators format cannot express: what to train instead, which exports as it is."""
+    ADDS_VOCAB = False
+    """whether ``python -m heads.add_vocab`` can count and add a draft vocabulary to it after training."""
     READS = "lm_head"
     """the width its config's hidden_size names: of the states the LM head reads, or of the decoder's "layers"
     (``heads.base.base_sizes``)."""

@@ -43,6 +43,14 @@ PREFIX = "student."
 class DraftModelKind(HeadKind):
     project = "draft-model"
     """not "draft_model": TensorBoard writes to <output_dir>/<project>, the model goes to <output_dir>/draft_model."""
+    final_dir = "draft_model"
+    shape = ("draft_model.layers", "draft_model.num_layers", "draft_model.train_embeddings", "draft_model.draft_vocab")
+
+    def check_recipe(self, cfg: TrainConfig) -> None:
+        """The layers to copy."""
+        if cfg.draft_model.layers is None and cfg.draft_model.num_layers is None:
+            raise ValueError("draft_model: method draft_model needs draft_model.layers (target layer indices) or "
+                             "draft_model.num_layers (evenly spaced), found neither")
 
     def build(self, cfg: TrainConfig, model: PreTrainedModel, train_rows=None, tokenizer=None
               ) -> tuple[Distillation, Distilled]:

@@ -31,7 +31,7 @@ from heads.eagle.model import EagleHead
 from heads.eagle.speculators_config import is_speculators
 from selfspec.core import hf
 from selfspec.core.accept import Acceptance
-from selfspec.core.drafter import Draft, Drafter, DraftState
+from selfspec.core.drafter import Draft, Drafter, DraftKind, DraftState
 from selfspec.core.files import read_json_object
 from selfspec.core.target import Target
 from selfspec.core.tree import DynamicTree, Tree, cut_logp, read_candidates
@@ -169,3 +169,8 @@ def load_drafter(path_or_repo_id: str | Path, target: Target, revision: str | No
     cls = Eagle3Head if is_speculators(config) else EagleHead
     head = cls.from_pretrained(path_or_repo_id, target.model, revision=revision)
     return EagleDrafter.with_tree(head, tree)
+
+
+KIND = DraftKind(load=load_drafter, dynamic_trees=True, tunable=True)
+"""an EAGLE head (selfspec's, or a speculators EAGLE-3 draft; entry point ``eagle`` of ``selfspec.drafters``): fixed
+and dynamic trees, tuned by ``infer.py tune-tree``."""

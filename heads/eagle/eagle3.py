@@ -173,6 +173,8 @@ class Eagle3Head(nn.Module, DraftCheckpoint):
     and the draft vocabulary's maps; the target's embeddings held by reference unless the checkpoint has its own."""
 
     WHAT = "speculators EAGLE-3 draft"
+    SPECULATORS_TYPE = "eagle3"
+    CONFIG = Eagle3Config
 
     def __init__(self, config: Eagle3Config, embed: nn.Module, own_embedding: bool = False,
                  verifier_lm_head: nn.Module | None = None):

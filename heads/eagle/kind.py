@@ -39,6 +39,8 @@ class EagleKind(HeadKind):
     prediction count and batch loss."""
 
     project = "eagle"
+    final_dir = "eagle_head"
+    shape = ("eagle.num_layers", "eagle.draft_vocab", "eagle.feature_layers")
     MODULE: type = EagleHead
     CONFIG: type = EagleConfig
     WHAT = "the EAGLE head"
@@ -157,9 +159,15 @@ class Eagle3Kind(SpeculatorsSaving, EagleKind):
     starts as the target's rows of the draft vocabulary and trains (speculators' trainer does the same)."""
 
     project = "eagle3"
+    final_dir = "eagle3_head"
     MODULE = Eagle3Head
     CONFIG = Eagle3Config
     WHAT = "the EAGLE-3 draft (speculators' format)"
+
+    def check_recipe(self, cfg: TrainConfig) -> None:
+        if cfg.eagle.feature_weight != 0:
+            raise ValueError(f"eagle.feature_weight: method eagle3 trains speculators' EAGLE-3 draft, whose state is "
+                             f"not the target's (no feature regression): expected 0, found {cfg.eagle.feature_weight}")
 
     def build(self, cfg: TrainConfig, model: PreTrainedModel, train_rows=None, tokenizer=None
               ) -> tuple[Eagle3Head, Eagle3Config]:

@@ -126,6 +126,8 @@ class EagleHead(nn.Module, DraftCheckpoint):
 
     WHAT = "EAGLE head"
     DRAFT_TYPE = DRAFT_TYPE
+    SPECULATORS_INSTEAD = ("train.py method: eagle3 trains an EAGLE-3 draft of speculators' architecture, which exports "
+                           "as it is")
 
     def __init__(self, config: EagleConfig, embed: nn.Module, lm_head: nn.Module):
         super().__init__()

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Sequence
 
 from heads.exit_head.model import ExitHead
+from selfspec.core.drafter import DraftKind
 from selfspec.core.target import Target
 from selfspec.core.tree import DynamicTree, Tree
 from selfspec.drafts.early_exit import EarlyExitDrafter
@@ -22,3 +23,8 @@ def load_drafter(path_or_repo_id: str | Path, target: Target, revision: str | No
     c = head.config
     return EarlyExitDrafter(target, c.exit_layer, depth=c.draft_depth, tree=tree, stop_below=c.stop_below,
                             exit_head=head)
+
+
+KIND = DraftKind(load=load_drafter, dynamic_trees=True, tunable=True)
+"""an exit head (entry point ``exit-head`` of ``selfspec.drafters``): fixed and dynamic trees, tuned by
+``infer.py tune-tree``."""

@@ -24,6 +24,17 @@ log = logging.getLogger(__name__)
 
 class ExitHeadKind(HeadKind):
     project = "exit"
+    final_dir = "exit_head"
+    shape = ("exit.layer", "exit.num_layers", "exit.draft_vocab")
+
+    def check_recipe(self, cfg: TrainConfig) -> None:
+        if cfg.exit.layer is None or cfg.exit.layer < 1:
+            raise ValueError(f"exit.layer: method exit_head needs the exit layer E >= 1 (drafting runs layers "
+                             f"0..E-1), found {cfg.exit.layer}")
+        if cfg.hidden_cache.enabled and cfg.loss.kind == "kl":
+            raise ValueError("hidden_cache.enabled with method exit_head and loss.kind kl: the KL loss needs the "
+                             "target's final hidden states as well as layer E's, and the cache stores one; "
+                             "set hidden_cache.enabled=false or loss.kind=ce")
 
     def build(self, cfg: TrainConfig, model: PreTrainedModel, train_rows=None, tokenizer=None
               ) -> tuple[ExitLogits, ExitHeadConfig]:

@@ -135,6 +135,7 @@ class ExitHead(nn.Module, DraftCheckpoint):
 
     WHAT = "exit head"
     DRAFT_TYPE = DRAFT_TYPE
+    ADDS_VOCAB = True
     READS = "layers"  # layer E's input
 
     def __init__(self, config: ExitHeadConfig):

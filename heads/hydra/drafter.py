@@ -27,7 +27,7 @@ import torch
 
 from heads.hydra.model import HydraHeads
 from selfspec.core.accept import Acceptance
-from selfspec.core.drafter import Draft, Drafter, DraftState, check_tree
+from selfspec.core.drafter import Draft, Drafter, DraftKind, DraftState, check_tree
 from selfspec.core.target import Target
 from selfspec.core.tree import DynamicTree, Tree, read_candidates
 
@@ -122,3 +122,8 @@ def load_drafter(path_or_repo_id: str | Path, target: Target, revision: str | No
     if tree is None:
         tree = Tree.from_choices(heads.config.tree) if heads.config.tree else Tree.chain(heads.config.num_heads)
     return HydraDrafter(heads, tree)
+
+
+KIND = DraftKind(load=load_drafter, dynamic_trees=True, tunable=True)
+"""Hydra heads (entry point ``hydra`` of ``selfspec.drafters``): fixed and dynamic trees (no deeper than its heads:
+``max_depth``), tuned by ``infer.py tune-tree``."""

@@ -18,7 +18,13 @@ class HydraKind(MedusaKind):
     after t."""
 
     project = "hydra"
+    final_dir = "hydra_heads"
     MODULE = HydraHeads
+
+    def check_recipe(self, cfg: TrainConfig) -> None:
+        if cfg.heads.projection != "shared":
+            raise ValueError(f"heads.projection: Hydra heads read the base's own LM head (shared), found "
+                             f"{cfg.heads.projection!r}; set heads.projection=shared")
 
     def build(self, cfg: TrainConfig, model: PreTrainedModel, train_rows=None, tokenizer=None
               ) -> tuple[HydraHeads, HydraConfig]:

@@ -137,6 +137,7 @@ accuracy on held-out data: {accuracy}. Tree: {tree}.{vocab}
 class HydraHeads(nn.Module, DraftCheckpoint):
     WHAT = "Hydra heads"
     DRAFT_TYPE = DRAFT_TYPE
+    ADDS_VOCAB = True
 
     def __init__(self, config: HydraConfig, embed: nn.Module, lm_head: nn.Module):
         """embed, lm_head: the base model's (frozen) input embeddings and LM head, held by reference."""

@@ -23,7 +23,7 @@ import torch
 
 from heads.medusa.model import MedusaHeads
 from selfspec.core.accept import Acceptance
-from selfspec.core.drafter import Draft, Drafter, DraftState, check_tree
+from selfspec.core.drafter import Draft, Drafter, DraftKind, DraftState, check_tree
 from selfspec.core.position_draft import best_first_draft
 from selfspec.core.target import Target
 from selfspec.core.tree import DynamicTree, Tree
@@ -96,3 +96,8 @@ def load_drafter(
     if tree is None:
         tree = Tree.from_choices(heads.config.tree) if heads.config.tree else default_tree(heads.config.num_heads)
     return MedusaDrafter(heads, tree)
+
+
+KIND = DraftKind(load=load_drafter, dynamic_trees=True, tunable=True)
+"""Medusa heads (entry point ``medusa`` of ``selfspec.drafters``): fixed and dynamic trees (no deeper than its heads:
+``max_depth``), tuned by ``infer.py tune-tree``."""

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 class MedusaKind(HeadKind):
     project = "medusa"
+    final_dir = "heads"
+    shape = ("heads.num_heads", "heads.num_layers", "heads.projection", "heads.lora_rank", "heads.draft_vocab")
     MODULE: type = MedusaHeads
     """the module class saved at the end (Hydra heads subclass this kind)."""
 

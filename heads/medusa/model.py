@@ -93,6 +93,7 @@ def read_medusa_checkpoint(directory: Path) -> tuple[MedusaConfig, dict[str, tor
 class MedusaHeads(nn.Module, DraftCheckpoint):
     WHAT = "Medusa heads"
     DRAFT_TYPE = "medusa"
+    ADDS_VOCAB = True
 
     def __init__(self, config: MedusaConfig, lm_head: nn.Module):
         """lm_head: the base model's (frozen) LM head; held by reference, never stored or trained here."""

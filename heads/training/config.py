@@ -20,11 +20,8 @@ from transformers import SchedulerType, get_scheduler
 from heads.block.config import check_conditioning
 from heads.checkpoints.hub import check_repo_id
 from heads.eagle.config import check_feature_layer_list
+from heads.kinds import METHODS, kind_for
 from heads.training.data import DataConfig
-
-FINAL_DIRS = {"medusa": "heads", "hydra": "hydra_heads", "exit_head": "exit_head", "eagle": "eagle_head",
-              "eagle3": "eagle3_head", "block": "block_head", "dflash": "dflash_head", "draft_model": "draft_model"}
-"""method -> the subdirectory of output_dir the trained draft is saved to."""
 
 
 @dataclass
@@ -342,7 +339,7 @@ class TrainConfig:
     resumes it."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """the frozen target."""
-    method: Literal["medusa", "hydra", "exit_head", "eagle", "eagle3", "block", "dflash", "draft_model"] = "medusa"
+    method: Literal[METHODS] = "medusa"
     """what is trained on the frozen target: Medusa heads (section heads), Hydra heads (Medusa heads that also read
     the tokens drafted before them; section heads, heads/hydra/model.py), an early-exit head (section exit), an
     EAGLE-style sequential head (section eagle), an EAGLE-3 draft of speculators' architecture, saved in the format
@@ -382,9 +379,10 @@ class TrainConfig:
     def final_dir(self) -> Path:
         """Where the trained draft is saved: <output_dir>/heads, hydra_heads, exit_head, eagle_head, eagle3_head,
         block_head, dflash_head or draft_model (by method)."""
-        return Path(self.output_dir) / FINAL_DIRS[self.method]
+        return Path(self.output_dir) / kind_for(self.method).final_dir
 
     def __post_init__(self) -> None:
+        kind_for(self.method)  # an unknown method fails first, naming the known ones
         e, x, b = self.eagle, self.exit, self.block
         positive = {
             "heads.num_heads": self.heads.num_heads, "heads.lora_rank": self.heads.lora_rank,
@@ -410,23 +408,9 @@ class TrainConfig:
             raise ValueError(f"seed: expected a value in [0, 2**32), found {self.seed}")
         if not 0.0 < self.loss.decay <= 1.0:
             raise ValueError(f"loss.decay: expected a value in (0, 1], found {self.loss.decay}")
-        if self.method == "hydra" and self.heads.projection != "shared":
-            raise ValueError(f"heads.projection: Hydra heads read the base's own LM head (shared), found "
-                             f"{self.heads.projection!r}; set heads.projection=shared")
-        if self.method == "exit_head":
-            if self.exit.layer is None or self.exit.layer < 1:
-                raise ValueError(f"exit.layer: method exit_head needs the exit layer E >= 1 (drafting runs layers "
-                                 f"0..E-1), found {self.exit.layer}")
-            if self.hidden_cache.enabled and self.loss.kind == "kl":
-                raise ValueError("hidden_cache.enabled with method exit_head and loss.kind kl: the KL loss needs the "
-                                 "target's final hidden states as well as layer E's, and the cache stores one; "
-                                 "set hidden_cache.enabled=false or loss.kind=ce")
         if not 0.0 <= x.stop_below < 1.0:
             raise ValueError(f"exit.stop_below: expected a probability in [0, 1), found {x.stop_below}")
         check_feature_layer_list(e.feature_layers, "eagle.feature_layers")
-        if self.method == "eagle3" and e.feature_weight != 0:
-            raise ValueError(f"eagle.feature_weight: method eagle3 trains speculators' EAGLE-3 draft, whose state is "
-                             f"not the target's (no feature regression): expected 0, found {e.feature_weight}")
         check_feature_layer_list(b.feature_layers, "block.feature_layers")
         if b.block_size < 2:
             raise ValueError(f"block.block_size: expected >= 2 (the token after the root and at least one mask query), "
@@ -434,8 +418,7 @@ class TrainConfig:
         if b.depth is not None and not 1 <= b.depth <= b.block_size:
             raise ValueError(f"block.depth: expected null or 1..{b.block_size} (block.block_size), found {b.depth}")
         self.check_block_options()
-        if self.method == "draft_model":
-            self.check_draft_model()
+        kind_for(self.method).check_recipe(self)  # what the kind trained needs of the rest (heads/<kind>/kind.py)
         if self.publish.repo_id is not None:
             check_repo_id(self.publish.repo_id)  # a bad id fails now, not after hours of training
         if self.overwrite and self.checkpoint.resume_from is not None:
@@ -450,21 +433,11 @@ class TrainConfig:
         check_conditioning("block.", b.condition_rank, b.confidence, b.confidence_min, b.rank_by)
         if not (math.isfinite(b.confidence_weight) and b.confidence_weight >= 0):
             raise ValueError(f"block.confidence_weight: expected a finite value >= 0, found {b.confidence_weight}")
-        if self.method == "dflash" and (b.condition_rank or b.confidence):
-            raise ValueError(f"block.condition_rank={b.condition_rank}, block.confidence={b.confidence}: method dflash "
-                             "saves speculators' DFlash format, which has no Markov bias or confidence head; use "
-                             "method block, or set block.condition_rank=0 and block.confidence=false")
-        if self.loss.kind in ("rkl", "tv", "jsd", "tv_ce") and self.method not in ("block", "dflash"):
+        if self.loss.kind not in kind_for(self.method).losses:
             raise ValueError(f"loss.kind {self.loss.kind!r}: only the block drafter's loss computes it (methods block "
                              f"and dflash), found method {self.method!r}; use loss.kind ce or kl")
         if not 0.0 <= self.loss.ce_mix <= 1.0:
             raise ValueError(f"loss.ce_mix: expected a share in [0, 1], found {self.loss.ce_mix}")
-
-    def check_draft_model(self) -> None:
-        """What method draft_model needs of the rest of the recipe: the layers to copy."""
-        if self.draft_model.layers is None and self.draft_model.num_layers is None:
-            raise ValueError("draft_model: method draft_model needs draft_model.layers (target layer indices) or "
-                             "draft_model.num_layers (evenly spaced), found neither")
 
 
 def to_dict(cfg: Any) -> dict:

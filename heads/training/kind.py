@@ -10,6 +10,11 @@ heads/exit_head/kind.py); heads/kinds.py finds it by the recipe's ``method``.
     save          the trained module with what was measured on held-out data -> its checkpoint directory
     project       the tracker's project name when the recipe names none
 
+and declares what it can do, read before anything is built: ``final_dir`` (where in output_dir its draft is saved),
+``losses`` (the loss.kind values its loss computes), ``shape`` (the recipe values its weights' shapes follow: a run
+resumes only with the same) and ``check_recipe`` (what it needs of the recipe beyond its
+section's own types and ranges: refused when the recipe is read, not after the model and data have loaded).
+
 Shapes: B batch, T time, D hidden size (F: the width the module reads), V vocabulary, V' draft vocabulary.
 """
 
@@ -49,6 +54,18 @@ class HeadKind(Protocol):
 
     project: str
     """the tracker's project / run name when ``logging.project`` is null."""
+    final_dir: str
+    """the subdirectory of ``output_dir`` the trained draft is saved to (``TrainConfig.final_dir``)."""
+    losses: tuple[str, ...] = ("ce", "kl")
+    """the ``loss.kind`` values its loss computes."""
+    shape: tuple[str, ...]
+    """the recipe values that shape its draft's weights ('heads.num_heads', ...): a checkpoint of another shape cannot
+    be resumed (heads/training/run_folder.py)."""
+
+    def check_recipe(self, cfg: TrainConfig) -> None:
+        """Refuse a recipe this kind cannot train, saying which value and why (called by ``TrainConfig.__post_init__``
+        after every section has checked itself); the default needs nothing more."""
+        return None
 
     def build(self, cfg: TrainConfig, model: PreTrainedModel, train_rows: Dataset | None = None,
               tokenizer: PreTrainedTokenizerBase | None = None) -> tuple[nn.Module, Any]:

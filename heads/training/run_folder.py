@@ -1,7 +1,7 @@
 """A training run's folder (``output_dir``) tied to the recipe that trains in it, so that two runs cannot be mixed up.
 
 ``run.json`` records the recipe's kind (``method``), its target and the values that shape the draft's weights
-(``SHAPES``). Before anything loads (``check_run_folder``, on every process):
+(each kind's ``shape``). Before anything loads (``check_run_folder``, on every process):
 
   - a recipe that disagrees with the folder's ``run.json`` (or with that of the run a ``resume_from`` path belongs to)
     is refused in one line naming each value that differs;
@@ -22,25 +22,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from heads.training.config import FINAL_DIRS, TrainConfig
+from heads.kinds import every_kind, kind_for
+from heads.training.config import TrainConfig
 from heads.training.state import checkpoints
 
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
 TARGET = ("model.name", "model.revision", "model.config", "model.seed")
 """what names the frozen target (its seed: the weights of a random one)."""
-SHAPES: dict[str, tuple[str, ...]] = {
-    "medusa": ("heads.num_heads", "heads.num_layers", "heads.projection", "heads.lora_rank", "heads.draft_vocab"),
-    "hydra": ("heads.num_heads", "heads.num_layers", "heads.projection", "heads.lora_rank", "heads.draft_vocab"),
-    "exit_head": ("exit.layer", "exit.num_layers", "exit.draft_vocab"),
-    "eagle": ("eagle.num_layers", "eagle.draft_vocab", "eagle.feature_layers"),
-    "eagle3": ("eagle.num_layers", "eagle.draft_vocab", "eagle.feature_layers"),
-    "block": ("block.num_layers", "block.block_size", "block.draft_vocab", "block.feature_layers"),
-    "dflash": ("block.num_layers", "block.block_size", "block.draft_vocab", "block.feature_layers"),
-    "draft_model": ("draft_model.layers", "draft_model.num_layers", "draft_model.train_embeddings",
-                    "draft_model.draft_vocab"),
-}
-"""method -> the recipe values that shape its draft's weights (a checkpoint of another shape cannot be resumed)."""
 
 
 class RunFolderError(ValueError):
@@ -55,7 +44,7 @@ def identity(cfg: TrainConfig) -> dict[str, Any]:
             node = getattr(node, part)
         return node
 
-    return {"method": cfg.method, **{key: value(key) for key in (*TARGET, *SHAPES[cfg.method])}}
+    return {"method": cfg.method, **{key: value(key) for key in (*TARGET, *kind_for(cfg.method).shape)}}
 
 
 def held(out: Path) -> list[str]:
@@ -66,8 +55,13 @@ def held(out: Path) -> list[str]:
         found.append(f"checkpoints up to {steps[-1].name}")
     if (out / METRICS_FILE).is_file() and (out / METRICS_FILE).stat().st_size:
         found.append(METRICS_FILE)
-    found += [f"a trained draft in {name}/" for name in sorted(set(FINAL_DIRS.values())) if (out / name).is_dir()]
+    found += [f"a trained draft in {name}/" for name in final_dirs() if (out / name).is_dir()]
     return found
+
+
+def final_dirs() -> list[str]:
+    """The folders of an output_dir where some kind saves its trained draft (each kind's ``final_dir``)."""
+    return sorted({kind.final_dir for kind in every_kind().values()})
 
 
 def _recorded(folder: Path) -> dict | None:
@@ -124,7 +118,7 @@ def claim_run_folder(cfg: TrainConfig, is_main_process: bool) -> None:
         return
     out = Path(cfg.output_dir)
     if cfg.overwrite:
-        for name in ("checkpoints", *sorted(set(FINAL_DIRS.values()))):
+        for name in ("checkpoints", *final_dirs()):
             if (out / name).is_dir():
                 shutil.rmtree(out / name)
         (out / METRICS_FILE).unlink(missing_ok=True)

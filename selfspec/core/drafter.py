@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 from transformers import Cache, PreTrainedTokenizerBase
@@ -165,6 +165,33 @@ class Drafter(Protocol):
         ``infer.py tune-tree`` tries at every depth and budget), or None (the default) when its tree is not grown that
         way. ``depth`` is at most ``max_depth``."""
         return None
+
+
+@dataclass(frozen=True)
+class DraftKind:
+    """What a kind of draft can do, declared once where the kind is defined (a ``KIND`` beside its drafter) and read
+    by ``selfspec.registry`` from a ``--draft`` spec before any model loads: which trees it takes, whether
+    ``infer.py tune-tree`` resizes it, whether its config names its base. The decoding loop never reads it: it drafts
+    through ``Drafter``. A checkpoint kind's entry point (group ``selfspec.drafters``) names its DraftKind; a bare
+    loader function there declares the defaults."""
+
+    load: Callable[..., Drafter] | None = None
+    """``load(path_or_repo_id, target, revision=, tree=) -> Drafter`` for a checkpoint kind; None for the drafts the
+    registry builds from ``--draft``'s own options (none, ngram, early-exit)."""
+    fixed_trees: bool = True
+    """takes a fixed ``--tree`` (chain:K, full:..., choices)."""
+    dynamic_trees: bool = False
+    """grows ``--tree dynamic:N`` each step from its candidates' own probabilities."""
+    tunable: bool = False
+    """``infer.py tune-tree`` tunes its budget and depth (``Drafter.resized``), and ``--tree auto`` reads them."""
+    checks_base: bool = True
+    """its config.json names the base model and sizes it was made for, checked before any weights load
+    (``selfspec.base_check``); False: it checks itself as it loads (a draft model: its tokenizer against the
+    target's)."""
+
+
+NO_DRAFT = DraftKind(fixed_trees=False)
+"""``--draft none`` (``NoDrafter``): it drafts nothing, so it takes no tree."""
 
 
 def verifier_for(drafter: Drafter, target: Target) -> Target:

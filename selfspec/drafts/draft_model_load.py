@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from selfspec.core.drafter import DraftKind
 from selfspec.core.models import load_model
 from selfspec.core.target import Target
 from selfspec.core.tree import DynamicTree, Tree
@@ -75,3 +76,9 @@ def tokenizer_mismatch(draft: PreTrainedTokenizerBase | None, target: PreTrained
         if mine != theirs:
             return f"its config's {key} is {mine}, the target's {theirs}"
     return None
+
+
+KIND = DraftKind(load=load_model_drafter, dynamic_trees=True, tunable=True, checks_base=False)
+"""a separate draft model (``--draft model:DIR``, or a transformers causal LM directory; entry point ``model`` of
+``selfspec.drafters``): fixed and dynamic trees, tuned by ``infer.py tune-tree``; its config.json names no base model,
+so its tokenizer is checked against the target's as it loads instead."""

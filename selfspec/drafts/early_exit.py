@@ -28,7 +28,7 @@ import torch
 from transformers import Cache
 
 from selfspec.core import hf
-from selfspec.core.drafter import Draft, DraftState
+from selfspec.core.drafter import Draft, DraftKind, DraftState
 from selfspec.drafts.layerskip import PartialModelDrafter, draft_tree
 from selfspec.core.target import Target, Verified
 from selfspec.core.tree import DynamicTree, Tree
@@ -155,3 +155,7 @@ class EarlyExitTarget(Target):
                                                hf.additive_mask(allowed, self._mask_dtype), cache)
         self.reused += r
         return Verified(logits=logits, hidden=final)
+
+
+KIND = DraftKind(dynamic_trees=True)
+"""``--draft early-exit:layer=E``: fixed and dynamic trees; not tuned (it has no checkpoint to cache a tuning under)."""

@@ -35,7 +35,7 @@ from selfspec.core import hf, typed
 from selfspec.core.accept import Acceptance
 from selfspec.core.draft_vocab import DraftVocab
 from selfspec.core.files import read_json_object
-from selfspec.core.drafter import Draft, Drafter, DraftState
+from selfspec.core.drafter import Draft, Drafter, DraftKind, DraftState
 from selfspec.core.target import Target
 from selfspec.core.tree import DynamicTree, Tree, read_candidates
 
@@ -374,3 +374,8 @@ def load_drafter(
                              f"{err}") from None
     return LayerSkipDrafter(target, config.skip_layers, depth=config.draft_depth, tree=tree, stop_below=config.stop_below,
                             vocab=vocab)
+
+
+KIND = DraftKind(load=load_drafter, dynamic_trees=True, tunable=True)
+"""draft_type "layerskip" (entry point ``layerskip`` of ``selfspec.drafters``): fixed and dynamic trees, tuned by
+``infer.py tune-tree``."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from selfspec.core.accept import Acceptance
-from selfspec.core.drafter import Draft, Drafter, DraftState
+from selfspec.core.drafter import Draft, Drafter, DraftKind, DraftState
 from selfspec.core.tree import TokenTrie
 
 
@@ -82,3 +82,8 @@ class NGramDrafter(Drafter):
 
     def update(self, draft: Draft, acceptance: Acceptance) -> None:
         return None
+
+
+KIND = DraftKind(fixed_trees=False, dynamic_trees=True)
+"""``--draft ngram``: it grows its own trie, so no fixed tree; ``--tree dynamic:N,depth=D`` sizes that trie (max_nodes
+N, depth D). ``infer.py tune-tree`` tunes those two options (``budget.tune_lookup``), not a budget of scored nodes."""

@@ -292,10 +292,11 @@ def run_tune_cli(argv: Sequence[str], out: TextIO) -> int:
     spec = registry.tree_part(merge) if merge.parts else merge  # the part whose budget is tuned
     if spec.kind == "ngram" and not merge.parts:  # prompt lookup alone: its depth and max_nodes
         tuned.check_untuned(spec, "tune-tree")
-    elif spec.kind not in tuned.TUNABLE_KINDS:  # the drafter is asked (Drafter.resized) once built; this is before
+    elif not spec.capabilities.tunable:  # the drafter is asked (Drafter.resized) once built; this is before
         within = f" (the part of {a.draft} that --tree applies to)" if merge.parts else ""
-        raise ValueError(f"tune-tree tunes drafts that grow their tree by score ({', '.join(tuned.TUNABLE_KINDS)} "
-                         f"drafts) and prompt lookup alone (ngram); {spec.text}{within} is a {spec.kind!r} draft")
+        raise ValueError(f"tune-tree tunes drafts that grow their tree by score (their kind declares it: "
+                         f"DraftKind.tunable) and prompt lookup alone (ngram); {spec.text}{within} is a {spec.kind!r} "
+                         "draft, which does not")
     depths, budgets = list(a.depths), list(a.budgets)
     dtypes = [d.strip() for d in a.dtype.split(",")]
     for d in dtypes:

@@ -52,7 +52,7 @@ MODES = ("ngram-mod", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-cac
 """llama.cpp's speculative modes that need no draft model (--spec-type names)."""
 GGUF_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 """what ``{dtype}`` in a path stands for, per bench dtype."""
-DRAFT_TYPES = {"eagle3": "draft-eagle3", "dflash": "draft-dflash"}
+DRAFT_TYPES = {"eagle3": "draft-eagle3", "dflash": "draft-dflash"}  # not kinds: llama.cpp's architectures
 """a draft GGUF's general.architecture -> its --spec-type (any other architecture: draft-simple, a small LM)."""
 DRAFT_OPTIONS = {"n": ("--spec-draft-n-max", int, 1, 1024), "n-min": ("--spec-draft-n-min", int, 0, 1024),
                  "p-min": ("--spec-draft-p-min", float, 0.0, 1.0)}

@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
                                 allow_abbrev=False)
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--tree", default=None, help="every server's --tree (default: each draft's own)")
-    p.add_argument("--drafts", nargs="+", default=["none", "ngram"], help="--draft specs (default: none ngram)")
+    p.add_argument("--drafts", nargs="+", default=["none", "ngram"],  # not kinds: the drafts run by default
+                   help="--draft specs (default: none ngram)")
     p.add_argument("--dtype", default="bf16", help="bf16 or fp32 (default: bf16)")
     p.add_argument("--clients", default="1,2,4,8", help="concurrent clients per setting (default: 1,2,4,8)")
     p.add_argument("--max-batch", type=int, default=8, help="the batching server's --max-batch (default: 8)")

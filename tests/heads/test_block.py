@@ -27,7 +27,7 @@ from heads.training.base_model import load_base
 from heads.training.config import ModelConfig
 from heads.training.losses import IGNORE_INDEX
 from heads.training.recipe import load_config
-from selfspec import api, registry, tuned
+from selfspec import api, registry
 from selfspec.core import hf
 from selfspec.core.generate import generate
 from selfspec.core.target import Target
@@ -425,7 +425,7 @@ def test_tree_options_and_the_trees_a_block_drafter_refuses(model, tmp_path):
     with pytest.raises(ValueError, match=r"drafts blocks of 4 tokens \(block_size 4\), so expected depth <= 4, found 5"):
         load_drafter(tmp_path / "ck", target, tree=DynamicTree(8, depth=5))
     spec = registry.parse_draft(str(tmp_path / "ck"), tree="dynamic:8,depth=3")  # a dynamic tree passes the registry
-    assert spec.kind == "block" and "block" in tuned.TUNABLE_KINDS
+    assert spec.kind == "block" and spec.capabilities.tunable
     built = registry.build(spec, target, "tiny")
     assert isinstance(built, BlockDrafter) and (built.dynamic.budget, built.depth) == (8, 3)
     merged = registry.build(f"ngram+{tmp_path / 'ck'}@chain:2", target, "tiny")  # ngram+DIR: --tree goes to the block

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from transformers import SchedulerType
 
-from heads.training.config import FINAL_DIRS, TrainConfig, usable_schedulers
+from heads.kinds import every_kind
+from heads.training.config import TrainConfig, usable_schedulers
 from heads.training.recipe import apply_overrides, describe, load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -219,8 +220,8 @@ def test_every_field_is_documented_and_help_lists_them():
 
 def test_output_dir_help_names_where_every_method_saves_its_draft():
     (line,) = [" ".join(line.split()) for line in describe() if line.strip().startswith("output_dir ")]
-    for method, directory in FINAL_DIRS.items():
-        assert f"{directory} ({method})" in line, line
+    for method, kind in every_kind().items():
+        assert f"{kind.final_dir} ({method})" in line, line
     cfg = load_config(None, ["output_dir=runs/x", "method=eagle"])
     assert cfg.final_dir == Path("runs/x/eagle_head")
 

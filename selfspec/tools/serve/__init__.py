@@ -31,8 +31,10 @@ arguments; a ``model`` other than the served one with a 404, as OpenAI and vLLM 
 One request cannot take the server over: its answers (prompts x n) are capped (``--max-choices``, default 64), a
 prompt's characters too, before it is tokenized (``--max-prompt-chars``; default: the longest prompt the context could
 hold), and its body's bytes before it is read (``--max-body-bytes``, default 16 MiB: 413); the API key is checked from
-the headers first. Bound beyond this machine (``--host``), the server refuses to start without ``--api-key`` unless
-told ``--insecure``.
+the headers first. Nor can a slow one hold a thread: each request must arrive whole within ``--read-timeout``
+(default 30 s; late headers or body: 408), and at most ``--max-connections`` (default 64) are served at once (one
+more: 503). Bound beyond this machine (``--host``), the server refuses to start without ``--api-key`` unless told
+``--insecure``.
 
 The package, by question: ``protocol`` (a request body -> ``Request``), ``session`` (how requests decode and an
 answer's pieces), ``batcher`` (the worker that decodes requests together), ``responses`` (OpenAI's response objects and stream chunks), ``tokenizer_endpoints`` (vLLM's) and

@@ -90,6 +90,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
+        self.rfile.close()  # http.server's own reader: it would hold the socket open after the connection closes
         self.arriving = Deadline(self.connection)
         self.rfile = io.BufferedReader(self.arriving)  # type: ignore[assignment] - what http.server reads requests from
 
