@@ -11,7 +11,8 @@ from pathlib import Path
 from selfspec.core.models import DEFAULT_MODEL
 from selfspec.tools.bench import DEFAULT_QUESTIONS
 from selfspec.tools.options import integer, integers, number
-from selfspec.tools.serve.server import MAX_BODY_BYTES, MAX_CONNECTIONS, READ_TIMEOUT_S
+from selfspec.tools.serve.connections import MAX_CONNECTIONS, READ_TIMEOUT_S
+from selfspec.tools.serve.server import MAX_BODY_BYTES
 from selfspec.tools.serve.session import MAX_CHOICES
 
 

@@ -38,7 +38,8 @@ more: 503). Bound beyond this machine (``--host``), the server refuses to start 
 
 The package, by question: ``protocol`` (a request body -> ``Request``), ``session`` (how requests decode and an
 answer's pieces), ``batcher`` (the worker that decodes requests together), ``responses`` (OpenAI's response objects and stream chunks), ``tokenizer_endpoints`` (vLLM's) and
-``server`` (the HTTP handler and ``make_server``); ``infer.py serve`` (``selfspec.tools.cli``) starts it.
+``server`` (the HTTP handler and ``make_server``), ``connections`` (what a connection may hold: the read deadline and
+the cap on connections); ``infer.py serve`` (``selfspec.tools.cli``) starts it.
 """
 
 from selfspec.tools.serve.protocol import Request, RequestError, parse_request

@@ -11,11 +11,10 @@ What a slow client can hold is bounded too: each request must arrive whole (requ
 ``read_timeout`` of the moment the server begins to wait for it, however its bytes trickle in (``Deadline``): its
 headers or body late, it is answered 408 and closed; no request line in that time (an idle keep-alive connection, or
 half a line), it is closed. At most ``max_connections`` connections are served at once, a thread each; one more is
-answered 503 at once, from the accepting thread."""
+answered 503 at once, from the accepting thread (``connections``)."""
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import io
 import ipaddress
@@ -25,11 +24,11 @@ import math
 import re
 import select
 import socket
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable
 
+from selfspec.tools.serve.connections import MAX_CONNECTIONS, READ_TIMEOUT_S, Deadline, Server
 from selfspec.tools.serve.protocol import RequestError
 from selfspec.tools.serve.responses import chunks, complete
 from selfspec.tools.serve.session import ClientGone, Session
@@ -39,47 +38,9 @@ MAX_BODY_BYTES = 16 * 2**20
 """the default cap on a request body (16 MiB): room for a batch of prompts that fill a long context, as text or as
 token ids; a larger body is answered 413 before it is read."""
 
-READ_TIMEOUT_S = 30.0
-"""the default time a client has to send one whole request (request line, headers and body), from the moment the server
-begins to wait for it: 16 MiB (the default body cap) at 0.5 MB/s."""
-
-MAX_CONNECTIONS = 64
-"""the default cap on connections served at once (each holds a thread, whether its request decodes, waits in line or
-is still arriving): 8 requests decoding in a batch (--max-batch's default) and 56 waiting."""
-
 LINGER_S = 5.0
 """after answering a request whose body was left unread, how long its bytes are read and dropped (never kept) so
 that the client, still sending, reads the answer instead of a reset connection."""
-
-
-class Deadline(io.RawIOBase):
-    """A connection's bytes, read before a deadline: each read waits only for the time left, so a client that trickles
-    its bytes (a slowloris) is cut off at the deadline, not at a timeout that every new byte restarts."""
-
-    def __init__(self, sock: socket.socket):
-        super().__init__()
-        self.sock = sock
-        self.deadline: float | None = None
-        """time.monotonic() by which the bytes must have come; None: no limit (the request has been read)."""
-        self.received = 0
-        """bytes received since the deadline was set."""
-
-    def start(self, seconds: float) -> None:
-        """The next request's bytes must all have come in ``seconds``."""
-        self.deadline, self.received = time.monotonic() + seconds, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        if self.deadline is not None:
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("the request did not arrive in time")
-            self.sock.settimeout(left)
-        n = self.sock.recv_into(buffer)
-        self.received += n
-        return n
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -309,58 +270,6 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError, ClientGone):  # the client went away: stop decoding
             events.close()
-
-
-class Server(ThreadingHTTPServer):
-    """http.server's threading server, serving at most ``max_connections`` connections at once."""
-
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], handler: type[Handler], max_connections: int, verbose: bool):
-        super().__init__(address, handler)
-        self.max_connections, self.verbose = max_connections, verbose
-        self.serving = 0
-        """connections being served now (a thread each)."""
-        self.lock = threading.Lock()
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        with self.lock:
-            full = self.serving >= self.max_connections
-            self.serving += not full
-        if full:
-            self.refuse_busy(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:  # no thread started: nothing else will give its place back
-            self.done()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.done()
-
-    def done(self) -> None:
-        with self.lock:
-            self.serving -= 1
-
-    def refuse_busy(self, request: socket.socket) -> None:
-        """503 from the accepting thread, without waiting on the client: what it has sent so far is dropped (unread
-        bytes at close would reset the connection before it reads the answer)."""
-        data = json.dumps({"error": {"message": f"the server is serving {self.max_connections} connections, as many "
-                                     "as it takes (infer.py serve --max-connections): retry later",
-                                     "type": "server_busy", "param": None, "code": None}}).encode()
-        try:
-            request.setblocking(False)
-            with contextlib.suppress(BlockingIOError):
-                request.recv(65536)
-            request.send(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-                         b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
-        except OSError:  # the client has gone, or its buffer is full: it is closed either way
-            pass
-        self.shutdown_request(request)
 
 
 def make_server(session: Session | None, host: str = "127.0.0.1", port: int = 8000, verbose: bool = True,
