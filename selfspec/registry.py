@@ -18,10 +18,12 @@ loaded, then built on the loaded target.
   (``EarlyExitDrafter``), no training
 - ``model:<dir or Hub id>``         a separate draft model: any causal LM with the target's tokenizer drafts a chain or
   a tree from its own cache (``ModelDrafter``), e.g. one ``train.py`` distilled (``method: draft_model``); a
-  transformers model directory given without ``model:`` is the same
+  transformers model directory given without ``model:`` is the same (kind 'model': an entry point like the others)
 - a local directory or a Hub id whose ``config.json`` says ``"draft_type": X``: loaded by the function registered
   under entry-point group ``selfspec.drafters``, name X, called as ``load(path_or_repo_id, target, revision=, tree=)``.
-  selfspec never imports the package that trains drafts; that package registers its loaders in its pyproject.
+  selfspec never imports the package that trains drafts; that package registers its loaders in its pyproject. What an
+  entry point names is the kind's ``DraftKind`` (its loader and what it can do: ``kind_of``), read when a spec is
+  checked, before any model loads; the drafts ``--draft`` builds itself declare theirs in ``BUILT_IN``.
   A checkpoint of vLLM's ``speculators`` library names no draft_type but ``"speculators_model_type": T``: its kind is
   ``SPECULATORS_KINDS[T]`` (``eagle3`` -> ``eagle``, ``dflash`` -> ``block``: those loaders read both formats), so
   it drafts, takes trees and is tuned as that kind is
