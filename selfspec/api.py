@@ -112,7 +112,9 @@ class SpecModel:
     # ---------------------------------------------------------------------------------------------------- prompts
     def encode(self, prompt: Prompt, chat: bool = True) -> torch.Tensor:
         """-> long [T] on the target's device. Token ids: a list of ints, or an integer tensor [T] or [1, T] (one
-        sequence: ``generate`` and ``stream`` take a list of prompts, or [B, T], as a batch)."""
+        sequence: ``generate`` and ``stream`` take a list of prompts, or [B, T], as a batch). Text that UTF-8 cannot
+        hold (bytes that were not UTF-8, read with surrogateescape) is a ValueError naming the byte and its offset
+        (``unicode_problem``), not the tokenizer's own message."""
         if isinstance(prompt, torch.Tensor):
             if prompt.is_floating_point() or prompt.dtype == torch.bool or prompt.is_complex():
                 raise TypeError(f"expected token ids (an integer tensor), found a {prompt.dtype} tensor")
