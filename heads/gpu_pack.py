@@ -63,7 +63,7 @@ def tiny_model_tar(target: str) -> None:
     """The rehearsal's stand-in for the built-in model: the tests' tiny random Llama chat model (tests/
     tiny_chat_model.py: hidden 64, 2 layers, a real BPE tokenizer and chat template) as a tar of a directory named
     like the built-in model, so that ``--model smollm2-135m-instruct`` finds it in selfspec's cache."""
-    from tests.tiny_chat_model import build
+    from tests.tiny_chat_model import build  # optional: the tests folder, there in a checkout (the rehearsal only)
 
     with tempfile.TemporaryDirectory() as tmp:
         model = build(Path(tmp) / "smollm2-135m-instruct")

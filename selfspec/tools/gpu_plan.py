@@ -100,8 +100,9 @@ CALLS = (
     Call(2, (Step("setup", 90, 60, "unpacking ~90 MiB of packages (xz: ~3 s), joining + sha256 of 94 MiB, "
                   "the GGUF converted on the CPU (~30 s on 2 cores here)"),
              Step("regen", 120, 60, "1,536 conversations: 3,072 generate steps at 25 ms (batch 256) + the load", True),
-             Step("train", 150, 90, f"{TRAIN_MINUTES} min of optim.max_minutes + 60 s to load, tokenise, save", True),
-             Step("tests", 75, 120, "tests/test_device.py -m cuda: ~20 tests, 8 of them 3-step train.py runs"),
+             Step("train", 140, 90, f"{TRAIN_MINUTES} min of optim.max_minutes + 50 s to load, tokenise, save", True),
+             Step("tests", 90, 120, "tests/test_device.py -m cuda: 18 tests, the last 8 train.py runs of 3 steps "
+                  "(~8 s each: a timeout cuts only those)"),
              Step("bench", 60, 60, "3 questions x 2 turns x 128 tokens x 3 methods at <= 20 ms a step", True)),
          "call2"),
 )

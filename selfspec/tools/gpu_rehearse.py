@@ -29,9 +29,10 @@ import time
 from pathlib import Path
 
 if __package__:
-    from selfspec.tools import gpu, gpu_plan as plan
+    from selfspec.tools import gpu_here as gpu
+    from selfspec.tools import gpu_plan as plan
 else:
-    import gpu  # type: ignore[no-redef]
+    import gpu_here as gpu  # type: ignore[no-redef]
     import gpu_plan as plan  # type: ignore[no-redef]
 
 ROOT = Path(__file__).resolve().parents[2]

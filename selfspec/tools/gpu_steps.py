@@ -212,8 +212,9 @@ def train(ctx: Ctx) -> int:
 
 
 def tests(ctx: Ctx) -> int:
-    """The cuda-marked tests (tests/test_device.py) on the device, with a JUnit report."""
-    rc = run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests/test_device.py", "-p", "no:cacheprovider",
+    """The cuda-marked tests (tests/test_device.py) on the device, one line each as it ends (a timeout keeps what
+    ran), with a JUnit report when they all ran."""
+    rc = run([sys.executable, "-m", "pytest", "-v", "-m", "cuda", "tests/test_device.py", "-p", "no:cacheprovider",
               "--junitxml", str(ctx.back / "junit.xml"), *ctx.sizes["tests"]], ctx.left(3),
              SELFSPEC_TEST_DEVICE=ctx.sizes["device"])
     return 1 if rc is None else rc

@@ -98,7 +98,7 @@ def run_step(step: plan.Step, number: int, pack: Path, out: Path, rehearse: bool
 
 
 def archive(folder: Path, target: Path, part_bytes: int = plan.PART_MIB * plan.MIB) -> list[Path]:
-    """``folder`` as a gzipped tar at ``target``, cut into ``target.000``, ... where it is larger than ``part_bytes``."""
+    """``folder`` as a gzipped tar at ``target``, cut into ``target.000``, ... above ``part_bytes``."""
     with tarfile.open(target, "w:gz", compresslevel=6) as tar:
         tar.add(folder, arcname=target.name.removesuffix(".tgz"))
     if target.stat().st_size <= part_bytes:
