@@ -52,7 +52,7 @@ def there(number: int, pack: Path, out: Path, rehearse: bool) -> int:
             status, seconds = run_step(step, number, pack, out, rehearse)
         else:
             seconds = 0.0
-            print(f"call {number} {step.name}: skipped ({status})", flush=True)
+            print(f"call {number} {step.name}: {status}", flush=True)
         record.append({"call": number, "step": step.name, "status": status, "seconds": round(seconds, 1),
                        "cap": step.rehearse_cap if rehearse else step.cap})
         (out / "steps.json").write_text(json.dumps(record, indent=1))
