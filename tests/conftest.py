@@ -41,7 +41,7 @@ torch.set_num_threads(1)
 
 GPU = os.environ.get("SELFSPEC_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else None)
 """The device the ``cuda``-marked tests decode on: CUDA where torch sees it; SELFSPEC_TEST_DEVICE names another (``cpu``:
-their dry run, selfspec/tools/gpu.py dry-run); None: they are skipped, saying why."""
+their rehearsal on the CPU, selfspec/tools/gpu.py rehearse); None: they are skipped, saying why."""
 
 
 def pytest_collection_modifyitems(config, items):

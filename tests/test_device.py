@@ -4,7 +4,7 @@ target's device.
 - Everywhere: every random draw of seeded sampling is made on its generator's device (a draw without a device was made
   on the CPU, which raises with a CUDA generator: every seeded sampled request with a non-empty tree on a GPU).
 - Marked ``cuda`` (skipped where torch sees no CUDA device, saying why; ``SELFSPEC_TEST_DEVICE=cpu`` runs them on the
-  CPU, the dry run of selfspec/tools/gpu.py): greedy decoding with every kind of draft is token-identical to ``generate`` on
+  CPU, the rehearsal of selfspec/tools/gpu.py): greedy decoding with every kind of draft is token-identical to ``generate`` on
   the five tiny architectures (fp32); the KV cache after many steps is a fresh forward's; seeded sampling with trees
   repeats, and samples from the generator on the device; bf16 and fp16 decode; each trainable draft kind trains a few
   steps with train.py, loads back through ``--draft``'s registry onto the device and decodes token-identically.
