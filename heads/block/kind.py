@@ -34,7 +34,9 @@ class BlockKind(EagleKind):
 
     project = "block"
     final_dir = "block_head"
-    shape = ("block.num_layers", "block.block_size", "block.draft_vocab", "block.feature_layers")
+    shape = ("block.num_layers", "block.block_size", "block.draft_vocab", "block.feature_layers",
+             "block.condition_rank", "block.confidence")
+    shape_defaults = {"block.condition_rank": 0, "block.confidence": False}  # runs recorded before these options
     losses = ("ce", "kl", "rkl", "tv", "jsd", "tv_ce")  # heads/block/loss.py
     MODULE = BlockHead
     CONFIG = BlockConfig

@@ -61,6 +61,8 @@ class HeadKind(Protocol):
     shape: tuple[str, ...]
     """the recipe values that shape its draft's weights ('heads.num_heads', ...): a checkpoint of another shape cannot
     be resumed (heads/training/run_folder.py)."""
+    shape_defaults: dict[str, Any] = {}
+    """shape values added after runs were recorded without them: a run.json lacking one had this value."""
 
     def check_recipe(self, cfg: TrainConfig) -> None:
         """Refuse a recipe this kind cannot train, saying which value and why (called by ``TrainConfig.__post_init__``

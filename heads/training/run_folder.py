@@ -99,6 +99,8 @@ def check_run_folder(cfg: TrainConfig) -> None:
         folders.append(Path(cfg.checkpoint.resume_from).expanduser().parent.parent)
     for folder in folders:
         recorded = _recorded(folder)
+        if recorded is not None and recorded.get("method") == cfg.method:
+            recorded = {**kind_for(cfg.method).shape_defaults, **recorded}
         diffs = _differences(recorded, ours) if recorded is not None else []
         if diffs and not (cfg.overwrite and folder == out):
             raise RunFolderError(f"{folder} holds another run than this recipe's ({'; '.join(diffs)}): choose another "

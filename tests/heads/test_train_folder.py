@@ -93,3 +93,18 @@ def test_metrics_are_cut_back_to_the_resumed_step(tmp_path):
     assert [json.loads(line) for line in file.read_text().splitlines()] == lines[:4]
     assert trim_metrics(file, 4) == 0 and trim_metrics(tmp_path / "none.jsonl", 4) == 0
     assert trim_metrics(file, 0) == 4 and file.read_text() == ""
+
+
+def test_a_block_run_recorded_before_the_conditioning_options_resumes_and_is_told_apart(tmp_path):
+    """run.json written before block.condition_rank / block.confidence existed lacks them: that run had neither, so
+    today's recipe resumes it, and a conditioned recipe is refused naming the option."""
+    def block(*overrides: str):
+        return load_config(REPO / "configs" / "block_tiny.yaml", [f"output_dir={tmp_path}", *QUICK, *overrides,
+                                                                   "checkpoint.resume_from=latest"])
+
+    old = identity(block())
+    del old["block.condition_rank"], old["block.confidence"]
+    (tmp_path / "run.json").write_text(json.dumps(old))
+    check_run_folder(block())
+    with pytest.raises(RunFolderError, match=r"\(block.condition_rank: the run has 0, this recipe 8\)"):
+        check_run_folder(block("block.condition_rank=8"))
