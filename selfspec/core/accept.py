@@ -113,14 +113,16 @@ def sample_accept(
     zero) means node i is a deterministic draft, a point mass on tokens[i].
 
     Every node with children runs its trial at once (``try_children``: the children in rank order, one uniform draw
-    per node); the path follows the kept children from the root; the bonus is drawn from what is left of p at the
-    path's last node (p itself at a leaf). A node's trial reads only its own p, q and draws, so running all of them
-    and following the kept ones draws the same as trying the path's nodes one after another.
+    per node; none for a tree of the root alone, which then draws from the generator as plain sampling does); the
+    path follows the kept children from the root; the bonus is drawn from what is left of p at the path's last node
+    (p itself at a leaf). A node's trial reads only its own p, q and draws, so running all of them and following the
+    kept ones draws the same as trying the path's nodes one after another.
     """
     t = tree.on(p_target.device)
     n = len(tree)
     inner = torch.tensor([i for i in range(n) if tree.children[i]], dtype=torch.long, device=p_target.device)  # [I]
-    u = torch.rand(n, generator=generator, dtype=torch.float64, device=p_target.device)  # [N] one draw per child
+    u = torch.ones(n, dtype=torch.float64, device=p_target.device) if n == 1 else \
+        torch.rand(n, generator=generator, dtype=torch.float64, device=p_target.device)  # [N] (the root's unused)
     kept, rest = try_children(t.children[inner], tokens, p_target[inner].double(), q_draft, u)  # [I], [I, V]
     nxt = torch.full((n,), -1, dtype=torch.long, device=p_target.device).index_copy(0, inner, kept)  # [N]
     nodes, length = follow(nxt, tree.depth)
