@@ -212,7 +212,7 @@ def judge(draft: Draft, logits: torch.Tensor, tokens: torch.Tensor, prompt_lengt
     """Step 4 for one sequence: the target's logits [N, V] at each node of ``draft`` (rooted at tokens[-1], after
     ``produced`` new tokens) processed for each node's own text (penalties, a logit bias, no EOS while shorter than
     min_new_tokens), then the acceptance rule."""
-    short = eos_blocked(produced, draft.tree.depth_tensor.to(logits.device), min_new_tokens)  # [N] or None
+    short = eos_blocked(produced, draft.tree.on(logits.device).depth, min_new_tokens)  # [N] or None
     scores = path_scores(logits, sampling, tokens, prompt_length, draft.tree, draft.tokens, short=short, eos=eos,
                          processors=processors)  # [N, V]
     return accept(draft, scores, sampling, rule, generator)

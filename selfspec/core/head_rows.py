@@ -17,7 +17,8 @@ accepted path's nodes only"), yet greedy acceptance reads the argmax of the acce
 
 Every pass runs on the device over the tentative path padded to the tree's depth (a path's nodes are not known to
 the host before the step's one read, ``accept.read``; the padding rows cost the head's product a few rows more, which
-reads the same weights). A batch (``rows_accept``) runs each pass once for all its rows. Step 2's product is ``lm_head``: in fp32 on a
+reads the same weights). A batch (``rows_accept``) runs each pass once for all its rows.
+Step 2's product is ``lm_head``: in fp32 on a
 CPU it is computed as weight @ rows.T, several times faster there than transformers' order for a few rows.
 
 Why it is exact: a node off the tentative path is accepted only if its parent's target is its token; a parent on the

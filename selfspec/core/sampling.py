@@ -104,7 +104,7 @@ def repeated(text: torch.Tensor, vocab: int, tree: Tree | None = None,
         return row, col
     in_text = torch.zeros(vocab, dtype=torch.bool, device=text.device)
     in_text[seen] = True
-    node, ancestor = tree.ancestor_mask.to(text.device).nonzero(as_tuple=True)  # node i, then each j on its path
+    node, ancestor = tree.on(text.device).ancestors.nonzero(as_tuple=True)  # node i, then each j on its path
     token = tree_tokens[ancestor]
     new = ~in_text[token]  # the text's tokens are penalised in every row already
     key = torch.unique(node[new] * vocab + token[new])  # a token twice on a path: once
@@ -130,7 +130,7 @@ def counted(answer: torch.Tensor, vocab: int, tree: Tree | None = None,
     keys = answer[None, :].expand(rows, -1) + torch.arange(rows, device=answer.device)[:, None] * vocab  # [rows, G]
     keys = keys.reshape(-1)
     if tree is not None:
-        node, ancestor = tree.ancestor_mask.to(answer.device).nonzero(as_tuple=True)
+        node, ancestor = tree.on(answer.device).ancestors.nonzero(as_tuple=True)
         drafted = ancestor > 0
         keys = torch.cat([keys, node[drafted] * vocab + tree_tokens[ancestor[drafted]]])
     key, count = torch.unique(keys, return_counts=True)

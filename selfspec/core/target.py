@@ -116,10 +116,10 @@ class Target:
         mask = None  # a chain is plain causal attention: let the model build its own mask, as in plain decoding
         if not tree.is_chain:
             allowed = torch.cat(
-                [torch.ones(n, start, dtype=torch.bool, device=device), tree.ancestor_mask.to(device)], dim=1
+                [torch.ones(n, start, dtype=torch.bool, device=device), tree.on(device).ancestors], dim=1
             )  # [N, S + N]
             mask = hf.additive_mask(allowed, self._mask_dtype)  # [1, 1, N, S + N]
-        positions = start + tree.depth_tensor.to(device)  # [N]
+        positions = start + tree.on(device).depth  # [N]
         keep = 0 if logits else torch.zeros(0, dtype=torch.long, device=device)  # 0: every position's logits
         out, states = hf.forward(self.model, tokens, positions, mask, cache, logits_to_keep=keep)
         return Verified(logits=out, hidden=states[-1], states=states)
@@ -148,10 +148,10 @@ class Target:
                                  f"{tuple(toks.shape)}")
             k = len(tree)
             ids[row, :k] = toks
-            positions[row, :k] += tree.depth_tensor.to(device)
+            positions[row, :k] += tree.on(device).depth
             if allowed is not None:
                 allowed[row, :k, :length] = True
-                allowed[row, :k, start: start + k] = tree.ancestor_mask.to(device)
+                allowed[row, :k, start: start + k] = tree.on(device).ancestors
         mask = None if allowed is None else hf.additive_mask(allowed, self._mask_dtype)  # [B, 1, N, S + N]
         out, states = hf.forward_rows(self.model, ids, positions, mask, cache, logits)
         return Verified(logits=out, hidden=states[-1], states=states)

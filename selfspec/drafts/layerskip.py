@@ -147,7 +147,7 @@ class PartialModelDrafter(Drafter):
         dtype = next(self.model.parameters()).dtype
         tokens = torch.zeros(len(tree), dtype=torch.long, device=device)  # [N]
         tokens[0] = state.tokens[-1]
-        ancestors = tree.ancestor_mask.to(device)  # [N, N]
+        ancestors = tree.on(device).ancestors  # [N, N], built on the device once per tree
         fed: list[int] = []
         kept_depth = tree.depth
         for depth, (level, width) in enumerate(zip(self._levels, self._width)):
