@@ -11,9 +11,10 @@ What a step reads, and why (the budgets below):
 - the loop itself: ONE read, the accepted path + its tokens + the bonus token as one small tensor (``accept.read``):
   the cache commit, the drafter's update and the emitted tokens all need them as numbers.
 - a drafter that grows its tree on the host reads its candidates once per depth it expands (EAGLE / Hydra heads,
-  layer skip, early exit, a draft model: the tree's shape is Python's, ``Tree``; one ``.tolist()`` of a depth's top-k
-  for all its nodes at once, never one read per node). Best-first trees over per-position candidates (Medusa,
-  block / DFlash) read their [K, R] top-R once. A static tree reads nothing.
+  layer skip, early exit, a draft model, a conditioned block: the tree's shape is Python's, ``Tree``; one
+  ``.tolist()`` of a depth's top-k for all its nodes at once, never one read per node). Best-first trees over
+  per-position candidates (Medusa, block / DFlash) read their [K, R] top-R once. A static tree reads nothing, except
+  a conditioned block's (once per depth: each node's candidates depend on its parent's token).
 - prompt lookup (ngram) searches the token ids on the host: its matches are Python lists by nature (one read of the
   text and one per matched n-gram length), and a merge adds its parts' reads.
 - a stop below a confidence (``stop_below``) reads the confidence once per depth: whether to go deeper is the host's
@@ -183,6 +184,22 @@ def _block(model, tree) -> BlockDrafter:
     return BlockDrafter(head, tree)
 
 
+def _block_conditioned(model, tree) -> BlockDrafter:
+    """A conditioned block (heads/block/condition.py) whose Markov bias and confidence matter (both start at zero when
+    trained): each node's children drafted after its own token, a confidence cut that stops some branches."""
+    cfg = BlockConfig.for_model(model, num_layers=1, block_size=4, draft_vocab_size=VOCAB, condition_rank=8,
+                                confidence=True, confidence_min=0.1)
+    torch.manual_seed(0)
+    head = BlockHead(cfg, model.get_input_embeddings(), model.get_output_embeddings()).eval()
+    with torch.no_grad():
+        head.mask.normal_(std=0.5)
+        head.markov.up.weight.normal_(std=0.5)
+        head.confidence.state.weight.normal_(std=0.5)
+        head.confidence.state.bias.fill_(1.0)
+        head.confidence.code.weight.normal_(std=0.5)
+    return BlockDrafter(head, tree)
+
+
 def _dflash(model, tree) -> BlockDrafter:
     config = DFlashConfig(transformer_layer_config=qwen3_layers_for(model, 1), draft_vocab_size=64, block_size=5,
                           mask_token_id=7, verifier="tiny", aux_hidden_state_layer_ids=[0, 1])
@@ -226,6 +243,8 @@ KINDS: dict[str, tuple[str, Callable[[Target], Drafter]]] = {
     "eagle3-features": ("two", lambda t: _eagle(t.model, DYNAMIC, feature_layers=[0, 1, 2])),
     "eagle3-speculators": ("two", lambda t: _eagle3(t.model, DYNAMIC)),
     "block": ("two", lambda t: _block(t.model, DYNAMIC)),
+    "block-conditioned": ("two", lambda t: _block_conditioned(t.model, DYNAMIC)),
+    "block-conditioned-static": ("two", lambda t: _block_conditioned(t.model, STATIC)),
     "dflash": ("two", lambda t: _dflash(t.model, DynamicTree(10, max_rank=3, depth=4))),
     "draft-model": ("two", lambda t: ModelDrafter(_first_layer(t.model), t, Tree.chain(3))),
     "draft-model-dynamic": ("two", lambda t: ModelDrafter(_first_layer(t.model), t, DYNAMIC)),
@@ -276,6 +295,11 @@ BUDGET = {
     "medusa-dynamic": LOOP + 3,  # Tree.best_first grows the rank paths on the host from one read of the [K, R] top-R
     "block": LOOP + 3,  # the same best-first tree over the block's positions
     "dflash": LOOP + 3,
+    # a conditioned block's children depend on their parent's token: one read per depth of all that depth's nodes'
+    # candidates and confidences (heads/block/chained.py), 4 deep dynamic, 3 deep static (STATIC). Before, grown
+    # node by node, worst 37 dynamic (23 tolist + 11 float + 3 int) and 15 static; now 5 and 5 (typical mode)
+    "block-conditioned": LOOP + 4,
+    "block-conditioned-static": LOOP + 3,
     "eagle": LOOP + 1 + 4,  # the root's token, then one read of each depth's top-k (4 deep): the tree is Python's
     "eagle-chain": LOOP + 1 + 4,
     "eagle3-features": LOOP + 1 + 4,

@@ -15,8 +15,9 @@ Each step:
                 tuning; a static tree (``chain:k``: the top-1 path) is filled with each position's ranked candidates
 
 A conditioned block (``condition_rank`` / ``confidence`` in its config.json, heads/block/condition.py) grows its tree
-node by node instead (heads/block/chained.py): each node's children are drafted from the distribution after that
-node's own token (the Markov bias), and the confidence head stops unsure branches; still one forward per step.
+depth by depth instead (heads/block/chained.py): each node's children are drafted from the distribution after that
+node's own token (the Markov bias), all of one depth's nodes together and read by the host once, and the confidence
+head stops unsure branches; still one forward per step.
 
 Drafts are deterministic (q = None): greedy acceptance is exact, and ``sample_accept`` treats each node as a point mass,
 which keeps sampling lossless too.
@@ -89,7 +90,7 @@ class BlockDrafter(Drafter):
     def draft(self, state: DraftState) -> Draft:
         block = self._block(state)  # [K, D]
         root = state.tokens[-1:]
-        if self.head.chained:  # a conditioned block: the tree grown node by node (heads/block/chained.py)
+        if self.head.chained:  # a conditioned block: the tree grown depth by depth (heads/block/chained.py)
             chain = Chain(self.head, block[: self.depth], self.ranks)
             if self.dynamic is not None:
                 return grow(chain, root, self.dynamic.budget, self.depth, self.dynamic.min_logp, self._trees)

@@ -173,6 +173,75 @@ def test_rank_by_confidence_scores_each_node_by_its_estimated_acceptance(model):
     assert sorted(small.tree.choices) == sorted(big.tree.choices[i - 1] for i in order[:7])
 
 
+def every_path(chain: Chain, depth: int, min_logp: float) -> list[tuple[float, tuple[int, ...], int, float]]:
+    """Brute force, one node at a time: every path at most ``depth`` deep that the cuts leave (min_logp on its
+    probability, confidence_min on its product of confidences) as (score, rank path, token, log of that product), best
+    first with best-first's tie-break (the smaller rank path)."""
+    out = []
+
+    def visit(path: tuple[int, ...], score: float, logp: float, log_conf: float, prev: int) -> None:
+        values, tokens, conf = chain.expand(len(path), prev)  # prev unused at depth 0
+        for r, (v, token) in enumerate(zip(values, tokens)):
+            if log_conf + conf >= chain.min_log_conf and logp + v >= min_logp:
+                node = (score + chain.term(values, r, conf), path + (r,), token, log_conf + conf)
+                out.append(node)
+                if len(node[1]) < depth:
+                    visit(node[1], node[0], logp + v, node[3], token)
+
+    visit((), 0.0, 0.0, 0.0, -1)
+    return sorted(out, key=lambda node: (-node[0], node[1]))
+
+
+def test_the_tree_grown_depth_by_depth_is_the_best_nodes_of_every_path(model):
+    """``grow`` reads each depth's nodes at once; its tree is still the ``budget`` best of every path the cuts leave
+    (brute force, one node at a time), ties to the smaller rank path as a best-first heap pops them: same paths,
+    tokens and scores, for both rank_by modes, with and without a Markov bias, several budgets, depths, confidence
+    cuts (between the tree's own confidence products: they cut part of it) and min_prob. A static tree keeps exactly
+    its nodes above the cut, each its rank after its own parent's token."""
+    heads = [cond_head(model, seed=11, block_size=5), cond_head(model, seed=12, block_size=5, rank_by="confidence",
+                                                                draft_vocab=64),
+             cond_head(model, seed=13, block_size=5, rank=0, rank_by="confidence")]
+    static = Tree.full([3, 2, 2, 1])
+    sizes: dict[tuple[int, int, float, int], int] = {}  # (head, depth, min_prob, i-th cut) -> paths the cuts leave
+    for h, head in enumerate(heads):
+        with torch.no_grad():
+            if head.markov is not None:
+                head.markov.down.weight.mul_(10)  # codes of size ~1: the confidence differs between parents too
+        state = state_after_prefill(model, random_prompts(1, VOCAB, seed=h, min_len=9, max_len=9)[0])
+        with torch.no_grad():
+            states = BlockDrafter(head, Tree.chain(1))._block(state)
+        products = sorted({c for *_, c in every_path(Chain(head, states, 3), 5, -math.inf)})
+        cuts = [0.0] + [math.exp((products[i] + products[i + 1]) / 2) for i in (len(products) // 3,
+                                                                                2 * len(products) // 3)]
+        for c, cut in enumerate(cuts):
+            head.config.confidence_min = cut
+            try:
+                for depth, min_prob in ((1, 0.0), (3, 0.0), (5, 0.0), (5, 0.0005)):
+                    tree = DynamicTree(60, max_rank=3, depth=depth, min_prob=min_prob)
+                    paths = every_path(Chain(head, states[:depth], 3), depth, tree.min_logp)
+                    sizes[h, depth, min_prob, c] = len(paths)
+                    for budget in (1, 4, 9, 25, 60):
+                        want = sorted(paths[:budget], key=lambda node: (len(node[1]), node[1]))
+                        got = BlockDrafter(head, DynamicTree.resized(tree, budget, depth)).draft(state)
+                        assert got.tree.choices == tuple(node[1] for node in want), (h, cut, depth, budget)
+                        assert got.tokens[1:].tolist() == [node[2] for node in want]
+                        torch.testing.assert_close(got.scores[1:], torch.tensor([node[0] for node in want]),
+                                                   atol=1e-5, rtol=0)
+                full = {node[1]: node[2] for node in every_path(Chain(head, states[:4], 3), 4, -math.inf)}
+                filled = BlockDrafter(head, static).draft(state)
+                assert filled.tree == Tree.from_choices(sorted((p for p in static.choices if p in full), key=len))
+                assert dict(zip(filled.tree.choices, filled.tokens[1:].tolist())) == {
+                    p: full[p] for p in filled.tree.choices}
+            finally:
+                head.config.confidence_min = 0.0
+    for (h, depth, min_prob, c), n in sizes.items():  # the cuts really act, and leave more than the root
+        assert n > 0
+        if c and depth == 5 and not min_prob:
+            assert n < sizes[h, depth, min_prob, c - 1], (h, depth, min_prob, c)
+        if min_prob and not c:
+            assert n < sizes[h, depth, 0.0, c], h
+
+
 # ------------------------------------------------------------------------------------------ lossless decoding
 @pytest.mark.parametrize("arch", ARCHS)
 def test_conditioned_drafts_through_the_runtime_stay_token_identical_to_generate(arch, tiny_models):
