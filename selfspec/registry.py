@@ -296,8 +296,8 @@ def split_drafts(text: str) -> tuple[str, ...]:
 # ------------------------------------------------------------------------------------------------------ 2. trees
 MAX_TREE_NODES = 1024
 """the most draft nodes a --tree may verify a step: every step verifies them all, as a prompt that long would cost (a
-verify's cost grows with its nodes; the sizes of the trees that pay are measured in docs/BENCHMARKS.md, "What a step
-costs"), so a bound far above them refuses a typo, not a choice."""
+verify's cost grows with its nodes; the sizes of the trees that pay are measured in docs/benchmarks/log.md, "What a
+step costs"), so a bound far above them refuses a typo, not a choice."""
 
 
 def _count(text: str, what: str) -> int:
@@ -312,7 +312,7 @@ def _nodes(nodes: int) -> int:
     if nodes > MAX_TREE_NODES:
         raise ValueError(f"{nodes:,} draft nodes, more than the {MAX_TREE_NODES} a step may verify (each step verifies "
                          f"them all, as a prompt that long would cost); trees that pay are far smaller (docs/"
-                         f"BENCHMARKS.md, \"What a step costs\"), 'auto' picks this machine's")
+                         f"benchmarks/log.md, \"What a step costs\"), 'auto' picks this machine's")
     return nodes
 
 

@@ -44,7 +44,7 @@ class Tuned(Protocol):
 def machine_key(target, model_id: str) -> dict:
     """What a verify-cost curve depends on: the model, its dtype and device, this machine's CPU (its name, the vector
     instructions torch uses on it and whether it has bf16 instructions: one CPU name can cover an AVX2 and an AVX-512
-    generation, where a tree's cost differs several times, docs/BENCHMARKS.md §46) and threads, and whether the
+    generation, where a tree's cost differs several times, docs/benchmarks/log.md §46) and threads, and whether the
     target's forward is compiled."""
     return {"model": model_id, "config": hashlib.sha256(target.model.config.to_json_string().encode()).hexdigest()[:12],
             "dtype": str(next(target.model.parameters()).dtype), "device": str(target.device), **this_cpu(),

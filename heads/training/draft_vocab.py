@@ -3,7 +3,7 @@
 Every head that reads the target's LM head pays for a [V, D] matrix per call: on SmolLM2 (V = 49,152, D = 576) that is
 56 MB in bf16, read once per Medusa step and once per Hydra / EAGLE / exit-head depth. The V' = 8,192 most frequent training tokens
 cover ~96% of ShareGPT's assistant tokens; drafting from their rows reads a sixth of the matrix (what that saves per
-step is measured in docs/BENCHMARKS.md, "... and draft vocabularies"). Nothing changes for
+step is measured in docs/benchmarks/log.md, "... and draft vocabularies"). Nothing changes for
 correctness: the target verifies every drafted token, so output is lossless whatever the heads propose; a token outside
 V' is simply never proposed.
 

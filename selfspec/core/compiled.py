@@ -1,7 +1,7 @@
 """A target whose forward is compiled by ``torch.compile`` (inductor), for every caller at once.
 
 At batch size 1 a small model's forward is dominated by launching hundreds of small operators, not by arithmetic, so
-compiling it pays (measured side by side: docs/BENCHMARKS.md, "A compiled target"). ``compile_forward`` replaces the
+compiling it pays (measured side by side: docs/benchmarks/log.md, "A compiled target"). ``compile_forward`` replaces the
 model's ``forward`` by its compiled version on the instance, so
 selfspec's verifier and transformers' own ``generate`` (plain decoding, prompt lookup, ...) run the same compiled
 code: a speed-up measured side by side compares like with like, and greedy answers stay those of plain decoding with

@@ -1,7 +1,7 @@
 """Greedy acceptance that computes the target's full-vocabulary logits only where the accepted path needs them.
 
 Verifying N nodes runs the target's LM head on N rows over the whole vocabulary ([N, D] x [D, V]); for a small model
-with a large vocabulary on a CPU that is a large share of a step (measured in docs/BENCHMARKS.md, "The LM head on the
+with a large vocabulary on a CPU that is a large share of a step (docs/benchmarks/log.md, "The LM head on the
 accepted path's nodes only"), yet greedy acceptance reads the argmax of the accepted path's nodes only. ``greedy_from_hidden`` gets the same Acceptance as
 ``greedy_accept`` on every node's logits, from the final hidden states, in two passes:
 
@@ -43,12 +43,12 @@ from selfspec.core.tree import Tree
 
 SHORTLIST = 8192
 """token ids 0..SHORTLIST-1 in pass 1: BPE vocabularies number tokens roughly by frequency (the share of a workload's
-tokens the first ids cover is measured in docs/BENCHMARKS.md, "The LM head on the accepted path's nodes only"); a
+tokens the first ids cover is measured in docs/benchmarks/log.md, "The LM head on the accepted path's nodes only"); a
 target token outside them only ends a path, it never breaks exactness."""
 
 FEW = 2
 """trees of at most this many nodes get every node's logits at once: the two passes read the shortlist's rows and then
-the whole head for one or two rows anyway (a one-node step is dearer through them: docs/BENCHMARKS.md, "Where a tree
+the whole head for one or two rows anyway (a one-node step is dearer through them: docs/benchmarks/log.md, "Where a tree
 verification's time goes")."""
 
 
@@ -117,7 +117,7 @@ def path_logits(guesses: Sequence[Tentative], rows: torch.Tensor, weight: torch.
 
 def lm_head(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """rows [P, D] -> logits [P, V]. fp32 on a CPU as weight @ rows.T with at least two rows: a CPU's fp32 product
-    for a few rows is several times faster this way round (docs/BENCHMARKS.md, "The LM head on the accepted path's
+    for a few rows is several times faster this way round (docs/benchmarks/log.md, "The LM head on the accepted path's
     nodes only")."""
     if rows.dtype != torch.float32 or rows.device.type != "cpu":
         return F.linear(rows, weight, bias)

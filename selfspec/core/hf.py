@@ -167,7 +167,7 @@ def grouped_attention(device: torch.device) -> Iterator[None]:
     a draft head's new pairs) instead of copying every cached key and value once per query head (transformers'
     ``repeat_kv``, which it does with a mask because CUDA's masked kernels lack grouping). On a CPU torch's attention
     kernel groups with a mask, to the same bits (tests/test_hf_contact.py); SmolLM2 (9 query heads over 3) verifies a
-    10-20-node tree ~1.5 ms faster at 400 cached tokens (docs/BENCHMARKS.md §36). Elsewhere, or with the switch set
+    10-20-node tree ~1.5 ms faster at 400 cached tokens (docs/benchmarks/log.md §36). Elsewhere, or with the switch set
     already (a user's own): nothing changes. A forward without a mask groups anyway."""
     on = device.type == "cpu" and not torch.is_grad_enabled()
     if not on or os.environ.get(GROUPED_ATTENTION_SWITCH) is not None:

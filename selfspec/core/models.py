@@ -76,7 +76,7 @@ def bf16_emulated(device: str | torch.device) -> bool:
 
 
 BF16_EMULATED = ("this CPU has no bf16 instructions (AVX512-BF16 or AMX; torch sees {capability}), so bf16 runs "
-                 "emulated: {what} (docs/BENCHMARKS.md §46)")
+                 "emulated: {what} (docs/benchmarks/log.md §46)")
 """the warning's wording; {what}: what that costs the job at hand."""
 
 

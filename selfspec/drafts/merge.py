@@ -3,7 +3,7 @@
 A trained head and prompt lookup fail on different steps: the head guesses generic continuations, the n-gram trie
 copies spans of the prompt and of the answer so far (names, code, quoted text), which the head rarely ranks first.
 Verifying both in one tree accepts what either would have, for one target forward; where wide verification is cheap
-(bf16 on a CPU with AMX, GPUs) a merged tree costs little more than either part's (docs/BENCHMARKS.md, "What a step
+(bf16 on a CPU with AMX, GPUs) a merged tree costs little more than either part's (docs/benchmarks/log.md, "What a step
 costs").
 
     1. draft   every drafter drafts from the same state
@@ -100,7 +100,7 @@ class MergedDrafter(Drafter):
     skip_match: a drafter sits out a step where an earlier one's draft this step continues a match of at least this
     many of the text's last tokens (prompt lookup's ``Draft.copying``; None: never). On MT-bench a 2-token match's copy
     is accepted for 1.5 tokens a step and a head adds 0.2 to it, less than its drafting and its nodes cost
-    (docs/BENCHMARKS.md §33).
+    (docs/benchmarks/log.md §33).
 
     skip_unpaid = P: a drafter after the first sits out the steps where, at this match length of the earlier ones,
     steps with it have added fewer tokens per second than steps without it, measured while decoding (``merge_cost``;

@@ -66,8 +66,8 @@ TRIES = 3
 
 def cost_anomalies(curve: dict[int, float]) -> list[tuple[int, int]]:
     """Pairs (n, m) of tree sizes, MONOTONE_FROM <= n < m, where verifying m nodes was timed more than SLACK times
-    cheaper than verifying n: the curve was disturbed while it was timed (an example: docs/BENCHMARKS.md, 'A cached cost
-    curve out of order')."""
+    cheaper than verifying n: the curve was disturbed while it was timed (an example: docs/benchmarks/log.md,
+    'A cached cost curve out of order')."""
     sizes = sorted(n for n in curve if n >= MONOTONE_FROM)
     return [(n, m) for i, n in enumerate(sizes) for m in sizes[i + 1:] if curve[n] > SLACK * curve[m]]
 

@@ -25,7 +25,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 COMPILE_HELP = ("compile the target's forward with torch.compile (inductor; on CPU it needs g++ or clang++): "
-                "faster steps at batch size 1 (measured: docs/BENCHMARKS.md, 'A compiled target'), but every start "
+                "faster steps at batch size 1 (measured: docs/benchmarks/log.md, 'A compiled target'), but every start "
                 "compiles for minutes on a small CPU: for serve and bench, not one prompt")
 
 

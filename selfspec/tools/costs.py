@@ -45,7 +45,7 @@ def verify_costs(
 
     The sizes are timed in rounds (every size once per round, ``warmup`` untimed rounds first), not one after the
     other: on a machine whose speed drifts (a shared VM, a CPU changing clock) the drift then hits every size alike,
-    where size-by-size timing once put a 1-node verify above an 8-node one (docs/BENCHMARKS.md)."""
+    where size-by-size timing once put a 1-node verify above an 8-node one (docs/benchmarks/log.md)."""
     context = max(1, min(context, target.max_length - 2))  # the trees reach position context + 1
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, target.vocab_size, (context,), generator=g).to(target.device)

@@ -138,9 +138,9 @@ def test_hydra_drafts_through_the_runtime_stay_token_identical_to_generate(arch)
 
 
 def test_hydra_heads_merged_with_prompt_lookup_stay_token_identical_to_generate():
-    """ngram+hydra, the merged draft BENCHMARKS §22 measures (there with skip_after=3), here with skip_after=1: the
-    heads rest whenever prompt lookup had a token accepted (stateless, they need nothing handed over), and the output
-    is still plain decoding's."""
+    """ngram+hydra, the merged draft docs/benchmarks/log.md §22 measures (there with skip_after=3), here with
+    skip_after=1: the heads rest whenever prompt lookup had a token accepted (stateless, they need nothing handed
+    over), and the output is still plain decoding's."""
     from selfspec import NGramDrafter
     from selfspec.drafts.merge import MergedDrafter
 

@@ -9,7 +9,7 @@
                   4. one step of the whole batch; hand each sequence its Step; a finished one leaves
 
 A request beyond ``max_batch`` waits in line, it is not refused. One thread, not the requests' own: torch runs slower
-in a fresh thread for its first requests (docs/BENCHMARKS.md, "Stop strings and infer.py serve").
+in a fresh thread for its first requests (docs/benchmarks/log.md, "Stop strings and infer.py serve").
 """
 
 from __future__ import annotations

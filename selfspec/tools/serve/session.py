@@ -113,7 +113,7 @@ would otherwise hold the worker for 2,560 answers."""
 BATCH_NODES = 8
 """the server's default node budget a step for a batch of two or more (``selfspec.core.batch.within_budget``): on the
 2-core CPU a forward's cost grows with every row's nodes together, so a full batch of 8 decodes fastest with no drafts
-at all, and smaller batches share what is left (docs/BENCHMARKS.md, section 30)."""
+at all, and smaller batches share what is left (docs/benchmarks/log.md, section 30)."""
 
 
 class Session:
@@ -122,7 +122,7 @@ class Session:
     one at a time on one worker thread, the others waiting in line.
 
     One worker thread, not the request's own: torch runs slower in a fresh thread for its first requests (measured:
-    docs/BENCHMARKS.md, "Stop strings and infer.py serve"), and ThreadingHTTPServer gives every request a fresh
+    docs/benchmarks/log.md, "Stop strings and infer.py serve"), and ThreadingHTTPServer gives every request a fresh
     thread."""
 
     def __init__(self, model: SpecModel, name: str, default_temperature: float = 0.0, default_max_tokens: int = 256,
