@@ -26,7 +26,7 @@ from selfspec import api, registry
 from selfspec.core.models import load_model
 from selfspec.core.request import GenerationOptions
 from selfspec.core.target import Target
-from selfspec.tools import calibrate, llamacpp, load, policy_fit, serve, specbench
+from selfspec.tools import calibrate, llamacpp, load, main_job, policy_fit, serve, specbench
 from selfspec.tools.bench import DEFAULT_QUESTIONS, BenchConfig, draft_method, run_bench
 from selfspec.tools.cli_parsers import build_bench_parser, build_costs_parser, build_parser, build_serve_parser
 from selfspec.tools.costs import format_costs, loop_overhead, verify_costs
@@ -241,6 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_serve_cli(argv[1:])
         if argv[:1] == ["serve-load"]:
             return load.main(argv[1:])
+        if argv[:1] == ["main-job"]:
+            return main_job.main(argv[1:])
         if argv[:1] == ["fit-policy"]:
             return policy_fit.run_cli(argv[1:], sys.stdout)
         if argv[:1] in (["sweep-exit"], ["search-skip"], ["tune-tree"]):
