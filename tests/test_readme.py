@@ -58,12 +58,17 @@ def heading_anchors(path: Path) -> set[str]:
     return anchors
 
 
+LINK = re.compile(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)|^\s*\[[^\]]+\]:\s+([^#\s]*)(?:#(\S+))?", flags=re.M)
+"""an inline link ``[text](target#fragment)`` or a reference definition ``[label]: target#fragment``."""
+
+
 def test_links_in_readme_and_docs_point_to_files_and_headings_that_exist():
-    """README.md links into docs/ for everything it leaves out: every relative link of README.md and docs/*.md names a
-    file that exists, and a #fragment names a heading of that file."""
+    """README.md links into docs/ for everything it leaves out: every relative link of README.md and docs/**/*.md
+    (inline or a reference definition) names a file that exists, and a #fragment names a heading of that file."""
     broken = []
-    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        for target, fragment in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", doc.read_text()):
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for match in LINK.finditer(doc.read_text()):
+            target, fragment = (match.group(1), match.group(2)) if match.group(1) is not None else match.group(3, 4)
             if re.match(r"[a-z]+:", target):  # https:, mailto:
                 continue
             path = (doc.parent / target) if target else doc
