@@ -77,3 +77,16 @@ def test_links_in_readme_and_docs_point_to_files_and_headings_that_exist():
             elif fragment and fragment not in heading_anchors(path):
                 broken.append(f"{doc.name}: {target}#{fragment} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+MAIN_JOB = "python3.11 -m venv .venv && . .venv/bin/activate && pip install -q -e . && python infer.py main-job"
+"""the README's other setup command: the main job, one subcommand (selfspec/tools/main_job.py; tests/test_main_job.py
+checks its steps)."""
+
+
+def test_readme_fits_a_newcomers_screens_and_its_main_job_is_one_short_command():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    long = [f"line {i}: {len(line)} characters" for i, line in enumerate(lines, 1) if len(line) > 160]
+    assert len(lines) <= 150 and not long, f"README.md: {len(lines)} lines (at most 150); {long}"
+    blocks = re.findall(r"^```bash\n(.*?)^```", "\n".join(lines) + "\n", flags=re.S | re.M)
+    assert [b.strip() for b in blocks[1:2]] == [MAIN_JOB], "README's second ```bash block should be the main job alone"
