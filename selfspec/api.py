@@ -42,7 +42,7 @@ from selfspec.core.drafter import Drafter, fork, verifier_for
 from selfspec.core.generate import check_request, stream as spec_stream
 from selfspec.core.logprobs import TokenLogprob, token_logprobs
 from selfspec.core.models import DEFAULT_MODEL, load_model
-from selfspec.core.request import GenerationOptions, options_from, split_options
+from selfspec.core.request import Decoding, GenerationOptions, options_from, split_options
 from selfspec.core.sampling import PresencePenalty, Sampling
 from selfspec.core.stopping import first_stop, stop_strings
 from selfspec.core.target import Target
@@ -163,34 +163,32 @@ class SpecModel:
         if any(k >= self.target.vocab_size for k, _ in options.logit_bias):
             raise ValueError(f"logit_bias names token {max(k for k, _ in options.logit_bias)}; this model's vocabulary "
                              f"has {self.target.vocab_size} (0..{self.target.vocab_size - 1})")
-        gen = self.model.generation_config  # its sampling warpers, which generate applies alongside the call's settings
-        warpers = dict(typical_p=float(gen.typical_p or 1.0), epsilon_cutoff=float(gen.epsilon_cutoff or 0.0),
-                       eta_cutoff=float(gen.eta_cutoff or 0.0))
-        penalty = self.repetition_penalty if options.repetition_penalty is None else options.repetition_penalty
-        stops = self.stop_strings if options.stop is None else options.stop
-        for s in stops:
+        o = options.replace(**self._defaults(options, ids.shape[0]))
+        for s in o.stop:
             check_unicode(s, "a stop string")
-        if stops not in self._criteria:
+        if o.stop not in self._criteria:
             if len(self._criteria) >= 16:  # a server's clients may each send their own: keep the latest few
                 self._criteria.pop(next(iter(self._criteria)))
-            self._criteria[stops] = stop_strings(self.tokenizer, stops)
-        min_new_tokens = options.min_new_tokens
-        if min_new_tokens is None:  # the generation config's min_new_tokens, and its min_length (prompt included)
-            min_new_tokens = max(self.min_new_tokens, self.min_length - ids.shape[0])
-        seed = options.seed
-        generator = None if seed is None else torch.Generator(device=self.target.device).manual_seed(seed)
-        return _Request(ids, options, options.sampling(penalty, **warpers), generator, stops, self._criteria[stops],
-                        min_new_tokens)
+            self._criteria[o.stop] = stop_strings(self.tokenizer, o.stop)
+        generator = None if o.seed is None else torch.Generator(device=self.target.device).manual_seed(o.seed)
+        # the generation config's other processors (no_repeat_ngram_size, bad_words_ids, ...), as generate builds them
+        procs = processors.from_config(self.model.generation_config, ids.shape[0], o.max_new_tokens,
+                                       self.eos_token_id, self.target.device)
+        return _Request(ids, Decoding(o, eos_token_id=tuple(self.eos_token_id), stopping_criteria=self._criteria[o.stop],
+                                      processors=procs, generator=generator))
+
+    def _defaults(self, o: GenerationOptions, prompt_length: int) -> dict[str, Any]:
+        """The options ``o`` leaves to the model (None), as this model's generation config sets them: its repetition
+        penalty, sampling warpers (which generate applies alongside the call's settings), stop strings and minimum
+        length (min_new_tokens, and min_length, which counts the prompt)."""
+        gen = self.model.generation_config
+        model = dict(repetition_penalty=self.repetition_penalty, typical_p=float(gen.typical_p or 1.0),
+                     epsilon_cutoff=float(gen.epsilon_cutoff or 0.0), eta_cutoff=float(gen.eta_cutoff or 0.0),
+                     stop=self.stop_strings, min_new_tokens=max(self.min_new_tokens, self.min_length - prompt_length))
+        return {k: v for k, v in model.items() if getattr(o, k) is None}
 
     def _steps(self, r: "_Request") -> Iterator:
-        # the generation config's other processors (no_repeat_ngram_size, bad_words_ids, ...), as generate builds them
-        o = r.options
-        procs = processors.from_config(self.model.generation_config, r.ids.shape[0], o.max_new_tokens,
-                                       self.eos_token_id, self.target.device)
-        return spec_stream(self.target, self.drafter, r.ids, o.max_new_tokens, sampling=r.sampling,
-                           eos_token_id=self.eos_token_id, generator=r.generator, stopping_criteria=r.criteria,
-                           min_new_tokens=r.min_new_tokens, logprobs=o.logprobs, prompt_logprobs=o.prompt_logprobs,
-                           processors=procs)
+        return spec_stream(self.target, self.drafter, r.ids, r.decoding)
 
     def stream(self, prompt: Prompt, options: GenerationOptions | None = None,
                **overrides: Any) -> TextStream | BatchStream:
@@ -255,12 +253,7 @@ class SpecModel:
 
     def _job(self, r: "_Request") -> Job:
         """Request ``r`` as one sequence of a batch, with a copy of the drafter of its own (weights shared)."""
-        o = r.options
-        procs = processors.from_config(self.model.generation_config, r.ids.shape[0], o.max_new_tokens,
-                                       self.eos_token_id, self.target.device)
-        return Job(r.ids, fork(self.drafter), o.max_new_tokens, sampling=r.sampling, eos_token_id=self.eos_token_id,
-                   generator=r.generator, stopping_criteria=r.criteria, min_new_tokens=r.min_new_tokens,
-                   logprobs=o.logprobs, prompt_logprobs=o.prompt_logprobs, processors=procs)
+        return Job(r.ids, fork(self.drafter), r.decoding)
 
     @torch.inference_mode()
     def generate_plain(self, prompt: Prompt, options: GenerationOptions | None = None,
@@ -275,7 +268,7 @@ class SpecModel:
         if is_batch(prompt):
             return self._plain_batch([self._request(p, o) for p in prompt], hf_kwargs)
         r = self._request(prompt, o)
-        check_request(self.target, r.ids, o.max_new_tokens, o.logprobs, o.prompt_logprobs, r.min_new_tokens)  # as stream
+        check_request(self.target, r.ids, o.max_new_tokens)  # as stream
         ids = r.ids[None]  # [1, T]
         counter = StepCounter()
         out, seconds = self._hf_generate(r, ids, torch.ones_like(ids),
@@ -314,7 +307,7 @@ class SpecModel:
         ``first_stop``; what follows is padding); every row's seconds are the batch's."""
         first, o = requests[0], requests[0].options
         for r in requests:
-            check_request(self.target, r.ids, o.max_new_tokens, o.logprobs, o.prompt_logprobs, r.min_new_tokens)
+            check_request(self.target, r.ids, o.max_new_tokens)
         if len({r.min_new_tokens for r in requests}) > 1:  # only the generation config's min_length does this
             raise ValueError(f"the prompts need different min_new_tokens ({sorted({r.min_new_tokens for r in requests})}"
                              ", from the generation config's min_length): one padded batch takes one; decode them "
@@ -357,8 +350,9 @@ class SpecModel:
         o = r.options
         kwargs: dict[str, Any] = dict(do_sample=o.sampled, max_new_tokens=o.max_new_tokens,
                                       repetition_penalty=r.sampling.repetition_penalty)
-        if o.sampled:
-            kwargs.update(temperature=o.temperature, top_p=o.top_p, top_k=o.top_k)
+        if o.sampled:  # the warpers: this request's, else the generation config's (as generate would read them)
+            kwargs.update(temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, typical_p=o.typical_p,
+                          epsilon_cutoff=o.epsilon_cutoff, eta_cutoff=o.eta_cutoff)
             if o.seed is not None:
                 torch.manual_seed(o.seed)
         else:  # neutralise any sampling defaults of the checkpoint's generation_config
@@ -461,13 +455,29 @@ class _Collected:
 class _Request:
     ids: torch.Tensor
     """long [T]: the prompt."""
-    options: GenerationOptions
-    sampling: Sampling
-    generator: torch.Generator | None
-    stops: tuple[str, ...]
-    criteria: list
-    """transformers' stopping criteria for ``stops``."""
-    min_new_tokens: int
+    decoding: Decoding
+    """its options with this model's defaults filled in, and what the model makes of them."""
+
+    @property
+    def options(self) -> GenerationOptions:
+        return self.decoding.options
+
+    @property
+    def sampling(self) -> Sampling:
+        return self.decoding.sampling
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return self.decoding.options.stop or ()
+
+    @property
+    def criteria(self) -> tuple:
+        """transformers' stopping criteria for ``stops``."""
+        return self.decoding.stopping_criteria
+
+    @property
+    def min_new_tokens(self) -> int:
+        return self.decoding.min_new_tokens
 
 
 def load(model: str = DEFAULT_MODEL, draft: str = "ngram", dtype: str | torch.dtype = "float32",

@@ -16,7 +16,7 @@ import torch
 
 import tiny_chat_model
 from conftest import ARCHS, REPEATING, VOCAB, Recording, random_prompts, reference, tiny_model
-from selfspec import Sampling, Target, Tree, api, registry
+from selfspec import GenerationOptions, Sampling, Target, Tree, api, registry
 from selfspec.core.generate import generate
 from selfspec.core.models import load_model
 from selfspec.core.tree import DynamicTree
@@ -211,8 +211,8 @@ def test_bench_runs_transformers_assisted_generation_beside_selfspecs_draft_mode
                          '{"question_id": 2, "category": "coding", "turns": ["Hello, how are you today?"]}\n')
     methods = ("plain", f"assisted:{draft_dir}", f"model:{draft_dir}@chain:3", f"model:{draft_dir}@dynamic:6,depth=3")
     bench.run_bench(bench.BenchConfig(questions=questions, out_dir=tmp_path / "out", methods=methods,
-                                      dtypes=("float32",), model=str(model_dir), max_new_tokens=16, warmup_tokens=2,
-                                      progress=False))
+                                      dtypes=("float32",), model=str(model_dir),
+                                      options=GenerationOptions(max_new_tokens=16), warmup_tokens=2, progress=False))
     labels = ["plain", "assisted:draft", "draft@chain:3", "draft@dynamic:6,depth=3"]
     files = {m: tmp_path / "out" / f"model-{m.replace(':', '-')}-float32.jsonl" for m in labels}
     answers = {m: [json.loads(line) for line in files[m].read_text().splitlines()] for m in labels}

@@ -49,7 +49,6 @@ from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb, rotat
 
 from heads.block.dflash_config import DFlashConfig
 from heads.checkpoints.draft import DraftCheckpoint
-from heads.checkpoints.files import check_base_sizes, resolve, write_checkpoint
 from heads.eagle.eagle3 import load_speculators_state, read_speculators, vocab_mask
 from heads.eagle.model import build_decoder
 from selfspec.core.draft_vocab import DraftVocab, check_draft_tokens
@@ -259,20 +258,16 @@ class DFlashHead(nn.Module, DraftCheckpoint):
     def on_base(cls, config: DFlashConfig, base_model: PreTrainedModel) -> "DFlashHead":
         return cls(config.on_model(base_model), base_model.get_input_embeddings(), base_model.get_output_embeddings())
 
-    def save_pretrained(self, directory: str | Path, repo_id: str | None = None) -> Path:
-        """config.json and model.safetensors as speculators 0.9 reads them (+ README.md), written atomically; lm_head
-        only with a draft vocabulary (without one it is the target's, as speculators saves it)."""
-        state = {k: v for k, v in self.state_dict().items() if k != "lm_head.weight" or self.d2t is not None}
-        return write_checkpoint(directory, state, self.config.to_dict(), self.card(repo_id or str(directory)))
+    def saved_state(self) -> dict[str, torch.Tensor]:
+        """As speculators 0.9 saves a DFlash draft: lm_head only with a draft vocabulary (without one it is the
+        target's)."""
+        return {k: v for k, v in self.state_dict().items() if k != "lm_head.weight" or self.d2t is not None}
 
     @classmethod
-    def from_pretrained(cls, path_or_repo_id: str | Path, base_model: PreTrainedModel,
-                        revision: str | None = None) -> "DFlashHead":
-        """A speculators DFlash checkpoint (local directory or Hub id) on ``base_model``, strictly; refuses a target
-        of another width or vocabulary, and aux layers whose states the verifier does not give."""
-        directory = resolve(path_or_repo_id, revision)
-        config, tensors = read_dflash_checkpoint(directory)
-        check_base_sizes(config, base_model, path_or_repo_id, cls.WHAT)
+    def loaded(cls, config: DFlashConfig, tensors: dict[str, torch.Tensor],
+               base_model: PreTrainedModel) -> "DFlashHead":
+        """A speculators DFlash checkpoint's tensors on ``base_model``, completed as speculators' loader completes
+        them (``load_speculators_state``)."""
         return load_speculators_state(cls.on_base(config, base_model), tensors, base_model)
 
 

@@ -10,7 +10,9 @@ A draft module subclasses ``DraftCheckpoint`` next to ``nn.Module`` and says wha
 - ``card_for(config, location)``: its README.md;
 - ``read_checkpoint(directory)``: (config, tensors), checked against each other;
 - ``on_base(config, base_model)``: a new module on the base (its embeddings, LM head) before the weights load;
-- ``base_checks(config, base_model)``: (name, trained for, found) sizes beyond hidden and vocabulary size.
+- ``base_checks(config, base_model)``: (name, trained for, found) sizes beyond hidden and vocabulary size;
+- where its files differ from its module's state (speculators' drafts): ``saved_state()``, what ``save_pretrained``
+  writes, and ``loaded(config, tensors, base_model)``, the module ``from_pretrained`` makes of what it read.
 
 ``push_to_hub`` saves into a temporary directory, reads it back strictly, and uploads config.json, model.safetensors
 and the card written for the repo in one Hub commit (heads/checkpoints/hub.py).
@@ -65,9 +67,14 @@ class DraftCheckpoint:
         """README.md for this draft stored at ``location`` (a directory or a Hub repo id)."""
         return self.card_for(self.config, location)
 
+    def saved_state(self) -> dict[str, torch.Tensor]:
+        """The tensors ``save_pretrained`` writes: the module's state."""
+        return self.state_dict()
+
     def save_pretrained(self, directory: str | Path, repo_id: str | None = None) -> Path:
-        """config.json + model.safetensors + README.md, written atomically."""
-        return write_checkpoint(directory, self.state_dict(), self.config.to_dict(), self.card(repo_id or str(directory)))
+        """config.json + model.safetensors (``saved_state``) + README.md, written atomically."""
+        return write_checkpoint(directory, self.saved_state(), self.config.to_dict(),
+                                self.card(repo_id or str(directory)))
 
     def push_to_hub(self, repo_id: str, private: bool = False, revision: str | None = None, token: str | None = None,
                     dry_run: bool = False, commit_message: str | None = None) -> list[str] | Published:
@@ -91,6 +98,12 @@ class DraftCheckpoint:
         config, tensors = cls.read_checkpoint(directory)
         check_base_sizes(config, base_model, path_or_repo_id, cls.WHAT, extra=cls.base_checks(config, base_model),
                          at=cls.READS)
+        return cls.loaded(config, tensors, base_model)
+
+    @classmethod
+    def loaded(cls, config: Any, tensors: dict[str, torch.Tensor], base_model: PreTrainedModel) -> nn.Module:
+        """The module on ``base_model`` with ``tensors`` loaded strictly, on the base's device and dtype, in eval
+        mode."""
         module = cls.on_base(config, base_model)
         module.load_state_dict(tensors, strict=True)
         weight = base_model.get_output_embeddings().weight

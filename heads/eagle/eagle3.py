@@ -45,7 +45,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from heads.checkpoints.draft import DraftCheckpoint
-from heads.checkpoints.files import CONFIG, WEIGHTS, check_base_sizes, read_tensors, resolve, write_checkpoint
+from heads.checkpoints.files import CONFIG, WEIGHTS, read_tensors
 from heads.eagle.model import build_decoder, run_decoder, unrolled
 from heads.eagle.speculators_config import Eagle3Config
 from selfspec.core.draft_vocab import DraftVocab, check_draft_tokens
@@ -294,23 +294,20 @@ class Eagle3Head(nn.Module, DraftCheckpoint):
         return cls(config.on_model(base_model), base_model.get_input_embeddings(), own_embedding=own_embedding,
                    verifier_lm_head=base_model.get_output_embeddings())
 
-    def save_pretrained(self, directory: str | Path, repo_id: str | None = None) -> Path:
-        """config.json and model.safetensors as speculators 0.9 reads them (+ README.md), written atomically. The
-        embeddings are written too (the target's, where the draft has none of its own), as speculators writes them:
-        its loader leaves embed_tokens uninitialised when a checkpoint lacks it (transformers allocates the missing
-        tensor empty, and the verifier's weights replace only NaN ones)."""
+    def saved_state(self) -> dict[str, torch.Tensor]:
+        """As speculators 0.9 saves an EAGLE-3 draft: the embeddings too (the target's, where the draft has none of
+        its own), since its loader leaves embed_tokens uninitialised when a checkpoint lacks it (transformers allocates
+        the missing tensor empty, and the verifier's weights replace only NaN ones)."""
         state = self.state_dict()
         state.setdefault("embed_tokens.weight", self._frozen[0].weight.detach())
-        return write_checkpoint(directory, state, self.config.to_dict(), self.card(repo_id or str(directory)))
+        return state
 
     @classmethod
-    def from_pretrained(cls, path_or_repo_id: str | Path, base_model: PreTrainedModel,
-                        revision: str | None = None) -> "Eagle3Head":
-        """A speculators EAGLE-3 checkpoint (local directory or Hub id) on ``base_model``, strictly; refuses a target
-        of another width or vocabulary, and aux layers whose states the verifier does not give."""
-        directory = resolve(path_or_repo_id, revision)
-        config, tensors = read_eagle3_checkpoint(directory)
-        check_base_sizes(config, base_model, path_or_repo_id, cls.WHAT)
+    def loaded(cls, config: Eagle3Config, tensors: dict[str, torch.Tensor],
+               base_model: PreTrainedModel) -> "Eagle3Head":
+        """A speculators EAGLE-3 checkpoint's tensors on ``base_model``: stored embeddings equal to the target's are
+        held by reference, not copied; then completed as speculators' loader completes them
+        (``load_speculators_state``)."""
         embed = base_model.get_input_embeddings().weight
         stored = tensors.get("embed_tokens.weight")
         if stored is not None and torch.equal(stored.to(embed.device, embed.dtype), embed.detach()):

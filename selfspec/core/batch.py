@@ -28,44 +28,39 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Hashable, Iterator, Sequence
+from typing import Any, Hashable, Iterator, Sequence
 
 import torch
 
 from selfspec.core import hf
 from selfspec.core.drafter import Draft, Drafter, DraftState, LayerStates, check_batchable
-from selfspec.core.generate import (AcceptRule, Output, Step, check_accept_rule, check_request, extend, fit_draft, judge,
-                                    root_token, scored, timed)
+from selfspec.core.generate import (Output, Step, check_request, extend, fit_draft, judge, prefill_step, root_token,
+                                    scored, timed)
 from selfspec.core.head_rows import rows_accept
-from selfspec.core.processors import Processors
-from selfspec.core.sampling import Sampling, unprocessed
-from selfspec.core.stopping import Criterion, first_stop
+from selfspec.core.request import Decoding, as_decoding
+from selfspec.core.sampling import unprocessed
+from selfspec.core.stopping import first_stop
 from selfspec.core.target import Target
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Job:
-    """One sequence's request: what ``generate.stream`` takes for it, with a drafter of its own."""
+    """One sequence's request: its prompt, a drafter of its own, and what ``generate.stream`` would decode it with."""
 
     input_ids: torch.Tensor
     """[T] or [1, T] the prompt."""
     drafter: Drafter
     """this sequence's own drafter (``fork`` of a shared one): its state follows this sequence alone."""
-    max_new_tokens: int
-    sampling: Sampling = Sampling()
-    eos_token_id: int | list[int] | None = None
-    generator: torch.Generator | None = None
-    accept_rule: AcceptRule = "exact"
-    stopping_criteria: Sequence[Criterion] = ()
-    min_new_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    processors: Processors = Processors()
+    decoding: Decoding
+    """the request bound to the model (``selfspec.core.request.Decoding``)."""
 
-    @property
-    def eos(self) -> list[int]:
-        e = self.eos_token_id
-        return [e] if isinstance(e, int) else list(e or [])
+    def __init__(self, input_ids: torch.Tensor, drafter: Drafter, decoding: Decoding | int | None = None,
+                 **keywords: Any):
+        """decoding: a Decoding, or max_new_tokens with ``Decoding.of``'s keywords, as ``generate.stream`` takes
+        them (``Job(ids, drafter, 64, sampling=..., eos_token_id=...)``)."""
+        object.__setattr__(self, "input_ids", input_ids)
+        object.__setattr__(self, "drafter", drafter)
+        object.__setattr__(self, "decoding", as_decoding(decoding, keywords))
 
 
 @dataclass
@@ -111,24 +106,20 @@ class Batch:
         """1. prefill ``job``'s prompt alone and let it join the batch -> (its first Step, whether it is already done:
         then it does not join). Refuses a request plain decoding could not serve either, and a drafter that cannot
         batch."""
-        target = self.target
-        check_request(target, job.input_ids, job.max_new_tokens, job.logprobs, job.prompt_logprobs, job.min_new_tokens)
-        check_accept_rule(job.accept_rule, job.sampling)
+        target, d = self.target, job.decoding
+        check_request(target, job.input_ids, d.max_new_tokens)
         check_batchable(job.drafter)
         if key in self.keys:
             raise ValueError(f"a sequence with key {key!r} is already in the batch")
         prompt = job.input_ids.reshape(-1).to(target.device)
         cache = hf.rows_cache(target.model)
         t0 = time.perf_counter()
-        pre = target.prefill(prompt, cache, every_logit=job.prompt_logprobs is not None)
-        root = root_token(pre.logits[-1:], prompt, job.sampling, job.eos, job.processors, job.min_new_tokens,
-                          job.generator)
+        pre = target.prefill(prompt, cache, every_logit=d.options.prompt_logprobs is not None)
+        root = root_token(pre.logits[-1:], prompt, d)
         self._sync()
         tokens = torch.cat([prompt, prompt.new_tensor([root])])  # [T]
-        step = Step(tokens=(root,), tree_size=0, verify_s=time.perf_counter() - t0, other_s=0.0,
-                    logprobs=scored(pre.logits[-1:], prompt.new_tensor([root]), job.logprobs),
-                    prompt_logprobs=scored(pre.logits[:-1], prompt[1:], job.prompt_logprobs))
-        if job.max_new_tokens <= 1 or first_stop(job.stopping_criteria, tokens, 1, set(job.eos)) is not None:
+        step = prefill_step(pre, prompt, root, d.options, time.perf_counter() - t0)
+        if d.max_new_tokens <= 1 or first_stop(d.stopping_criteria, tokens, 1, set(d.eos)) is not None:
             return step, True
         hf.join_rows(self.cache, cache)
         self.live.append(_Live(key=key, job=job, prompt_length=prompt.shape[0], tokens=tokens, produced=1,
@@ -153,11 +144,12 @@ class Batch:
         # 2. draft: each sequence its own tree, never deeper than its tokens still wanted or the context allows
         drafts, draft_s = [], []
         for s, length in zip(self.live, lengths):
+            d = s.job.decoding
             state = DraftState(tokens=s.tokens, prompt_length=s.prompt_length, hidden=s.hidden, cache=None,
-                               sampling=s.job.sampling, new_hidden=s.new_hidden, new_states=s.new_states,
-                               generator=s.job.generator)
+                               sampling=d.sampling, new_hidden=s.new_hidden, new_states=s.new_states,
+                               generator=d.generator)
             proposed, seconds = timed(self._sync, s.job.drafter.draft, state)
-            drafts.append(fit_draft(proposed, target, length, s.job.max_new_tokens - s.produced - 1))
+            drafts.append(fit_draft(proposed, target, length, d.max_new_tokens - s.produced - 1))
             draft_s.append(seconds)
         if self.node_budget is not None and len(drafts) > 1:
             drafts = within_budget(drafts, self.node_budget)
@@ -171,9 +163,8 @@ class Batch:
         if head is None:
             accepted, path_logits = [], []
             for row, (s, d) in enumerate(zip(self.live, drafts)):
-                j = s.job
                 accepted.append(judge(d, out.logits[row, : len(d.tree)], s.tokens, s.prompt_length, s.produced,
-                                      j.sampling, j.eos, j.processors, j.min_new_tokens, j.accept_rule, j.generator))
+                                      s.job.decoding))
                 path_logits.append(out.logits[row, list(accepted[-1].path)])  # [P, V]
         else:
             accepted, path_logits = rows_accept(drafts, out.hidden, *head)
@@ -185,8 +176,8 @@ class Batch:
         results, done = [], set()
         other_s = time.perf_counter() - t_step - verify_s
         for row, (s, d, acc) in enumerate(zip(self.live, drafts, accepted)):
-            j = s.job
-            j.drafter.update(d, acc)
+            j = s.job.decoding
+            s.job.drafter.update(d, acc)
             s.tokens, new, stop = extend(s.tokens, d, acc, j.max_new_tokens - s.produced, j.stopping_criteria, j.eos)
             s.produced += len(new)
             path = list(acc.path)
@@ -194,7 +185,7 @@ class Batch:
             s.new_states = None if out.states is None else LayerStates.of(tuple(h[row] for h in out.states), path)
             step = Step(tokens=tuple(new), tree_size=len(d.tree), verify_s=verify_s, other_s=other_s,
                         draft_s=draft_s[row],
-                        logprobs=scored(path_logits[row][: len(new)], s.tokens[-len(new):], j.logprobs))
+                        logprobs=scored(path_logits[row][: len(new)], s.tokens[-len(new):], j.options.logprobs))
             finished = stop is not None or s.produced >= j.max_new_tokens
             if finished:
                 done.add(s.key)
@@ -205,8 +196,8 @@ class Batch:
     @staticmethod
     def _unprocessed(s: "_Live") -> bool:
         """Whether this sequence's step is greedy on scores as the model gives them (``head_rows`` may decide it)."""
-        j = s.job
-        return j.sampling.greedy and unprocessed(j.sampling, j.processors) and s.produced >= j.min_new_tokens
+        d = s.job.decoding
+        return d.sampling.greedy and unprocessed(d.sampling, d.processors) and s.produced >= d.min_new_tokens
 
     def _leave(self, keys: set[Hashable]) -> None:
         """Drop the sequences ``keys`` and their cache rows."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Literal, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 
@@ -29,13 +29,11 @@ from selfspec.core.accept import Acceptance, greedy_accept, sample_accept, typic
 from selfspec.core.drafter import Draft, Drafter, DraftState, LayerStates
 from selfspec.core.head_rows import greedy_from_hidden
 from selfspec.core.logprobs import TokenLogprob, token_logprobs
-from selfspec.core.processors import Processors
-from selfspec.core.request import check_logprobs, check_max_new_tokens, check_min_new_tokens
+from selfspec.core.request import AcceptRule, Decoding, GenerationOptions, as_decoding, check_max_new_tokens
 from selfspec.core.sampling import Sampling, next_token, path_scores, process_logits, unprocessed
 from selfspec.core.stopping import Criterion, first_stop
 from selfspec.core.target import Target
 
-AcceptRule = Literal["exact", "typical"]
 T = TypeVar("T")
 
 
@@ -78,12 +76,9 @@ class Output:
         return sum(s.verify_s + s.other_s for s in self.steps)
 
 
-def check_request(target: Target, input_ids: torch.Tensor, max_new_tokens: int, logprobs: int | None = None,
-                  prompt_logprobs: int | None = None, min_new_tokens: int = 0) -> None:
-    """Refuse requests plain decoding could not serve either, saying what was expected and what was found."""
-    check_logprobs("logprobs", logprobs)
-    check_logprobs("prompt_logprobs", prompt_logprobs)
-    check_min_new_tokens(min_new_tokens)
+def check_request(target: Target, input_ids: torch.Tensor, max_new_tokens: int) -> None:
+    """Refuse requests plain decoding could not serve either, saying what was expected and what was found (the options
+    alone were checked when they were made: ``GenerationOptions``)."""
     if input_ids.dim() == 2:
         if input_ids.shape[0] != 1:
             raise ValueError(f"this loop decodes one sequence (batch size 1); found batch size {input_ids.shape[0]}: "
@@ -118,41 +113,36 @@ def check_request(target: Target, input_ids: torch.Tensor, max_new_tokens: int, 
         )
 
 
-def stream(target: Target, drafter: Drafter, input_ids: torch.Tensor, max_new_tokens: int,
-           sampling: Sampling = Sampling(), eos_token_id: int | list[int] | None = None,
-           generator: torch.Generator | None = None, accept_rule: AcceptRule = "exact",
-           stopping_criteria: Sequence[Criterion] = (), min_new_tokens: int = 0, logprobs: int | None = None,
-           prompt_logprobs: int | None = None, processors: Processors = Processors()) -> Iterator[Step]:
+def stream(target: Target, drafter: Drafter, input_ids: torch.Tensor, decoding: Decoding | int | None = None,
+           **keywords: Any) -> Iterator[Step]:
     """Yield each step's new tokens as soon as the target has accepted them. input_ids [T] or [1, T].
 
-    stopping_criteria: transformers' stopping criteria (``selfspec.core.stopping.stop_strings`` for stop strings),
-    checked after every new token as ``generate`` checks them; min_new_tokens: the end-of-sequence tokens are blocked
-    until that many tokens are out, as ``generate(min_new_tokens=...)`` blocks them; logprobs = k: each step also
-    carries the target's log-probability of each new token and its k likeliest alternatives
-    (``selfspec.core.logprobs``; None: none); prompt_logprobs = k: the prefill's step carries the same for every
-    prompt token after the first; processors: the generation config's logits processors
-    (``selfspec.core.processors.from_config``), applied to each node's own text."""
-    check_request(target, input_ids, max_new_tokens, logprobs, prompt_logprobs, min_new_tokens)
-    check_accept_rule(accept_rule, sampling)
-    eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+    decoding: the request bound to this model (``selfspec.core.request.Decoding``: its options, end-of-sequence
+    tokens, stopping criteria, logits processors, generator and acceptance rule); or max_new_tokens, with any of
+    ``Decoding.of``'s keywords (``stream(target, drafter, ids, 64, sampling=Sampling(temperature=0.7), logprobs=3)``).
+    Stopping criteria are checked after every new token as ``generate`` checks them; end-of-sequence tokens are blocked
+    until min_new_tokens are out; logprobs = k: each step also carries the target's log-probability of each new token
+    and its k likeliest alternatives (``selfspec.core.logprobs``); prompt_logprobs = k: the prefill's step carries the
+    same for every prompt token after the first."""
+    d = as_decoding(decoding, keywords)
+    o, sampling, eos = d.options, d.sampling, d.eos
+    check_request(target, input_ids, o.max_new_tokens)
     prompt = input_ids.reshape(-1).to(target.device)
     cache = target.new_cache()
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
-    head = target.plain_head() if sampling.greedy and unprocessed(sampling, processors) else None  # for head_rows
+    head = target.plain_head() if sampling.greedy and unprocessed(sampling, d.processors) else None  # for head_rows
 
     # 1. prefill: the prompt in one causal forward; the target's own first token becomes the root
     t0 = time.perf_counter()
-    pre = target.prefill(prompt, cache, every_logit=prompt_logprobs is not None)
-    root = root_token(pre.logits[-1:], prompt, sampling, eos, processors, min_new_tokens, generator)
+    pre = target.prefill(prompt, cache, every_logit=o.prompt_logprobs is not None)
+    root = root_token(pre.logits[-1:], prompt, d)
     sync()
     tokens = torch.cat([prompt, prompt.new_tensor([root])])  # [T]
     hidden, new_hidden = pre.hidden[-1], pre.hidden  # [D], [T, D]
     new_states = None if pre.states is None else LayerStates.of(pre.states)  # every layer, every prompt position
-    yield Step(tokens=(root,), tree_size=0, verify_s=time.perf_counter() - t0, other_s=0.0,
-               logprobs=scored(pre.logits[-1:], prompt.new_tensor([root]), logprobs),
-               prompt_logprobs=scored(pre.logits[:-1], prompt[1:], prompt_logprobs))
+    yield prefill_step(pre, prompt, root, o, time.perf_counter() - t0)
     produced = 1
-    if produced >= max_new_tokens or first_stop(stopping_criteria, tokens, 1, set(eos), new=[root]) is not None:
+    if produced >= o.max_new_tokens or first_stop(d.stopping_criteria, tokens, 1, set(eos), new=[root]) is not None:
         return
 
     while True:
@@ -160,12 +150,12 @@ def stream(target: Target, drafter: Drafter, input_ids: torch.Tensor, max_new_to
         start = tokens.shape[0] - 1  # cache length: everything but the root
         # 2. draft a tree rooted at the last token; never deeper than the tokens still wanted or the context allows
         state = DraftState(tokens=tokens, prompt_length=prompt.shape[0], hidden=hidden, cache=cache, sampling=sampling,
-                           new_hidden=new_hidden, new_states=new_states, generator=generator)
+                           new_hidden=new_hidden, new_states=new_states, generator=d.generator)
         proposed, draft_s = timed(sync, drafter.draft, state)
-        draft = fit_draft(proposed, target, start, max_new_tokens - produced - 1)
+        draft = fit_draft(proposed, target, start, o.max_new_tokens - produced - 1)
 
         # 3. verify every node in one forward of the target (greedy on unprocessed scores: without the LM head)
-        rows = head is not None and produced >= min_new_tokens
+        rows = head is not None and produced >= d.min_new_tokens
         out, verify_s = timed(sync, target.verify, draft.tree, draft.tokens, cache, not rows)
 
         # 4. accept: the longest path the target agrees with, plus the target's own next token (each node's scores
@@ -174,8 +164,7 @@ def stream(target: Target, drafter: Drafter, input_ids: torch.Tensor, max_new_to
         if rows:
             acc, path_logits = greedy_from_hidden(draft.tree, draft.tokens, out.hidden, *head)  # [P, V]
         else:
-            acc = judge(draft, out.logits, tokens, prompt.shape[0], produced, sampling, eos, processors,
-                        min_new_tokens, accept_rule, generator)
+            acc = judge(draft, out.logits, tokens, prompt.shape[0], produced, d)
             path_logits = out.logits[list(acc.path)]  # [P, V]
 
         # 5. commit: the cache keeps the root and the accepted drafts, in order
@@ -185,37 +174,43 @@ def stream(target: Target, drafter: Drafter, input_ids: torch.Tensor, max_new_to
         drafter.update(draft, acc)
 
         # 7. emit, stopping exactly where plain decoding would: at EOS, a stop string, or max_new_tokens
-        tokens, new, stop = extend(tokens, draft, acc, max_new_tokens - produced, stopping_criteria, eos)
+        tokens, new, stop = extend(tokens, draft, acc, o.max_new_tokens - produced, d.stopping_criteria, eos)
         produced += len(new)
         hidden, new_hidden = out.hidden[acc.path[-1]], out.hidden[list(acc.path)]  # [D], [A, D]
         new_states = None if out.states is None else LayerStates.of(out.states, list(acc.path))
         # new[j] follows path node j (the bonus follows the last): its log-probability is that node's, unprocessed
         yield Step(tokens=tuple(new), tree_size=len(draft.tree), verify_s=verify_s,
                    other_s=time.perf_counter() - t_step - verify_s, draft_s=draft_s,
-                   logprobs=scored(path_logits[: len(new)], tokens[-len(new):], logprobs))
-        if stop is not None or produced >= max_new_tokens:
+                   logprobs=scored(path_logits[: len(new)], tokens[-len(new):], o.logprobs))
+        if stop is not None or produced >= o.max_new_tokens:
             return
 
 
-def root_token(logits: torch.Tensor, prompt: torch.Tensor, sampling: Sampling, eos: list[int], processors: Processors,
-               min_new_tokens: int, generator: torch.Generator | None) -> int:
+def prefill_step(pre: Any, prompt: torch.Tensor, root: int, options: GenerationOptions, seconds: float) -> Step:
+    """Step 1's output: the root token, the prefill's ``seconds``, and the log-probabilities ``options`` ask for
+    (the root's from the prefill's last logits, the prompt's from the others)."""
+    return Step(tokens=(root,), tree_size=0, verify_s=seconds, other_s=0.0,
+                logprobs=scored(pre.logits[-1:], prompt.new_tensor([root]), options.logprobs),
+                prompt_logprobs=scored(pre.logits[:-1], prompt[1:], options.prompt_logprobs))
+
+
+def root_token(logits: torch.Tensor, prompt: torch.Tensor, d: Decoding) -> int:
     """The first new token, from the prefill's logits [1, V] after the prompt [T]: processed as ``generate`` processes
     them (no end-of-sequence token if min_new_tokens > 0), then the argmax or a draw."""
-    last = path_scores(logits, sampling, prompt, prompt.shape[0], eos=eos, processors=processors,
-                       short=eos_blocked(0, torch.zeros(1, dtype=torch.long), min_new_tokens))  # [1, V]
-    return next_token(last[0], sampling, generator)
+    last = path_scores(logits, d.sampling, prompt, prompt.shape[0], eos=d.eos, processors=d.processors,
+                       short=eos_blocked(0, torch.zeros(1, dtype=torch.long), d.min_new_tokens))  # [1, V]
+    return next_token(last[0], d.sampling, d.generator)
 
 
 def judge(draft: Draft, logits: torch.Tensor, tokens: torch.Tensor, prompt_length: int, produced: int,
-          sampling: Sampling, eos: list[int], processors: Processors, min_new_tokens: int, rule: AcceptRule,
-          generator: torch.Generator | None) -> Acceptance:
+          d: Decoding) -> Acceptance:
     """Step 4 for one sequence: the target's logits [N, V] at each node of ``draft`` (rooted at tokens[-1], after
     ``produced`` new tokens) processed for each node's own text (penalties, a logit bias, no EOS while shorter than
     min_new_tokens), then the acceptance rule."""
-    short = eos_blocked(produced, draft.tree.on(logits.device).depth, min_new_tokens)  # [N] or None
-    scores = path_scores(logits, sampling, tokens, prompt_length, draft.tree, draft.tokens, short=short, eos=eos,
-                         processors=processors)  # [N, V]
-    return accept(draft, scores, sampling, rule, generator)
+    short = eos_blocked(produced, draft.tree.on(logits.device).depth, d.min_new_tokens)  # [N] or None
+    scores = path_scores(logits, d.sampling, tokens, prompt_length, draft.tree, draft.tokens, short=short, eos=d.eos,
+                         processors=d.processors)  # [N, V]
+    return accept(draft, scores, d.sampling, d.accept_rule, d.generator)
 
 
 def extend(tokens: torch.Tensor, draft: Draft, acc: Acceptance, room: int, criteria: Sequence[Criterion],
@@ -251,14 +246,6 @@ def scored(logits: torch.Tensor, tokens: torch.Tensor, k: int | None) -> tuple[T
     return () if k is None else tuple(token_logprobs(logits, tokens, k))
 
 
-def check_accept_rule(accept_rule: str, sampling: Sampling) -> None:
-    """'exact' (lossless), or 'typical' (Medusa's typical acceptance: lossy, sampling only)."""
-    if accept_rule not in ("exact", "typical"):
-        raise ValueError(f"accept_rule must be 'exact' or 'typical', found {accept_rule!r}")
-    if accept_rule == "typical" and sampling.greedy:
-        raise ValueError("typical acceptance is a sampling rule: set temperature > 0, or use accept_rule='exact'")
-
-
 def fit_draft(draft: Draft, target: Target, start: int, wanted: int) -> Draft:
     """``draft`` cut to what this step may verify: no deeper than the ``wanted`` tokens still to come beyond the bonus
     or the context's room after the ``start`` cached tokens; inside a local attention window the mask cannot express
@@ -282,11 +269,12 @@ def accept(draft: Draft, logits: torch.Tensor, sampling: Sampling, rule: AcceptR
     return typical_accept(draft.tree, draft.tokens, p_target, generator=generator)
 
 
-def generate(target: Target, drafter: Drafter, input_ids: torch.Tensor, max_new_tokens: int, **kwargs) -> Output:
-    """Run ``stream`` to the end; Output.tokens holds the new tokens only."""
+def generate(target: Target, drafter: Drafter, input_ids: torch.Tensor, decoding: Decoding | int | None = None,
+             **keywords: Any) -> Output:
+    """Run ``stream`` to the end (the same arguments); Output.tokens holds the new tokens only."""
     t = input_ids.reshape(-1).shape[0]
     out = Output(prompt_length=t)
-    for step in stream(target, drafter, input_ids, max_new_tokens, **kwargs):
+    for step in stream(target, drafter, input_ids, decoding, **keywords):
         out.steps.append(step)
         out.tokens.extend(step.tokens)
     return out

@@ -6,7 +6,8 @@ raise, each message saying what was expected and what was found; nested dataclas
 ``check`` runs the same type checks on an instance (a dataclass's ``__post_init__`` calls it), so a config built in
 code is held to the same types as one read from a file.
 
-Types understood: ``bool``, ``int`` (not a bool), ``float`` (an int is taken and stored as a float), ``str``,
+Types understood: ``bool``, ``int`` (not a bool), ``float`` (an int is taken and stored as a float), ``str``, ``Path``
+(text is taken and stored as a Path),
 ``X | None``, ``Literal[...]``, ``list[X]``, ``tuple[X, ...]`` (a list or tuple, stored as a tuple), ``dict`` (any
 mapping, stored as a dict), nested dataclasses, and ``Any``.
 
@@ -25,6 +26,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass
+from pathlib import Path, PurePath
 from typing import Any, Literal, Mapping, Sequence, TypeVar
 
 T = TypeVar("T")
@@ -163,6 +165,10 @@ def _fit_scalar(value: Any, tp: Any, where: str, wording: Wording, text_floats: 
             value = float(value)
     elif tp is str:
         ok = isinstance(value, str)
+    elif tp is Path:
+        ok = isinstance(value, (str, PurePath))
+        if ok and not isinstance(value, Path):
+            value = Path(value)
     else:
         raise TypeError(f"{where}: config fields of type {type_name(tp)} are not supported")
     if not ok:

@@ -51,6 +51,7 @@ from selfspec.tools.bench_log import BenchLog
 from selfspec.tools.llamacpp import LlamaRunner
 from selfspec.core.drafter import NoDrafter
 from selfspec.core.models import DEFAULT_MODEL, check_device, load_model, parse_dtype
+from selfspec.core import typed
 from selfspec.core.request import GenerationOptions
 from selfspec.tools.plots import plot_summary
 from selfspec.tools.specbench import Answer, Question
@@ -75,7 +76,6 @@ class BenchConfig:
     """Hub revision of ``model``."""
     draft_revision: str | None = None
     """Hub revision of every draft checkpoint named by a Hub id."""
-    max_new_tokens: int = 192
     limit: int | None = None
     """answer only the first N questions."""
     per_category: int | None = None
@@ -90,22 +90,12 @@ class BenchConfig:
     progress: bool = True
     resume: bool = False
     """continue the run logged in out_dir (bench_log); without it an out_dir holding a run is refused."""
-    temperature: float = 0.0
-    """0: greedy (answers comparable token for token with plain decoding's); > 0: sampling, as ``generate``."""
-    top_p: float = 1.0
-    top_k: int = 0
-    """0: no top-k cut."""
-    min_p: float = 0.0
-    """0: no min-p cut."""
-    seed: int = 0
-    """with sampling, every turn of every method is seeded with seed + 1000 * question_id + turn."""
-    repetition_penalty: float | None = None
-    """for every method, plain decoding included; None: the model's generation config's (as its generate)."""
-    stop: tuple[str, ...] | None = None
-    """stop strings for every method, plain decoding included (a turn ends after the token that completes one);
-    None: the model's generation config's stop_strings; (): none."""
-    min_new_tokens: int | None = None
-    """no end-of-sequence token before this many new tokens, for every method; None: the generation config's."""
+    options: GenerationOptions = GenerationOptions(max_new_tokens=192, seed=0)
+    """what every method, plain decoding included, decodes every turn with (``bench_options`` makes it from the
+    flags): max_new_tokens; temperature 0 greedy (answers comparable token for token with plain decoding's), > 0
+    sampling (with top_p, top_k, min_p), every turn of every method seeded with seed + 1000 * question_id + turn (a
+    seed of None counts as 0); the repetition penalty, stop strings and min_new_tokens (None: the model's generation
+    config's, as its generate; stop (): none)."""
     compile: bool = False
     """compile each dtype's target (``selfspec.core.compiled``): every method, plain decoding included, runs the same
     compiled forward."""
@@ -115,9 +105,11 @@ class BenchConfig:
     """llama.cpp's llama-server binary; None: $LLAMA_SERVER, else llama-server on PATH."""
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1 or self.repeats < 1 or self.warmup_tokens < 0:
-            raise ValueError(f"max_new_tokens and repeats must be >= 1 and warmup_tokens >= 0, found "
-                             f"{self.max_new_tokens}, {self.repeats}, {self.warmup_tokens}")
+        typed.check(self)
+        if self.options.seed is None:
+            object.__setattr__(self, "options", self.options.replace(seed=0))
+        if self.repeats < 1 or self.warmup_tokens < 0:
+            raise ValueError(f"repeats must be >= 1 and warmup_tokens >= 0, found {self.repeats}, {self.warmup_tokens}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be >= 1, found {self.limit}")
         if self.per_category is not None and self.per_category < 1:
@@ -126,35 +118,52 @@ class BenchConfig:
             raise ValueError(f"skip_per_category must be >= 0, found {self.skip_per_category}")
         if not self.methods or not self.dtypes:
             raise ValueError("expected at least one method and one dtype")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or not 0 <= self.min_p <= 1:
-            raise ValueError(f"expected temperature >= 0, 0 < top_p <= 1, top_k >= 0 and 0 <= min_p <= 1, found "
-                             f"temperature {self.temperature}, top_p {self.top_p}, top_k {self.top_k}, "
-                             f"min_p {self.min_p}")
-        if self.repetition_penalty is not None and not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1.0 = off), found {self.repetition_penalty}")
         check_device(self.device)
-        if self.min_new_tokens is not None and not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise ValueError(f"min_new_tokens must be between 0 and max_new_tokens ({self.max_new_tokens}), found "
-                             f"{self.min_new_tokens}")
-        llamacpp.check_bench(self.methods, self.llama_model, self.temperature > 0, self.repetition_penalty, self.stop,
-                             self.min_new_tokens)
+        o = self.options
+        llamacpp.check_bench(self.methods, self.llama_model, o.sampled, o.repetition_penalty, o.stop, o.min_new_tokens)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.options.max_new_tokens
 
     @property
     def limits(self) -> dict[str, Any]:
         """The stop strings and min_new_tokens every method is given (an empty dict: the generation config's)."""
-        return {k: v for k, v in (("stop", self.stop), ("min_new_tokens", self.min_new_tokens)) if v is not None}
+        o = self.options
+        return {k: v for k, v in (("stop", o.stop), ("min_new_tokens", o.min_new_tokens)) if v is not None}
 
     @property
     def sampling(self) -> dict[str, Any] | None:
         """The sampling arguments when sampling (temperature > 0), else None (greedy)."""
-        if self.temperature == 0:
+        o = self.options
+        if not o.sampled:
             return None
-        out = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
-        return {**out, "min_p": self.min_p} if self.min_p else out  # manifests from before min_p stay resumable
+        out = {"temperature": o.temperature, "top_p": o.top_p, "top_k": o.top_k, "seed": o.seed}
+        return {**out, "min_p": o.min_p} if o.min_p else out  # manifests from before min_p stay resumable
 
-    def options(self, max_new_tokens: int) -> GenerationOptions:
-        """What every method decodes each turn with (the seed is each turn's own, ``turn_seed``)."""
-        return GenerationOptions(max_new_tokens=max_new_tokens, **(self.sampling or {}), **self.limits)
+    def turn_options(self, max_new_tokens: int) -> GenerationOptions:
+        """What every method decodes each turn with (the seed is each turn's own, ``turn_seed``): greedy, only the
+        repetition penalty and the limits of ``options``."""
+        o = self.options
+        if o.sampled:
+            return o.replace(max_new_tokens=max_new_tokens)
+        return GenerationOptions(max_new_tokens=max_new_tokens, repetition_penalty=o.repetition_penalty, **self.limits)
+
+
+def bench_options(max_new_tokens: int, **flags: Any) -> GenerationOptions:
+    """The bench's decoding flags (temperature, top_p, top_k, min_p, seed, repetition_penalty, stop, min_new_tokens)
+    -> ``BenchConfig.options``; their ranges are said as the bench has always said them, then ``GenerationOptions``
+    checks them all."""
+    o = GenerationOptions(max_new_tokens=max_new_tokens)
+    t, top_p, top_k, min_p = (flags.get(k, getattr(o, k)) for k in ("temperature", "top_p", "top_k", "min_p"))
+    if t < 0 or not 0 < top_p <= 1 or top_k < 0 or not 0 <= min_p <= 1:
+        raise ValueError(f"expected temperature >= 0, 0 < top_p <= 1, top_k >= 0 and 0 <= min_p <= 1, found "
+                         f"temperature {t}, top_p {top_p}, top_k {top_k}, min_p {min_p}")
+    if (penalty := flags.get("repetition_penalty")) is not None and not penalty > 0:
+        raise ValueError(f"repetition_penalty must be > 0 (1.0 = off), found {penalty}")
+    if (least := flags.get("min_new_tokens")) is not None and not 0 <= least <= max_new_tokens:
+        raise ValueError(f"min_new_tokens must be between 0 and max_new_tokens ({max_new_tokens}), found {least}")
+    return o.replace(**flags)
 
 
 @dataclass(frozen=True)
@@ -311,7 +320,7 @@ def _manifest(cfg: BenchConfig, questions: list[Question], methods: list[Method]
     if cfg.sampling is not None:  # greedy runs keep the manifest they always had (their logs stay resumable)
         manifest["sampling"] = cfg.sampling
     manifest.update({k: v for k, v in (("revision", cfg.revision), ("draft_revision", cfg.draft_revision),
-                                       ("repetition_penalty", cfg.repetition_penalty)) if v is not None})
+                                       ("repetition_penalty", cfg.options.repetition_penalty)) if v is not None})
     if cfg.compile:  # uncompiled runs keep the manifest they always had
         manifest["compile"] = True
     manifest.update({k: list(v) if k == "stop" else v for k, v in cfg.limits.items()})
@@ -377,7 +386,7 @@ def _load(cfg: BenchConfig, methods: list[Method], dtypes: list[str], log: Bench
             # DRAFT@auto: tune-tree's choice when the run first met it, kept for the whole run
             tree = None if m.draft is None or m.draft.tree != "auto" else log.auto_tree(
                 m.label, dname, lambda: registry.resolve_tree("auto", m.draft, target, cfg.model).spec)
-            runners[dname][m.label] = _runner(m, target, tokenizer, cfg.model, cfg.repetition_penalty, tree)
+            runners[dname][m.label] = _runner(m, target, tokenizer, cfg.model, cfg.options.repetition_penalty, tree)
     return runners, calls
 
 
@@ -397,7 +406,7 @@ def _answer(cfg: BenchConfig, questions: list[Question], methods: list[Method], 
             for m in methods:
                 if not log.has(m.label, dname, q.question_id):
                     log.add(m.label, dname, answer_question(runners[dname][m.label], calls[dname][m.label], q,
-                                                            cfg.options(cfg.max_new_tokens), cfg.repeats))
+                                                            cfg.turn_options(cfg.max_new_tokens), cfg.repeats))
         summary = _report(out, log, questions, methods, dtypes, model_id)  # partial results readable at any time
         if not cfg.progress:  # a line per question instead of a bar (logs of runs under nohup)
             minutes = (time.perf_counter() - started) / 60
@@ -431,7 +440,7 @@ def run_bench(cfg: BenchConfig) -> specbench.Summary:
             for dname in dtypes:
                 for m in methods:
                     answer_question(runners[dname][m.label], calls[dname][m.label], warm,
-                                    cfg.options(cfg.warmup_tokens))
+                                    cfg.turn_options(cfg.warmup_tokens))
         # 4. answer, question by question, every answer logged as it exists
         summary = _answer(cfg, questions, methods, dtypes, log, runners, calls, model_id)
 

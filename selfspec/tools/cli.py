@@ -27,7 +27,7 @@ from selfspec.core.models import load_model
 from selfspec.core.request import GenerationOptions
 from selfspec.core.target import Target
 from selfspec.tools import calibrate, llamacpp, load, main_job, policy_fit, serve, specbench
-from selfspec.tools.bench import DEFAULT_QUESTIONS, BenchConfig, draft_method, run_bench
+from selfspec.tools.bench import DEFAULT_QUESTIONS, BenchConfig, bench_options, draft_method, run_bench
 from selfspec.tools.cli_parsers import build_bench_parser, build_costs_parser, build_parser, build_serve_parser
 from selfspec.tools.costs import format_costs, loop_overhead, verify_costs
 from selfspec.tools.options import names
@@ -156,14 +156,13 @@ def run_bench_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
     methods = llamacpp.join_options(registry.split_drafts(a.methods))  # 'llamacpp:ngram-mod,ngram-n=4': one method
     cfg = BenchConfig(questions=a.questions, out_dir=a.out_dir, methods=methods,
                       dtypes=names(a.dtype), model=a.model, revision=a.revision, draft_revision=a.draft_revision,
-                      max_new_tokens=a.max_new_tokens, limit=a.limit, per_category=a.per_category,
-                      skip_per_category=a.skip_per_category, repeats=a.repeats,
-                      warmup_tokens=a.warmup_tokens, device=a.device, allow_other_base=a.allow_other_base,
-                      progress=not a.no_progress, resume=a.resume, temperature=a.temperature, top_p=a.top_p,
-                      top_k=a.top_k, min_p=a.min_p, seed=a.seed, repetition_penalty=a.repetition_penalty,
-                      stop=stop if (stop := stop_strings(a.stop)) is None else tuple(stop),
-                      min_new_tokens=a.min_new_tokens, compile=a.compile, llama_model=a.llama_model,
-                      llama_server=a.llama_server)
+                      limit=a.limit, per_category=a.per_category, skip_per_category=a.skip_per_category,
+                      repeats=a.repeats, warmup_tokens=a.warmup_tokens, device=a.device,
+                      allow_other_base=a.allow_other_base, progress=not a.no_progress, resume=a.resume,
+                      options=bench_options(a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                                            min_p=a.min_p, seed=a.seed, repetition_penalty=a.repetition_penalty,
+                                            stop=stop_strings(a.stop), min_new_tokens=a.min_new_tokens),
+                      compile=a.compile, llama_model=a.llama_model, llama_server=a.llama_server)
     try:
         summary = run_bench(cfg)
     except KeyboardInterrupt:

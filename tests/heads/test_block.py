@@ -40,19 +40,28 @@ VOCAB = 96
 FEATURES = [0, 1, 2]  # EAGLE-3 features on a 2-layer tiny model: the embeddings, layer 1's output, the final state
 
 
+def random_block(model, cfg: BlockConfig, seed: int) -> BlockHead:
+    """A block head on ``model`` built under ``torch.manual_seed(seed)``, its masks random (a trained one is not near
+    zero), and below the full vocabulary a random draft vocabulary (from its own generator: the global one's draws
+    after this are the same either way)."""
+    torch.manual_seed(seed)
+    head = BlockHead(cfg, model.get_input_embeddings(), model.get_output_embeddings()).eval()
+    with torch.no_grad():
+        head.mask.normal_(std=0.5)
+    if cfg.draft_vocab_size < model.config.vocab_size:
+        head.draft_vocab.set(torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(seed))
+                             [:cfg.draft_vocab_size])
+    return head
+
+
 def make_head(model, seed: int = 0, block_size: int = 4, draft_vocab: int = VOCAB, num_layers: int = 1,
               feature_layers=None, **kwargs) -> BlockHead:
     cfg = BlockConfig.for_model(model, num_layers=num_layers, block_size=block_size, draft_vocab_size=draft_vocab,
                                 feature_layers=feature_layers, **kwargs)
-    torch.manual_seed(seed)
-    head = BlockHead(cfg, model.get_input_embeddings(), model.get_output_embeddings()).eval()
-    with torch.no_grad():
-        head.mask.normal_(std=0.5)  # masks that matter (a trained one is not near zero)
-        if head.fuse is not None:
+    head = random_block(model, cfg, seed)
+    if head.fuse is not None:
+        with torch.no_grad():
             torch.nn.init.normal_(head.fuse.weight, std=0.3)
-    if draft_vocab < model.config.vocab_size:
-        head.draft_vocab.set(torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(seed))
-                             [:draft_vocab])
     return head
 
 

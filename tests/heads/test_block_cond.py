@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (ARCHS, losses_over_steps, random_prompts, reference, state_after_prefill, tiny_model)
+from test_block import random_block
 from test_distribution import ALPHA, PROMPT, V_LOOP, _loop_counts, goodness_of_fit, world
 
 from heads.block.chained import Chain
@@ -39,10 +40,8 @@ def cond_head(model, seed: int = 0, block_size: int = 4, rank: int = 8, confiden
     """A random conditioned block head whose bias and confidence matter (both start at zero when trained)."""
     cfg = BlockConfig.for_model(model, block_size=block_size, draft_vocab_size=draft_vocab, condition_rank=rank,
                                 confidence=confidence, **kwargs)
-    torch.manual_seed(seed)
-    head = BlockHead(cfg, model.get_input_embeddings(), model.get_output_embeddings()).eval()
+    head = random_block(model, cfg, seed)
     with torch.no_grad():
-        head.mask.normal_(std=0.5)
         if head.markov is not None:
             head.markov.up.weight.normal_(std=scale)
         if head.confidence is not None:
@@ -50,9 +49,6 @@ def cond_head(model, seed: int = 0, block_size: int = 4, rank: int = 8, confiden
             head.confidence.state.bias.fill_(1.0)
             if head.confidence.code is not None:
                 head.confidence.code.weight.normal_(std=0.5)
-    if draft_vocab < model.config.vocab_size:
-        head.draft_vocab.set(torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(seed))
-                             [:draft_vocab])
     return head
 
 
