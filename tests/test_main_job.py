@@ -67,6 +67,9 @@ def test_a_recipe_of_another_kind_or_no_file_is_refused_before_anything_runs(tmp
     assert "expected a recipe with method: block" in capsys.readouterr().err
     assert cli.main(["main-job", "--recipe", str(tmp_path / "none.yaml")]) == 2
     assert "no such file" in capsys.readouterr().err
+    (tmp_path / "bad.yaml").write_text("output_dir: [unclosed\n")
+    assert cli.main(["main-job", "--recipe", str(tmp_path / "bad.yaml")]) == 2
+    assert "not YAML that can be read" in capsys.readouterr().err
 
 
 class Children:

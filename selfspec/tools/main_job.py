@@ -66,7 +66,10 @@ def output_dir(recipe: Path) -> Path:
     """The recipe's ``output_dir``, read from its YAML (a block drafter's recipe: ``method: block``)."""
     if not recipe.is_file():
         raise FileNotFoundError(f"--recipe {recipe}: no such file; expected a block drafter's recipe, e.g. {RECIPE}")
-    data = yaml.safe_load(recipe.read_text()) or {}
+    try:
+        data = yaml.safe_load(recipe.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"--recipe {recipe}: not YAML that can be read ({' '.join(str(err).split())})") from None
     if not isinstance(data, dict) or data.get("method") != "block" or not data.get("output_dir"):
         found = data.get("method") if isinstance(data, dict) else type(data).__name__
         raise ValueError(f"--recipe {recipe}: the main job trains a block drafter: expected a recipe with method: block "
@@ -76,6 +79,8 @@ def output_dir(recipe: Path) -> Path:
 
 def script(name: str) -> str:
     """train.py / infer.py as a user in this directory names it (the steps run in the current directory)."""
+    if not (ROOT / name).is_file():
+        raise FileNotFoundError(f"{ROOT / name}: the main job runs the scripts of a source checkout (pip install -e .)")
     return name if Path.cwd().resolve() == ROOT else str(ROOT / name)
 
 
