@@ -43,7 +43,7 @@ from selfspec.core.generate import check_request, stream as spec_stream
 from selfspec.core.logprobs import TokenLogprob, token_logprobs
 from selfspec.core.models import DEFAULT_MODEL, load_model
 from selfspec.core.request import Decoding, GenerationOptions, options_from, split_options
-from selfspec.core.sampling import PresencePenalty, Sampling
+from selfspec.core.sampling import PresencePenalty
 from selfspec.core.stopping import first_stop, stop_strings
 from selfspec.core.target import Target
 from selfspec.core.text_stream import (  # noqa: F401 - IncrementalDecoder: re-exported, the API's own name
@@ -289,9 +289,9 @@ class SpecModel:
         strings and the minimum length as selfspec decodes with them are set on the generation config for the call:
         generate takes an argument of None (min_p=0, stop=[]) as "unset" and falls back to the config's; min_length
         None, not 0 (min_new_tokens already counts it): a min_length beside min_new_tokens makes it warn."""
-        o = r.options
+        d, o = r.decoding, r.decoding.options
         with _set(self.model.generation_config, min_p=(o.min_p or None) if o.sampled else None,
-                  stop_strings=list(r.stops) or None, min_length=None, min_new_tokens=r.min_new_tokens or None):
+                  stop_strings=list(o.stop or ()) or None, min_length=None, min_new_tokens=d.min_new_tokens or None):
             t0 = time.perf_counter()
             out = self.model.generate(ids, attention_mask=mask, output_logits=o.logprobs is not None,
                                       return_dict_in_generate=True, **kwargs)
@@ -305,11 +305,12 @@ class SpecModel:
         longest; a seeded sampled batch draws from one generator, so its rows are not those of one-at-a-time runs).
         Each row's answer ends where plain decoding of it alone would (its first end-of-sequence token or stop string,
         ``first_stop``; what follows is padding); every row's seconds are the batch's."""
-        first, o = requests[0], requests[0].options
+        first, o = requests[0], requests[0].decoding.options
         for r in requests:
             check_request(self.target, r.ids, o.max_new_tokens)
-        if len({r.min_new_tokens for r in requests}) > 1:  # only the generation config's min_length does this
-            raise ValueError(f"the prompts need different min_new_tokens ({sorted({r.min_new_tokens for r in requests})}"
+        least = {r.decoding.min_new_tokens for r in requests}
+        if len(least) > 1:  # only the generation config's min_length does this
+            raise ValueError(f"the prompts need different min_new_tokens ({sorted(least)}"
                              ", from the generation config's min_length): one padded batch takes one; decode them "
                              "one at a time, or give min_new_tokens")
         kwargs = {**self._plain_kwargs(first), **hf_kwargs}
@@ -330,7 +331,7 @@ class SpecModel:
         eos = set(self.eos_token_id or ())
         results = []
         for b, r in enumerate(requests):
-            end = first_stop(first.criteria, torch.cat([r.ids, new[b]]), new.shape[1], eos)
+            end = first_stop(first.decoding.stopping_criteria, torch.cat([r.ids, new[b]]), new.shape[1], eos)
             tokens = new[b, : new.shape[1] if end is None else end + 1].tolist()
             lps = prompt_lps = None
             if o.logprobs is not None:
@@ -347,9 +348,9 @@ class SpecModel:
     def _plain_kwargs(self, r: "_Request") -> dict[str, Any]:
         """``model.generate``'s arguments for request ``r`` (seeding torch's global generator when it samples with a
         seed, as plain decoding draws from it)."""
-        o = r.options
+        o, sampling = r.decoding.options, r.decoding.sampling
         kwargs: dict[str, Any] = dict(do_sample=o.sampled, max_new_tokens=o.max_new_tokens,
-                                      repetition_penalty=r.sampling.repetition_penalty)
+                                      repetition_penalty=sampling.repetition_penalty)
         if o.sampled:  # the warpers: this request's, else the generation config's (as generate would read them)
             kwargs.update(temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, typical_p=o.typical_p,
                           epsilon_cutoff=o.epsilon_cutoff, eta_cutoff=o.eta_cutoff)
@@ -357,10 +358,10 @@ class SpecModel:
                 torch.manual_seed(o.seed)
         else:  # neutralise any sampling defaults of the checkpoint's generation_config
             kwargs.update(temperature=None, top_p=None, top_k=None)
-        if r.stops:
+        if o.stop:
             kwargs["tokenizer"] = self.tokenizer
-        if r.sampling.logit_bias:  # transformers' one-token sequence biases are a logit bias
-            kwargs["sequence_bias"] = {(k,): v for k, v in r.sampling.logit_bias}
+        if sampling.logit_bias:  # transformers' one-token sequence biases are a logit bias
+            kwargs["sequence_bias"] = {(k,): v for k, v in sampling.logit_bias}
         if o.presence_penalty or o.frequency_penalty:
             kwargs["logits_processor"] = LogitsProcessorList(
                 [PresencePenalty(r.ids.shape[0], o.presence_penalty, o.frequency_penalty)])
@@ -457,27 +458,6 @@ class _Request:
     """long [T]: the prompt."""
     decoding: Decoding
     """its options with this model's defaults filled in, and what the model makes of them."""
-
-    @property
-    def options(self) -> GenerationOptions:
-        return self.decoding.options
-
-    @property
-    def sampling(self) -> Sampling:
-        return self.decoding.sampling
-
-    @property
-    def stops(self) -> tuple[str, ...]:
-        return self.decoding.options.stop or ()
-
-    @property
-    def criteria(self) -> tuple:
-        """transformers' stopping criteria for ``stops``."""
-        return self.decoding.stopping_criteria
-
-    @property
-    def min_new_tokens(self) -> int:
-        return self.decoding.min_new_tokens
 
 
 def load(model: str = DEFAULT_MODEL, draft: str = "ngram", dtype: str | torch.dtype = "float32",

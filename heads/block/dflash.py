@@ -49,9 +49,9 @@ from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb, rotat
 
 from heads.block.dflash_config import DFlashConfig
 from heads.checkpoints.draft import DraftCheckpoint
-from heads.eagle.eagle3 import load_speculators_state, read_speculators, vocab_mask
+from heads.eagle.eagle3 import SpeculatorsDraft, load_speculators_state, read_speculators
 from heads.eagle.model import build_decoder
-from selfspec.core.draft_vocab import DraftVocab, check_draft_tokens
+from selfspec.core.draft_vocab import DraftVocab
 
 IGNORED = ("verifier_lm_head.weight", "verifier_norm.weight", "embed_tokens.weight")
 """tensors a speculators DFlash checkpoint may carry that change nothing here: its training-only verifier head and
@@ -103,7 +103,7 @@ def read_dflash_checkpoint(directory: Path) -> tuple[DFlashConfig, dict[str, tor
                             lambda config, _: DFlashHead(config, nn.Embedding(config.vocab_size, config.hidden_size)))
 
 
-class DFlashHead(nn.Module, DraftCheckpoint):
+class DFlashHead(nn.Module, SpeculatorsDraft, DraftCheckpoint):
     """speculators' DFlash draft (see the module docstring): fc, hidden_norm, the layers, the final norm, lm_head (the
     target's rows, frozen) and the draft vocabulary's maps; the target's embeddings and LM head held by reference."""
 
@@ -139,16 +139,9 @@ class DFlashHead(nn.Module, DraftCheckpoint):
         """tokens [...] -> the target's embeddings [..., D] (a plain lookup, as speculators and vLLM do)."""
         return F.embedding(tokens, self._frozen[0].weight.detach())
 
-    @property
-    def feature_width(self) -> int:
-        return self.config.hidden_size * self.config.num_features
-
     def true_features(self, features: torch.Tensor) -> torch.Tensor:
         """The target's aux states [..., A·D] (in aux_hidden_state_layer_ids order) -> ctx [..., D]."""
-        if features.shape[-1] != self.feature_width:
-            raise ValueError(f"speculators DFlash draft: expected target features of width {self.feature_width} "
-                             f"({self.config.num_features} layers x {self.config.hidden_size}), found {features.shape[-1]}")
-        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        return self.hidden_norm(self.fc(self.checked_features(features)))
 
     def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """ctx [B, S, D] at positions [B, S] -> per layer the keys (normed, rotated) and values, [B, H_kv, S, d]."""
@@ -238,14 +231,6 @@ class DFlashHead(nn.Module, DraftCheckpoint):
         return dflash_card(config, location)
 
     read_checkpoint = staticmethod(read_dflash_checkpoint)
-
-    def set_draft_vocab(self, tokens) -> None:
-        """The draft vocabulary: V' distinct target ids, stored sorted as d2t offsets and the t2d mask."""
-        tokens = check_draft_tokens(tokens, self.config.draft_vocab_size, self.config.vocab_size).sort().values
-        if self.d2t is None:
-            return
-        self.d2t.copy_(tokens - torch.arange(len(tokens)))
-        self.t2d.copy_(vocab_mask(tokens, self.config.vocab_size))
 
     def init_lm_head(self) -> None:
         """lm_head := the target's LM head rows of the draft vocabulary (speculators' loader does the same)."""

@@ -168,7 +168,32 @@ python infer.py --model {config.verifier} --draft {location}
 """
 
 
-class Eagle3Head(nn.Module, DraftCheckpoint):
+class SpeculatorsDraft:
+    """What speculators' EAGLE-3 and DFlash drafts share (a module with a ``config``, a ``WHAT``, ``fc`` and the
+    ``d2t`` / ``t2d`` buffers): they read A layers' states of the target, concatenated [..., A·D], through ``fc``, and
+    keep a draft vocabulary as speculators stores it."""
+
+    @property
+    def feature_width(self) -> int:
+        return self.config.hidden_size * self.config.num_features
+
+    def checked_features(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's aux states [..., A·D], refused at another width, in ``fc``'s dtype."""
+        if features.shape[-1] != self.feature_width:
+            raise ValueError(f"{self.WHAT}: expected target features of width {self.feature_width} "
+                             f"({self.config.num_features} layers x {self.config.hidden_size}), found {features.shape[-1]}")
+        return features.to(self.fc.weight.dtype)
+
+    def set_draft_vocab(self, tokens) -> None:
+        """The draft vocabulary: V' distinct target ids, stored sorted as d2t offsets and the t2d mask."""
+        tokens = check_draft_tokens(tokens, self.config.draft_vocab_size, self.config.vocab_size).sort().values
+        if self.d2t is None:
+            return
+        self.d2t.copy_(tokens - torch.arange(len(tokens)))
+        self.t2d.copy_(vocab_mask(tokens, self.config.vocab_size))
+
+
+class Eagle3Head(nn.Module, SpeculatorsDraft, DraftCheckpoint):
     """speculators' EAGLE-3 draft (see the module docstring): fc, the decoder layers, the final norm, its own lm_head
     and the draft vocabulary's maps; the target's embeddings held by reference unless the checkpoint has its own."""
 
@@ -212,16 +237,9 @@ class Eagle3Head(nn.Module, DraftCheckpoint):
         weight = self.embed_tokens.weight if self.embed_tokens is not None else self._frozen[0].weight
         return F.embedding(tokens, weight.detach())
 
-    @property
-    def feature_width(self) -> int:
-        return self.config.hidden_size * self.config.num_features
-
     def true_features(self, features: torch.Tensor) -> torch.Tensor:
         """The target's aux states [..., A·D] (in eagle_aux_hidden_state_layer_ids order) -> g [..., D]."""
-        if features.shape[-1] != self.feature_width:
-            raise ValueError(f"speculators EAGLE-3 draft: expected target features of width {self.feature_width} "
-                             f"({self.config.num_features} layers x {self.config.hidden_size}), found {features.shape[-1]}")
-        x = features.to(self.fc.weight.dtype)
+        x = self.checked_features(features)
         if self.input_norm is not None:
             x = self.input_norm(x)
         if self.fc_norm is not None:
@@ -280,14 +298,6 @@ class Eagle3Head(nn.Module, DraftCheckpoint):
     # ---------------------------------------------------------------------------------------------------- storage
     card_for = staticmethod(eagle3_card)
     read_checkpoint = staticmethod(read_eagle3_checkpoint)
-
-    def set_draft_vocab(self, tokens) -> None:
-        """The draft vocabulary: V' distinct target ids, stored sorted as d2t offsets and the t2d mask."""
-        tokens = check_draft_tokens(tokens, self.config.draft_vocab_size, self.config.vocab_size).sort().values
-        if self.d2t is None:
-            return
-        self.d2t.copy_(tokens - torch.arange(len(tokens)))
-        self.t2d.copy_(vocab_mask(tokens, self.config.vocab_size))
 
     @classmethod
     def on_base(cls, config: Eagle3Config, base_model: PreTrainedModel, own_embedding: bool = False) -> "Eagle3Head":

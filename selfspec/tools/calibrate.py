@@ -175,13 +175,19 @@ def _allow_other_base(p: argparse.ArgumentParser) -> None:
                    help="accept a draft checkpoint whose base_model names another model (e.g. a local copy of it)")
 
 
-def build_sweep_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="infer.py sweep-exit", allow_abbrev=False,
-                                description="Early exit at each exit layer E: mean "
-                                "accepted tokens and tokens/s against plain decoding, on calibration prompts, in one "
-                                "run; trained exit heads (--exit-heads) are measured beside plain early exit.")
+def _chain_parser(command: str, description: str) -> argparse.ArgumentParser:
+    """The parser of a subcommand that measures a chain drafted by the target's own layers: the flags every
+    calibration takes (``_common``) and the chain's --depth."""
+    p = argparse.ArgumentParser(prog=f"infer.py {command}", allow_abbrev=False, description=description)
     _common(p)
     p.add_argument("--depth", type=integer(1), default=4, help="draft tokens per step (default: %(default)s)")
+    return p
+
+
+def build_sweep_parser() -> argparse.ArgumentParser:
+    p = _chain_parser("sweep-exit", "Early exit at each exit layer E: mean accepted tokens and tokens/s against plain "
+                      "decoding, on calibration prompts, in one run; trained exit heads (--exit-heads) are measured "
+                      "beside plain early exit.")
     p.add_argument("--layers", type=integers(1), default=None,
                    help="comma-separated exit layers (default: every 4th layer)")
     p.add_argument("--exit-heads", default="", help="comma-separated exit-head checkpoints to measure too")
@@ -217,13 +223,9 @@ def run_sweep_cli(argv: Sequence[str], out: TextIO) -> int:
 
 
 def build_search_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="infer.py search-skip", allow_abbrev=False,
-                                description="Search the set of layers whose skipping "
-                                "drafts fastest (greedy, SWIFT-style random candidates per round), measured through "
-                                "the decoding loop on calibration prompts; save it as a layer-skip checkpoint for "
-                                "--draft DIR.")
-    _common(p)
-    p.add_argument("--depth", type=integer(1), default=4, help="draft tokens per step (default: %(default)s)")
+    p = _chain_parser("search-skip", "Search the set of layers whose skipping drafts fastest (greedy, SWIFT-style "
+                      "random candidates per round), measured through the decoding loop on calibration prompts; save "
+                      "it as a layer-skip checkpoint for --draft DIR.")
     p.add_argument("--out", required=True, help="checkpoint directory to write (config.json)")
     p.add_argument("--per-round", type=int, default=6, help="random candidate layers tried per round (default: "
                                                              "%(default)s; 0 = all)")

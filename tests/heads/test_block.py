@@ -183,6 +183,18 @@ def test_loss_index_shift_a_head_predicting_the_next_features_scores_zero(model)
     assert ce.hits.shape == (4, 0) and torch.isfinite(ce.total)
 
 
+def tiny_batch(base) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A training batch of two random rows of 24 tokens (the second 20 long, the rest ignored) and the base's final
+    states on it [2, 24, D]."""
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, base.config.vocab_size, (2, 24), generator=g)
+    batch = {"input_ids": ids, "labels": ids.clone(), "lengths": torch.tensor([24, 20]), "index": torch.tensor([0, 1])}
+    batch["labels"][1, 20:] = IGNORE_INDEX
+    with torch.no_grad():
+        hidden = base.model(input_ids=ids).last_hidden_state
+    return batch, hidden
+
+
 def test_the_loss_falls_on_a_repeated_batch():
     """The block kind's loss (one forward of the head per batch), 20 AdamW steps on one tiny batch: finite, and falls."""
     cfg = load_config(REPO / "configs/block_tiny.yaml", ["block.draft_vocab=0"])
@@ -190,12 +202,7 @@ def test_the_loss_falls_on_a_repeated_batch():
     kind = BlockKind()
     head, _ = kind.build(cfg, base)
     head.train()
-    g = torch.Generator().manual_seed(4)
-    ids = torch.randint(0, base.config.vocab_size, (2, 24), generator=g)
-    batch = {"input_ids": ids, "labels": ids.clone(), "lengths": torch.tensor([24, 20]), "index": torch.tensor([0, 1])}
-    batch["labels"][1, 20:] = IGNORE_INDEX
-    with torch.no_grad():
-        hidden = base.model(input_ids=ids).last_hidden_state
+    batch, hidden = tiny_batch(base)
     losses = losses_over_steps(lambda: kind.loss(cfg, head, hidden, None, batch, ranks=5), head.parameters())
     assert all(torch.isfinite(torch.tensor(losses))) and kind.loss(cfg, head, hidden, None, batch, 5).count.shape == (4,)
     assert losses[-1] < 0.5 * losses[0], losses

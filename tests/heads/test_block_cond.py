@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (ARCHS, losses_over_steps, random_prompts, reference, state_after_prefill, tiny_model)
-from test_block import random_block
+from test_block import random_block, tiny_batch
 from test_distribution import ALPHA, PROMPT, V_LOOP, _loop_counts, goodness_of_fit, world
 
 from heads.block.chained import Chain
@@ -320,12 +320,7 @@ def test_the_conditioned_loss_falls_on_a_repeated_batch_with_every_new_loss(kind
     head, config = kind_.build(cfg, base)
     assert config.condition_rank == 8 and config.confidence and head.markov is not None
     head.train()
-    g = torch.Generator().manual_seed(4)
-    ids = torch.randint(0, base.config.vocab_size, (2, 24), generator=g)
-    batch = {"input_ids": ids, "labels": ids.clone(), "lengths": torch.tensor([24, 20]), "index": torch.tensor([0, 1])}
-    batch["labels"][1, 20:] = IGNORE_INDEX
-    with torch.no_grad():
-        hidden = base.model(input_ids=ids).last_hidden_state
+    batch, hidden = tiny_batch(base)
     losses = losses_over_steps(lambda: kind_.loss(cfg, head, hidden, None, batch, ranks=5), head.parameters())
     assert all(math.isfinite(x) for x in losses) and losses[-1] < 0.9 * losses[0], losses
     assert head.markov.up.weight.abs().max() > 0 and head.confidence.state.weight.abs().max() > 0  # both trained

@@ -193,6 +193,19 @@ def compared(tmp_path_factory):
     return out
 
 
+def assert_same_logits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """speculators' logits ``got`` are selfspec's ``want`` within ATOL / RTOL, with the same top tokens."""
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL, msg=lambda m: f"{what}: {m}")
+    print(f"{what}: max |logit difference| {float((got - want).abs().max()):.2e}")
+    assert torch.equal(got.argmax(-1), want.argmax(-1)), f"{what}: top tokens differ"
+
+
+def assert_same_vocab(head, theirs: dict) -> None:
+    """speculators loaded the draft vocabulary selfspec saved (d2t), where the head has one."""
+    if head.d2t is not None:
+        assert torch.equal(theirs["d2t"], head.d2t)
+
+
 @pytest.mark.index
 @pytest.mark.parametrize("name", COMPARED)
 def test_speculators_computes_the_draft_logits_selfspec_computes(compared, name):
@@ -200,14 +213,9 @@ def test_speculators_computes_the_draft_logits_selfspec_computes(compared, name)
     same top tokens, the same draft vocabulary."""
     ours, theirs = compared["eagle3"][name]
     n = ours["logits"].shape[1]
-    for u in range(STEPS):
-        got = theirs["logits"][u, :n]  # step u at pair i (speculators keeps the pair's index across steps)
-        torch.testing.assert_close(got, ours["logits"][u], atol=ATOL, rtol=RTOL, msg=lambda m: f"step {u}: {m}")
-        print(f"{name} step {u}: max |logit difference| {float((got - ours['logits'][u]).abs().max()):.2e}")
-        assert torch.equal(got.argmax(-1), ours["logits"][u].argmax(-1)), f"step {u}: top tokens differ"
-    head = ours["head"]
-    if head.d2t is not None:
-        assert torch.equal(theirs["d2t"], head.d2t)
+    for u in range(STEPS):  # step u at pair i (speculators keeps the pair's index across steps)
+        assert_same_logits(theirs["logits"][u, :n], ours["logits"][u], f"{name} step {u}")
+    assert_same_vocab(ours["head"], theirs)
 
 
 @pytest.mark.index
@@ -231,12 +239,8 @@ def test_speculators_computes_the_dflash_logits_selfspec_computes(compared, name
     ours, theirs = compared["dflash"][name]
     n = ours["logits"].shape[0] - 1
     got = theirs["logits"][1: n + 1, 1:]  # [n, K, V'] anchors 1..n, slots 1..K (slot 0 is the root: not drafted)
-    torch.testing.assert_close(got, ours["logits"][1:], atol=ATOL, rtol=RTOL)
-    print(f"dflash {name}: max |logit difference| {float((got - ours['logits'][1:]).abs().max()):.2e}")
-    assert torch.equal(got.argmax(-1), ours["logits"][1:].argmax(-1))
-    head = ours["head"]
-    if head.d2t is not None:
-        assert torch.equal(theirs["d2t"], head.d2t)
+    assert_same_logits(got, ours["logits"][1:], f"dflash {name}")
+    assert_same_vocab(ours["head"], theirs)
 
 
 @pytest.mark.index
