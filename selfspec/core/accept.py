@@ -112,18 +112,20 @@ def sample_accept(
     q_draft [N, V] or None: q_draft[i] is the distribution node i's token was drawn from; None (or a row that is all
     zero) means node i is a deterministic draft, a point mass on tokens[i].
 
-    Every node with children runs its trial at once (``try_children``: the children in rank order, one uniform draw
-    per node; none for a tree of the root alone, which then draws from the generator as plain sampling does); the
-    path follows the kept children from the root; the bonus is drawn from what is left of p at the path's last node
-    (p itself at a leaf). A node's trial reads only its own p, q and draws, so running all of them and following the
-    kept ones draws the same as trying the path's nodes one after another.
+    Every node with children runs its trial at once (``try_children``: the children in rank order); the path follows
+    the kept children from the root; the bonus is drawn from what is left of p at the path's last node (p itself at a
+    leaf). The uniforms are one fixed block per step, ``uniforms``: the trial of a node at depth d on its j-th child
+    reads u[d, j]. The path meets each depth once, so its trials read distinct draws, as trying the path's nodes one
+    after another would; and a step draws the same whatever its tree's size, so a tree cut to a batch's node budget
+    (core/batch.py) samples what the whole tree would have wherever their paths agree. A tree of the root alone draws
+    none: it samples exactly as plain sampling does.
     """
     t = tree.on(p_target.device)
     n = len(tree)
     inner = torch.tensor([i for i in range(n) if tree.children[i]], dtype=torch.long, device=p_target.device)  # [I]
-    u = torch.ones(n, dtype=torch.float64, device=p_target.device) if n == 1 else \
-        torch.rand(n, generator=generator, dtype=torch.float64, device=p_target.device)  # [N] (the root's unused)
-    kept, rest = try_children(t.children[inner], tokens, p_target[inner].double(), q_draft, u)  # [I], [I, V]
+    kids = t.children[inner]  # [I, M]
+    u = uniforms(tree.depth + 1, kids.shape[1], generator, p_target.device)[t.depth[inner]]  # [I, M']
+    kept, rest = try_children(kids, tokens, p_target[inner].double(), q_draft, u)  # [I], [I, V]
     nxt = torch.full((n,), -1, dtype=torch.long, device=p_target.device).index_copy(0, inner, kept)  # [N]
     nodes, length = follow(nxt, tree.depth)
     last = at(nodes, length - 1)
@@ -136,10 +138,25 @@ def sample_accept(
     return read(tokens, nodes, length, bonus)
 
 
+UNIFORMS = (32, 32)
+"""the block of uniforms a sampled step draws, [depth, rank]: larger than the trees selfspec grows (a deeper or wider
+tree draws a larger block)."""
+
+
+def uniforms(depths: int, ranks: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """float64 [max(depths, 32), max(ranks, 32)] uniforms, the trial draws of one step (none when ranks is 0: a tree
+    of the root alone, which draws nothing but its token)."""
+    if ranks == 0:
+        return torch.ones(depths, 1, dtype=torch.float64, device=device)
+    shape = (max(depths, UNIFORMS[0]), max(ranks, UNIFORMS[1]))
+    return torch.rand(shape, generator=generator, dtype=torch.float64, device=device)
+
+
 def try_children(kids: torch.Tensor, tokens: torch.Tensor, p: torch.Tensor, q_draft: torch.Tensor | None,
                  u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The rejection trial of I nodes at once: kids long [I, M] (each node's children by rank, -1 padding), tokens
-    [N], p float64 [I, V] each node's target distribution, q_draft [N, V] or None, u float64 [N] a uniform per node ->
+    [N], p float64 [I, V] each node's target distribution, q_draft [N, V] or None, u float64 [I, >= M] a uniform per
+    node and child rank ->
     (kept long [I]: the first child kept, -1 for none; p float64 [I, V]: what is left after the rejected children).
 
     Child c with token x: kept with probability min(1, p(x) / q(x)), else p <- norm(max(p - q, 0)); a point mass
@@ -160,7 +177,7 @@ def try_children(kids: torch.Tensor, tokens: torch.Tensor, p: torch.Tensor, q_dr
             ratio = (p_x / q.gather(1, x)[:, 0].clamp(min=1e-30)).clamp(max=1.0)
             chance = torch.where(point, p_x, ratio)
             residual = torch.where(point[:, None], residual, (p - q).clamp(min=0.0))
-        took = active & (u[child] < chance)
+        took = active & (u[:, j] < chance)
         kept = torch.where(took, kids[:, j], kept)
         total = residual.sum(-1)  # [I]
         rejected = active & ~took
