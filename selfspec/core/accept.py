@@ -122,7 +122,7 @@ def sample_accept(
     """
     t = tree.on(p_target.device)
     n = len(tree)
-    inner = torch.tensor([i for i in range(n) if tree.children[i]], dtype=torch.long, device=p_target.device)  # [I]
+    inner = t.inner  # [I] the nodes with children
     kids = t.children[inner]  # [I, M]
     u = uniforms(tree.depth + 1, kids.shape[1] if n > 1 else 0, generator, p_target.device)[t.depth[inner]]  # [I, M']
     kept, rest = try_children(kids, tokens, p_target[inner].double(), q_draft, u)  # [I], [I, V]

@@ -242,6 +242,8 @@ class TreeTensors:
     """long [L, D]: root-to-leaf node indices, right-padded with -1 (leaves in index order)."""
     children: torch.Tensor
     """long [N, M]: each node's children in the order they are tried (by rank), right-padded with -1 (M >= 1)."""
+    inner: torch.Tensor
+    """long [I]: the nodes that have children, in index order."""
 
     @classmethod
     def build(cls, tree: Tree, device: torch.device) -> "TreeTensors":
@@ -256,7 +258,9 @@ class TreeTensors:
         most = max(1, max(len(k) for k in tree.children))
         children = torch.tensor([list(k) + [-1] * (most - len(k)) for k in tree.children], dtype=torch.long,
                                 device=device)  # [N, M]
-        return cls(parent=parent, depth=depth, ancestors=ancestors, leaf_paths=leaf_paths, children=children)
+        inner = torch.tensor([i for i in range(n) if tree.children[i]], dtype=torch.long, device=device)  # [I]
+        return cls(parent=parent, depth=depth, ancestors=ancestors, leaf_paths=leaf_paths, children=children,
+                   inner=inner)
 
 
 def ancestor_mask(parent: torch.Tensor, depth: int) -> torch.Tensor:
