@@ -146,10 +146,7 @@ def grow(chain: Chain, root: torch.Tensor, budget: int, depth: int, min_logp: fl
 def fill(chain: Chain, root: torch.Tensor, tree: Tree) -> Draft:
     """A static tree: node i holds rank ranks[i] of the distribution after its parent's token; nodes whose product of
     confidences is below the cut are dropped with their subtrees. One host read per depth."""
-    N, depths = len(tree), tree.depths
-    children: list[list[int]] = [[] for _ in range(N)]
-    for i in range(1, N):
-        children[tree.parents[i]].append(i)
+    N, depths, children = len(tree), tree.depths, tree.children
     token, log_conf, kept = [-1] * N, [0.0] * N, [True] + [False] * (N - 1)  # per node; the root's token is not read
     for d in range(tree.depth):
         parents = [p for p in range(N) if depths[p] == d and kept[p] and children[p]]
