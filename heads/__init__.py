@@ -3,6 +3,8 @@ models), their training and checkpoints.
 
     medusa/ hydra/ eagle/ exit_head/ block/ draft_model/   what each kind is: config and module, checkpoint,
                                                            drafter, how it trains
+    decoder/                           what the EAGLE and block kinds share (a light decoder of the target's own
+                                       architecture, speculators' format); not a kind
     base.py blocks.py tree_search.py   what the kinds share: the base they are built on, their blocks, trees
     checkpoints/                       checkpoint files, the Hub, model cards, the DraftCheckpoint mixin
     training/                          the trainer and its parts (recipe, data, losses, hidden-state cache, state)

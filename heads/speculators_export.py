@@ -24,10 +24,11 @@ from transformers import PreTrainedModel
 
 from heads.block.dflash import DFlashHead
 from heads.checkpoints.files import CONFIG, resolve
+from heads.decoder.speculators_config import is_speculators
 from heads.draft_types import DRAFT_TYPES, SPECULATORS_TYPES
 from heads.eagle.config import EagleConfig
 from heads.eagle.eagle3 import Eagle3Head
-from heads.eagle.speculators_config import Eagle3Config, is_speculators
+from heads.eagle.speculators_config import Eagle3Config
 from selfspec.core.files import read_json_object
 
 FORMATS = {kind: (cls.CONFIG, cls) for kind, cls in SPECULATORS_TYPES.items()}

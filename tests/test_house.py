@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -222,26 +223,44 @@ def test_the_kind_list_check_catches_a_list(tmp_path):
     assert name_lists(tmp_path, {"medusa", "eagle", "hydra"}) == ["selfspec/tuned.py:1 ['eagle', 'medusa']"]
 
 
-BLOCK_BUILDS_ON = {"heads.eagle", "heads.eagle.config", "heads.eagle.model", "heads.eagle.drafter",
-                   "heads.eagle.eagle3", "heads.eagle.speculators_config"}
-"""the EAGLE modules the block drafter is built on (BlockHead extends EagleHead, its drafter shares the EAGLE
-drafter's feature bookkeeping, DFlash reads speculators' format as EAGLE-3 does): the EAGLE draft's model, not the
-EAGLE kind's training (kind, loss)."""
+SHARED = {"heads.base", "heads.checkpoints", "heads.decoder"}
+"""the packages and modules of ``heads`` that are no kind's and a kind's drafter may load: the base it is built on
+(heads/base.py), checkpoint files (heads/checkpoints/) and the decoder the EAGLE and block kinds share
+(heads/decoder/)."""
 
 
-def test_a_kind_imports_no_other_kind():
-    """``import heads.block.drafter`` in a fresh interpreter loads no module of another kind's package (beyond the
-    EAGLE modules it is built on), and ``heads`` itself imports no kind until a name of it is asked for."""
-    script = textwrap.dedent("""
+def kind_packages() -> set[str]:
+    """Every kind's package of ``heads`` ('heads.eagle', ...), read off the registries of kinds: the modules of the
+    recipe's methods (heads/kinds.py) and of the ``selfspec.drafters`` entry points (pyproject.toml)."""
+    from heads.kinds import KINDS  # heavy: only this test reads the registries themselves
+    entry_points = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["selfspec.drafters"]
+    return {package(target.partition(":")[0]) for target in [*KINDS.values(), *entry_points.values()]
+            if target.startswith("heads.")}
+
+
+def package(module: str) -> str:
+    """heads.X.y -> heads.X (a package or a module of ``heads``)."""
+    return ".".join(module.split(".")[:2])
+
+
+@pytest.mark.parametrize("drafter", ["heads.block.drafter", "heads.eagle.drafter"])
+def test_a_kind_imports_no_other_kind(drafter):
+    """``import heads.<kind>.drafter`` in a fresh interpreter loads modules of its own kind's package and of the shared
+    ones (``SHARED``) only: no module of another kind's package (the block drafter nothing of heads/eagle/, the EAGLE
+    drafter nothing of heads/block/, and neither Medusa's, Hydra's, ...); and ``heads`` itself imports no kind until a
+    name of it is asked for."""
+    script = textwrap.dedent(f"""
         import json, sys
         import heads
         bare = sorted(m for m in sys.modules if m.startswith("heads."))
-        import heads.block.drafter
+        import {drafter}
         print(json.dumps([bare, sorted(m for m in sys.modules if m.startswith("heads."))]))
         """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     bare, loaded = json.loads(done.stdout.strip().splitlines()[-1])
-    kinds = {p.name for p in (ROOT / "heads").iterdir() if (p / "kind.py").is_file()} - {"block"}
-    others = [m for m in loaded if m.split(".")[1] in kinds and m not in BLOCK_BUILDS_ON]
-    assert bare == [] and others == [] and "heads.block.drafter" in loaded
+    kinds, own = kind_packages(), package(drafter)
+    assert {"heads.eagle", "heads.block", "heads.medusa"} <= kinds and not SHARED & kinds
+    others = [m for m in loaded if package(m) in kinds - {own}]
+    unlisted = [m for m in loaded if package(m) not in SHARED | {own}]
+    assert bare == [] and others == [] and unlisted == [] and drafter in loaded

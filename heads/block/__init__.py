@@ -9,4 +9,7 @@
     drafter.py        BlockDrafter (either head), and load_drafter (the selfspec.drafters entry point; both formats)
     loss.py           the anchors a row trains and the loss per block offset
     kind.py           how the trainer trains them (methods block and dflash)
+
+What the block drafter shares with the EAGLE head (heads/eagle/: the decoder and its pairs, its config, the drafter's
+features, speculators' format, the trainer's kind) lives in heads/decoder/, which is not a kind.
 """

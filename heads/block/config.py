@@ -1,5 +1,5 @@
 """What a block drafter stores as config.json (``BlockConfig``, strict): its base, the decoder's transformers config
-(the EAGLE head's: heads/eagle/config.py ``decoder_config``), the block size K, the draft vocabulary size, the
+(as the EAGLE head's: heads/decoder/config.py ``decoder_config``), the block size K, the draft vocabulary size, the
 feature layers, drafting defaults and the measured agreement per block offset.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from heads.eagle.config import DecoderHeadConfig
+from heads.decoder.config import DecoderHeadConfig
 
 DRAFT_TYPE = "block"
 

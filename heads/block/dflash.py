@@ -49,8 +49,8 @@ from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb, rotat
 
 from heads.block.dflash_config import DFlashConfig
 from heads.checkpoints.draft import DraftCheckpoint
-from heads.eagle.eagle3 import SpeculatorsDraft, load_speculators_state, read_speculators
-from heads.eagle.model import build_decoder
+from heads.decoder.model import build_decoder
+from heads.decoder.speculators import SpeculatorsDraft, load_speculators_state, read_speculators
 from selfspec.core.draft_vocab import DraftVocab
 
 IGNORED = ("verifier_lm_head.weight", "verifier_norm.weight", "embed_tokens.weight")
@@ -98,7 +98,7 @@ python infer.py --model {config.verifier} --draft {location}
 
 def read_dflash_checkpoint(directory: Path) -> tuple[DFlashConfig, dict[str, torch.Tensor]]:
     """config.json and model.safetensors of a speculators DFlash checkpoint, checked against each other
-    (heads/eagle/eagle3.py ``read_speculators``; ``IGNORED`` tensors dropped, ``OPTIONAL`` ones may be absent)."""
+    (heads/decoder/speculators.py ``read_speculators``; ``IGNORED`` tensors dropped, ``OPTIONAL`` ones may be absent)."""
     return read_speculators(directory, "DFlash", DFlashConfig.from_json, IGNORED, OPTIONAL,
                             lambda config, _: DFlashHead(config, nn.Embedding(config.vocab_size, config.hidden_size)))
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from transformers import AutoConfig, PreTrainedModel, Qwen3Config
 
-from heads.eagle.speculators_config import SpeculatorsDraft, layers_for
+from heads.decoder.speculators_config import SpeculatorsConfig, layers_for
 from selfspec.core import typed
 
 SPECULATORS_MODEL_TYPE = "dflash"
@@ -44,7 +44,7 @@ Qwen3RMSNorm, the rotary embedding)."""
 
 
 @dataclass
-class DFlashConfig(SpeculatorsDraft):
+class DFlashConfig(SpeculatorsConfig):
     """A DFlash draft in speculators' format (see the module docstring); ``from_json`` / ``to_dict`` read and write its
     config.json. Strict: see ``__post_init__``."""
 

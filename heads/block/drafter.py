@@ -36,7 +36,7 @@ from heads.block.dflash import DFlashHead
 from heads.block.dflash_config import is_dflash
 from heads.block.model import BlockHead
 from heads.checkpoints.files import CONFIG, resolve
-from heads.eagle.drafter import head_features, new_positions
+from heads.decoder.features import head_features, new_positions
 from selfspec.core.accept import Acceptance
 from selfspec.core.drafter import Draft, Drafter, DraftKind, DraftState, check_tree
 from selfspec.core.files import read_json_object

@@ -22,15 +22,16 @@ from heads.block.dflash import DFlashHead
 from heads.block.dflash_config import DFlashConfig, qwen3_layers_for
 from heads.block.loss import block_loss, sample_anchors
 from heads.block.model import BlockHead
-from heads.eagle.kind import EagleKind, SpeculatorsSaving, draft_size, new_draft
+from heads.decoder.kind import DecoderKind, SpeculatorsSaving, draft_size, new_draft
 from heads.training.config import TrainConfig
 from heads.training.kind import HiddenPass, unwrapped
 from heads.training.losses import MedusaLoss
 
 
-class BlockKind(EagleKind):
-    """The EAGLE head's kind (its build, hidden pass, feature split and saving) with the block drafter's section,
-    module and card, K predictions (the block offsets) and the anchored-block loss."""
+class BlockKind(DecoderKind):
+    """``DecoderKind`` (heads/decoder/kind.py: its build, hidden pass, feature split and saving, as the EAGLE head's
+    kind) with the ``block`` section, the block drafter's module and config, K predictions (the block offsets) and the
+    anchored-block loss."""
 
     project = "block"
     final_dir = "block_head"

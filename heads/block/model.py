@@ -1,13 +1,13 @@
 """A block drafter on a frozen target: the EAGLE head's pairs, then K - 1 mask queries, drafting a whole block of K
 future tokens in one forward (the block-parallel drafting of BlockPilot and DFlash, on the target's own features).
 
-The sequence the head reads is the EAGLE head's (heads/eagle/model.py): pair j is the target's feature at j (its final
-hidden state f_j, or an EAGLE-3 fusion of ``feature_layers``) and the embedding of the token that followed, x_{j+1},
-through fc [2D -> D] and ``num_layers`` decoder layers of the target's own architecture, causal over the pairs. With
-T tokens x_0 .. x_{T-1} (the last one the root, the target's newest token), the output at the last pair (f_{T-2},
-root) predicts x_T. Then K - 1 mask queries follow, mask i at position T - 1 + i, its input a learned vector of its
-own (``mask`` [K - 1, D]); each attends to every true pair and to every mask of its block (bidirectionally), and its
-output, through the frozen LM head on the draft vocabulary, predicts x_{T+1+i}:
+The sequence the head reads is the EAGLE head's (heads/decoder/model.py, which both build on): pair j is the target's
+feature at j (its final hidden state f_j, or an EAGLE-3 fusion of ``feature_layers``) and the embedding of the token
+that followed, x_{j+1}, through fc [2D -> D] and ``num_layers`` decoder layers of the target's own architecture, causal
+over the pairs. With T tokens x_0 .. x_{T-1} (the last one the root, the target's newest token), the output at the last
+pair (f_{T-2}, root) predicts x_T. Then K - 1 mask queries follow, mask i at position T - 1 + i, its input a learned
+vector of its own (``mask`` [K - 1, D]); each attends to every true pair and to every mask of its block
+(bidirectionally), and its output, through the frozen LM head on the draft vocabulary, predicts x_{T+1+i}:
 
     pairs   (f_0, x_1) ... (f_{T-2}, x_{T-1} = root) │ mask_0   mask_1   ...  mask_{K-2}
     pos     0          ...  T-2                      │ T-1      T        ...  T+K-3
@@ -25,10 +25,10 @@ learned absolute position would tie the offset to where in the text the block si
 parameters (3,000 for K = 6 on SmolLM2). No refinement passes (the block's guesses fed back in place of the masks):
 one forward per step is the point of the drafter, and a second would need a second training pass to match it.
 
-The decoder, the fusion, fc, the draft vocabulary and the frozen embeddings / LM head held by reference are the EAGLE
-head's (``EagleHead``, which this class extends); its own are the mask vectors, the training forward and the
-checkpoint (config.json ``BlockConfig``, draft_type "block"; model.safetensors: fc, the decoder, the fusion, ``mask``,
-the draft vocabulary's token ids; README.md). A conditioned block (``condition_rank`` > 0 and / or ``confidence``)
+The decoder, the fusion, fc, the draft vocabulary and the frozen embeddings / LM head held by reference are the ones
+the EAGLE head has too (``DecoderHead``, heads/decoder/model.py, which this class extends); its own are the mask
+vectors, the training forward and the checkpoint (config.json ``BlockConfig``, draft_type "block"; model.safetensors:
+fc, the decoder, the fusion, ``mask``, the draft vocabulary's token ids; README.md). A conditioned block (``condition_rank`` > 0 and / or ``confidence``)
 adds ``markov`` (the low-rank logit bias keyed on the token before a position) and ``confidence`` (a per-position
 head), heads/block/condition.py; drafting chains them per tree node after the one forward (heads/block/chained.py).
 
@@ -48,7 +48,7 @@ from transformers import DynamicCache
 from heads.base import card_usage
 from heads.block.condition import Confidence, MarkovBias
 from heads.block.config import DRAFT_TYPE, BlockConfig
-from heads.eagle.model import EagleHead, card_facts, read_head_checkpoint, run_decoder
+from heads.decoder.model import DecoderHead, card_facts, read_head_checkpoint, run_decoder
 from selfspec.core import hf
 
 
@@ -89,9 +89,9 @@ def conditioning_facts(config: BlockConfig) -> str:
     return "".join(parts)
 
 
-class BlockHead(EagleHead):
-    """The EAGLE head's pieces (fusion, fc, decoder, draft vocabulary) + ``mask`` [K - 1, D], one learned input per
-    mask query.
+class BlockHead(DecoderHead):
+    """``DecoderHead``'s pieces (fusion, fc, decoder, draft vocabulary: the EAGLE head's too) + ``mask`` [K - 1, D],
+    one learned input per mask query.
 
     ``forward`` is the training pass (pairs and anchored blocks in one call); ``run`` is one decoder call over given
     inputs (drafting: the new pairs and a block, over the head's own KV cache); ``logits`` reads the target's LM head

@@ -26,9 +26,10 @@ import torch
 from transformers import DynamicCache
 
 from heads.checkpoints.files import CONFIG, resolve
+from heads.decoder.features import head_features, new_positions
+from heads.decoder.speculators_config import is_speculators
 from heads.eagle.eagle3 import Eagle3Head
 from heads.eagle.model import EagleHead
-from heads.eagle.speculators_config import is_speculators
 from selfspec.core import hf
 from selfspec.core.accept import Acceptance
 from selfspec.core.drafter import Draft, Drafter, DraftKind, DraftState
@@ -135,26 +136,6 @@ class EagleDrafter(Drafter):
 
     def update(self, draft: Draft, acceptance: Acceptance) -> None:
         return None
-
-
-def new_positions(state: DraftState, what: str) -> int:
-    """A: how many positions were committed since the last draft (their hidden states are ``state.new_hidden``)."""
-    if state.new_hidden is None:
-        raise ValueError(f"{what} needs DraftState.new_hidden (the target's hidden states of the newly committed "
-                         "positions); selfspec.core.generate provides it")
-    return state.new_hidden.shape[0]
-
-
-def head_features(layers: list[int] | None, state: DraftState, what: str) -> torch.Tensor:
-    """The target's features of the newly committed positions that a head reading ``layers`` takes: [A, D] final
-    hidden states (layers None), or [A, L·D] the states of its feature layers (EAGLE-3)."""
-    if not layers:
-        return state.new_hidden
-    if state.new_states is None:
-        raise ValueError(f"this {what} reads the target's hidden states at layers {layers}: expected "
-                         "DraftState.new_states (selfspec.core.generate provides it with the target's own verifier), "
-                         "found None")
-    return state.new_states.take(layers)  # [A, L·D]
 
 
 def load_drafter(path_or_repo_id: str | Path, target: Target, revision: str | None = None,

@@ -23,7 +23,9 @@ first layer wrapped by ``FirstLayer`` (the only code here that speaks to a decod
 copied. The embeddings are the target's (a plain lookup, as in speculators and vLLM) unless the checkpoint stores
 other ones in ``embed_tokens.weight`` (a save writes the target's there, as speculators does); lm_head is the
 checkpoint's, or the target's LM head rows of the draft vocabulary where the checkpoint has none (as speculators'
-loader fills it). Tensor names are speculators': the module's state_dict is the checkpoint.
+loader fills it). Tensor names are speculators': the module's state_dict is the checkpoint. What it shares with
+speculators' DFlash draft (its features through fc, d2t / t2d, reading and loading a checkpoint) is
+heads/decoder/speculators.py's ``SpeculatorsDraft``.
 
 selfspec trains such a draft too (train.py ``method: eagle3``, heads/eagle/kind.py ``Eagle3Kind``): ``forward`` is the
 EAGLE head's training unroll (heads/eagle/model.py ``unrolled``) through ``true_features`` and ``step``, scored by the
@@ -37,7 +39,6 @@ Shapes: B batch, N positions, D hidden size, A aux layers, V target vocabulary, 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -45,17 +46,16 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from heads.checkpoints.draft import DraftCheckpoint
-from heads.checkpoints.files import CONFIG, WEIGHTS, read_tensors
-from heads.eagle.model import build_decoder, run_decoder, unrolled
+from heads.decoder.model import build_decoder, run_decoder
+from heads.decoder.speculators import SpeculatorsDraft, load_speculators_state, read_speculators
+from heads.eagle.model import unrolled
 from heads.eagle.speculators_config import Eagle3Config
-from selfspec.core.draft_vocab import DraftVocab, check_draft_tokens
-from selfspec.core.files import read_json_object
+from selfspec.core.draft_vocab import DraftVocab
 
 TRAINING_ONLY = ("verifier_lm_head.weight", "verifier_norm.weight")
 """tensors some speculators checkpoints carry for training (the target's own head and norm): ignored."""
 OPTIONAL = ("lm_head.weight", "t2d")
 """tensors a checkpoint may leave out: lm_head is then the target's rows of the draft vocabulary, t2d follows d2t."""
-H = TypeVar("H", bound=nn.Module)
 
 
 class FirstLayer(nn.Module):
@@ -95,59 +95,6 @@ def read_eagle3_checkpoint(directory: Path) -> tuple[Eagle3Config, dict[str, tor
                                            own_embedding="embed_tokens.weight" in tensors))
 
 
-def read_speculators(directory: Path, what: str, from_json, ignored: tuple[str, ...], optional: tuple[str, ...],
-                     stub) -> tuple:
-    """config.json and model.safetensors of a speculators checkpoint (``what``: EAGLE-3, DFlash), checked against each
-    other: the config read by ``from_json``, every tensor the module ``stub(config, tensors)`` has present with its
-    shape (``optional`` ones may be absent), no others (``ignored`` ones are dropped), d2t / t2d a consistent draft
-    vocabulary. Strict."""
-    data = read_json_object(directory / CONFIG, f"the speculators {what} config")
-    data.pop("selfspec_version", None)
-    try:
-        config = from_json(data)
-    except ValueError as err:
-        raise ValueError(f"{directory / CONFIG}: {err}") from err
-    if not (directory / WEIGHTS).is_file() and (directory / f"{WEIGHTS}.index.json").is_file():
-        raise ValueError(f"{directory} holds a sharded checkpoint ({WEIGHTS}.index.json); selfspec reads one "
-                         f"{WEIGHTS}")
-    tensors = {k: v for k, v in read_tensors(directory).items() if k not in ignored}
-    with torch.device("meta"):
-        expected = stub(config, tensors).state_dict()
-    expected = {name: tuple(t.shape) for name, t in expected.items()}
-    found = {name: tuple(t.shape) for name, t in tensors.items()}
-    missing = sorted(set(expected) - set(found) - set(optional))
-    wrong = {k: (expected[k], found[k]) for k in sorted(set(expected) & set(found)) if expected[k] != found[k]}
-    if missing or set(found) - set(expected) or wrong:
-        raise ValueError(f"{directory / WEIGHTS} disagrees with config.json: missing tensors {missing[:4]}, unexpected "
-                         f"{sorted(set(found) - set(expected))[:4]}, wrong shapes (expected, found) "
-                         f"{dict(list(wrong.items())[:4])}")
-    if "d2t" in tensors:
-        check_vocab_maps(tensors, config, directory / WEIGHTS)
-    return config, tensors
-
-
-def check_vocab_maps(tensors: dict[str, torch.Tensor], config, file: Path) -> None:
-    """d2t (offsets: target id = k + d2t[k]) must name distinct, increasing target ids (speculators' t2d order), and
-    t2d, where stored, exactly those."""
-    tokens = torch.arange(config.draft_vocab_size) + tensors["d2t"].long()
-    try:
-        check_draft_tokens(tokens, config.draft_vocab_size, config.vocab_size)
-    except ValueError as err:
-        raise ValueError(f"{file}: d2t (draft index -> target id offsets): {err}") from None
-    if not bool((tokens[1:] > tokens[:-1]).all()):
-        raise ValueError(f"{file}: d2t names target ids out of increasing order; speculators pairs lm_head rows with t2d "
-                         "in increasing order")
-    if "t2d" in tensors and not torch.equal(tensors["t2d"].bool(), vocab_mask(tokens, config.vocab_size)):
-        raise ValueError(f"{file}: t2d and d2t name different draft vocabularies")
-
-
-def vocab_mask(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """t2d: [V] bool, True at the draft vocabulary's target ids."""
-    mask = torch.zeros(vocab_size, dtype=torch.bool)
-    mask[tokens.cpu()] = True
-    return mask
-
-
 def eagle3_card(config: Eagle3Config, location: str) -> str:
     return f"""---
 library_name: speculators
@@ -166,31 +113,6 @@ vllm serve {config.verifier} --speculative-config '{{"model": "{location}", "met
 python infer.py --model {config.verifier} --draft {location}
 ```
 """
-
-
-class SpeculatorsDraft:
-    """What speculators' EAGLE-3 and DFlash drafts share (a module with a ``config``, a ``WHAT``, ``fc`` and the
-    ``d2t`` / ``t2d`` buffers): they read A layers' states of the target, concatenated [..., A·D], through ``fc``, and
-    keep a draft vocabulary as speculators stores it."""
-
-    @property
-    def feature_width(self) -> int:
-        return self.config.hidden_size * self.config.num_features
-
-    def checked_features(self, features: torch.Tensor) -> torch.Tensor:
-        """The target's aux states [..., A·D], refused at another width, in ``fc``'s dtype."""
-        if features.shape[-1] != self.feature_width:
-            raise ValueError(f"{self.WHAT}: expected target features of width {self.feature_width} "
-                             f"({self.config.num_features} layers x {self.config.hidden_size}), found {features.shape[-1]}")
-        return features.to(self.fc.weight.dtype)
-
-    def set_draft_vocab(self, tokens) -> None:
-        """The draft vocabulary: V' distinct target ids, stored sorted as d2t offsets and the t2d mask."""
-        tokens = check_draft_tokens(tokens, self.config.draft_vocab_size, self.config.vocab_size).sort().values
-        if self.d2t is None:
-            return
-        self.d2t.copy_(tokens - torch.arange(len(tokens)))
-        self.t2d.copy_(vocab_mask(tokens, self.config.vocab_size))
 
 
 class Eagle3Head(nn.Module, SpeculatorsDraft, DraftCheckpoint):
@@ -324,20 +246,3 @@ class Eagle3Head(nn.Module, SpeculatorsDraft, DraftCheckpoint):
             del tensors["embed_tokens.weight"]  # the target's own (as exports write them): held by reference
         head = cls.on_base(config, base_model, own_embedding="embed_tokens.weight" in tensors)
         return load_speculators_state(head, tensors, base_model)
-
-
-def load_speculators_state(head: H, tensors: dict[str, torch.Tensor], base_model: PreTrainedModel) -> H:
-    """A speculators checkpoint's tensors into ``head`` (strictly), completed as speculators' loader completes them:
-    t2d from d2t where only d2t is stored, lm_head as the target's LM head rows of the draft vocabulary (in t2d order)
-    where none is stored -> the head on the target's device and dtype, in eval mode."""
-    config = head.config
-    if head.d2t is not None:
-        tokens = torch.arange(config.draft_vocab_size) + tensors["d2t"].long()
-        tensors.setdefault("t2d", vocab_mask(tokens, config.vocab_size))
-    else:
-        tokens = torch.arange(config.vocab_size)
-    if "lm_head.weight" not in tensors:
-        tensors["lm_head.weight"] = base_model.get_output_embeddings().weight.detach()[tokens].float().cpu()
-    head.load_state_dict(tensors, strict=True)
-    weight = base_model.get_output_embeddings().weight
-    return head.to(device=weight.device, dtype=weight.dtype).eval()

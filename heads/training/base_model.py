@@ -133,7 +133,7 @@ def expand_feature_states(states: torch.Tensor, model: PreTrainedModel, layers: 
     if stored == list(layers):
         return states
     # final, then one per stored layer; the widths agree (EAGLE-3 heads take no other feature layers where the LM head's
-    # input is narrower than the layers, heads.eagle.config.check_feature_layers)
+    # input is narrower than the layers, heads.decoder.config.check_feature_layers)
     blocks = states.split(base_sizes(model)[0], dim=-1)
     by_layer = {layer: blocks[1 + j] for j, layer in enumerate(stored)}
     return torch.cat([blocks[0]] + [by_layer.get(layer, blocks[0]) for layer in layers], dim=-1)

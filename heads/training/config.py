@@ -19,7 +19,7 @@ from transformers import SchedulerType, get_scheduler
 
 from heads.block.config import check_conditioning
 from heads.checkpoints.hub import check_repo_id
-from heads.eagle.config import check_feature_layer_list
+from heads.decoder.config import check_feature_layer_list
 from heads.kinds import METHODS, kind_for
 from heads.training.data import DataConfig
 
