@@ -188,7 +188,8 @@ def kind_names() -> set[str]:
 def name_lists(root: Path, names: set[str]) -> list[str]:
     """'path:line [names]' for each tuple, list, set or dict (its keys) literal holding two or more of ``names``, in
     the packages and the two commands, outside the registries and the kinds' own packages."""
-    own = {f"heads/{p.name}/" for p in (root / "heads").iterdir() if (p / "kind.py").is_file()}
+    own = {f"heads/{p.name}/" for p in (root / "heads").iterdir()
+           if (p / "kind.py").is_file() and f"heads.{p.name}" not in SHARED}  # heads/decoder/kind.py: kinds' base
     found = []
     for path in [p for package in PACKAGES for p in sorted((root / package).rglob("*.py"))] + [root / "train.py",
                                                                                                root / "infer.py"]:
