@@ -22,9 +22,8 @@ from heads.block.dflash import DFlashHead
 from heads.block.dflash_config import DFlashConfig, qwen3_layers_for
 from heads.block.loss import block_loss, sample_anchors
 from heads.block.model import BlockHead
-from heads.decoder.kind import DecoderKind, SpeculatorsSaving, draft_size, new_draft
+from heads.decoder.kind import DecoderKind, SpeculatorsKind, draft_size, new_draft
 from heads.training.config import TrainConfig
-from heads.training.kind import HiddenPass, unwrapped
 from heads.training.losses import MedusaLoss
 
 
@@ -73,7 +72,7 @@ class BlockKind(DecoderKind):
                 for b in range(final.shape[0])]
 
 
-class DFlashKind(SpeculatorsSaving, BlockKind):
+class DFlashKind(SpeculatorsKind, BlockKind):
     """speculators' DFlash draft (heads/block/dflash.py), trained from the ``block`` section with the block drafter's
     loss, saved in speculators' format.
 
@@ -107,9 +106,6 @@ class DFlashKind(SpeculatorsSaving, BlockKind):
             mask_token_id=mask_token(s.mask_token_id, tokenizer), verifier=cfg.model.name,
             verifier_architectures=list(model.config.architectures or []), aux_hidden_state_layer_ids=s.feature_layers)
         return new_draft(DFlashHead, config, model, "block.feature_layers (method dflash)", train_rows, tokenizer)
-
-    def hidden_pass(self, cfg: TrainConfig, module: nn.Module) -> HiddenPass:
-        return HiddenPass(feature_layers=unwrapped(module).config.feature_layers)  # resolved: speculators' default
 
     def stored(self, state: dict[str, torch.Tensor], model: PreTrainedModel) -> dict[str, torch.Tensor]:
         """lm_head only with a draft vocabulary (without one it is the target's, as speculators saves it)."""

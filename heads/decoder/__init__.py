@@ -11,7 +11,7 @@ not a kind itself (no entry point, no method of heads/kinds.py).
                             DFlashConfig), is_speculators, their auxiliary layers, layers_for
     speculators.py          SpeculatorsDraft: what speculators' draft modules share (Eagle3Head, DFlashHead): features
                             through fc, d2t / t2d, reading and loading their checkpoints
-    kind.py                 DecoderKind (what EagleKind and BlockKind share), SpeculatorsSaving, draft_size, new_draft
+    kind.py                 DecoderKind (what EagleKind and BlockKind share), SpeculatorsKind, draft_size, new_draft
 
 heads/eagle/ and heads/block/ import from here; nothing here imports a kind's package.
 """

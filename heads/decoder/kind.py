@@ -5,9 +5,9 @@ vocabulary counted on the training rows; the hidden pass (the final hidden state
 splitting those into what the loss reads and what the head reads; saving the trained head with its measured
 agreement. Each kind says its own section, config fields, prediction count and batch loss.
 
-``SpeculatorsSaving``, ``draft_size`` and ``new_draft`` are what the kinds training a draft of one of speculators'
+``SpeculatorsKind``, ``draft_size`` and ``new_draft`` are what the kinds training a draft of one of speculators'
 architectures (heads/eagle/kind.py ``Eagle3Kind``, heads/block/kind.py ``DFlashKind``) share: sizing and building the
-draft, and saving it as speculators' own checkpoint.
+draft, its hidden pass, and saving it as speculators' own checkpoint.
 
 Shapes: B batch, T time, D hidden size, L feature layers, F the width the head reads (D, or L·D).
 """
@@ -110,14 +110,19 @@ class DecoderKind(HeadKind):
         return directory
 
 
-class SpeculatorsSaving:
-    """``save`` for a draft trained in one of speculators' architectures (heads/eagle/kind.py ``Eagle3Kind``,
-    heads/block/kind.py ``DFlashKind``): the speculators checkpoint itself (config.json with no selfspec keys, model.safetensors under
-    speculators' names, what ``stored`` adds or drops), its README.md naming the measured agreement."""
+class SpeculatorsKind:
+    """What a draft trained in one of speculators' architectures (heads/eagle/kind.py ``Eagle3Kind``, heads/block/kind.py
+    ``DFlashKind``) does differently, put before the kind it extends: its hidden pass reads the aux layers its config
+    resolved (speculators' default where the recipe says null); ``save`` writes the speculators checkpoint itself
+    (config.json with no selfspec keys, model.safetensors under speculators' names, what ``stored`` adds or drops), its
+    README.md naming the measured agreement."""
 
     WHAT: str
     PER: str
     MODULE: type
+
+    def hidden_pass(self, cfg: TrainConfig, module: nn.Module) -> HiddenPass:
+        return HiddenPass(feature_layers=unwrapped(module).config.feature_layers)  # resolved: speculators' default
 
     def stored(self, state: dict[str, torch.Tensor], model: PreTrainedModel) -> dict[str, torch.Tensor]:
         return state

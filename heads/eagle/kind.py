@@ -18,14 +18,13 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from heads.decoder.kind import DecoderKind, SpeculatorsSaving, draft_size, new_draft
+from heads.decoder.kind import DecoderKind, SpeculatorsKind, draft_size, new_draft
 from heads.eagle.config import EagleConfig
 from heads.eagle.eagle3 import Eagle3Head
 from heads.eagle.loss import eagle_loss
 from heads.eagle.model import EagleHead
 from heads.eagle.speculators_config import Eagle3Config, llama_layers_for
 from heads.training.config import TrainConfig
-from heads.training.kind import HiddenPass, unwrapped
 from heads.training.losses import MedusaLoss
 
 
@@ -62,7 +61,7 @@ class EagleKind(DecoderKind):
                            **args) for b in range(final.shape[0])]
 
 
-class Eagle3Kind(SpeculatorsSaving, EagleKind):
+class Eagle3Kind(SpeculatorsKind, EagleKind):
     """speculators' EAGLE-3 draft (heads/eagle/eagle3.py), trained from the ``eagle`` section as the EAGLE head is
     (the same unroll, loss and draft vocabulary), saved in speculators' format.
 
@@ -94,9 +93,6 @@ class Eagle3Kind(SpeculatorsSaving, EagleKind):
             verifier_architectures=list(model.config.architectures or []),
             eagle_aux_hidden_state_layer_ids=s.feature_layers, speculative_tokens=s.depth)
         return new_draft(Eagle3Head, config, model, "eagle.feature_layers (method eagle3)", train_rows, tokenizer)
-
-    def hidden_pass(self, cfg: TrainConfig, module: nn.Module) -> HiddenPass:
-        return HiddenPass(feature_layers=unwrapped(module).config.feature_layers)  # resolved: speculators' default
 
     def stored(self, state: dict[str, torch.Tensor], model: PreTrainedModel) -> dict[str, torch.Tensor]:
         """The target's embeddings written too, as speculators writes them (its loader leaves them uninitialised
