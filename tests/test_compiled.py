@@ -83,3 +83,56 @@ def test_tuning_and_bench_runs_keep_compiled_targets_apart():
     args = ([], methods, ["float32"])
     assert "compile" not in _manifest(BenchConfig(), *args)
     assert _manifest(BenchConfig(compile=True), *args)["compile"] is True  # a resume must match (bench_log)
+
+
+def test_selfspec_decoding_compiles_one_graph_for_every_step():
+    """Prefill, chains, trees of every size, a lone root: the verify step has one form (a mask, 2+ nodes), the prefill
+    runs uncompiled, and transformers' output-capture hooks are installed before compiling: no graph breaks, and after
+    the first prompt no new graph, whatever the cache's length and layout (a view after a crop, or not)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = compile_forward(tiny_model("llama", vocab=VOCAB, initializer_range=REPEATING))
+    target = Target(model)
+    graphs, sizes = [], set()
+    for prompt in random_prompts(6, VOCAB, seed=11, min_len=4, max_len=14):
+        ref = reference(tiny_model("llama", vocab=VOCAB, initializer_range=REPEATING), prompt, NEW)  # uncompiled
+        oracle = generate(target, OracleDrafter(Tree.full([3, 2]), VOCAB, ref), prompt, NEW)  # trees, mostly accepted
+        ngram = generate(target, NGramDrafter(), prompt, NEW)  # chains, trees, lone roots
+        assert oracle.tokens == ngram.tokens  # both lossless against the same compiled forward
+        sizes |= {s.tree_size for s in oracle.steps + ngram.steps}
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert {1, 2} <= sizes and len(sizes) > 8, f"tree sizes verified: {sorted(sizes)}"  # lone roots, chains, trees
+    assert not counters["graph_break"], f"graph breaks: {dict(counters['graph_break'])}"
+    assert graphs == [1] * len(graphs), f"graphs after each prompt: {graphs}"  # one, from the first step on
+    torch._dynamo.reset()
+
+
+def test_bench_compares_a_compiled_target_with_an_uncompiled_one_in_one_run(model_dir, tmp_path):
+    """``bench --compile both``: every method on the uncompiled and on the compiled target side by side (rows
+    'float32' and 'float32-compiled'), each warm-up's seconds in run.json, every fp32 answer plain decoding's."""
+    import json
+
+    from selfspec.api import GenerationOptions
+    from selfspec.tools import bench
+
+    torch._dynamo.reset()
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"question_id": 1, "category": "writing", "turns": ["the quick brown fox", "again?"]}\n')
+    with pytest.raises(ValueError, match="compile_both .* needs compile=True"):
+        bench.BenchConfig(questions=questions, compile_both=True)
+    summary = bench.run_bench(bench.BenchConfig(
+        questions=questions, out_dir=tmp_path / "out", methods=("plain", "ngram"), dtypes=("float32",),
+        model=str(model_dir), options=GenerationOptions(max_new_tokens=12), warmup_tokens=2, progress=False,
+        compile=True, compile_both=True))
+    assert {(r.method, r.dtype) for r in summary.rows} == {
+        (m, d) for m in ("plain", "ngram") for d in ("float32", "float32-compiled")}
+    answers = {d: [json.loads(line)["choices"][0]["turns"]
+                   for line in (tmp_path / "out" / f"model-ngram-{d}.jsonl").read_text().splitlines()]
+               for d in ("float32", "float32-compiled")}
+    plain = (tmp_path / "out" / "model-plain-float32-compiled.jsonl").read_text().splitlines()
+    assert answers["float32-compiled"] == [json.loads(line)["choices"][0]["turns"] for line in plain]
+    run = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert run["compile"] == "both" and set(run["segments"][-1]["warmup_s"]) == {"float32", "float32-compiled"}
+    torch._dynamo.reset()

@@ -8,15 +8,24 @@ code: a speed-up measured side by side compares like with like, and greedy answe
 that same forward (the lossless guarantee is relative to the forward the target runs).
 
 Shapes are dynamic (``dynamic=True``): the cache length and a tree's node count vary from step to step without
-recompiling. A few graphs are compiled on first use (a prefill on an empty cache, one-token steps, trees with their
-mask, ``generate``'s own calls): minutes on a small CPU, at every start (inductor's on-disk cache spares only part of
-it), so compiling pays for a server or a benchmark, not for one prompt.
+recompiling. selfspec's own loop compiles **one** graph: ``Target.verify`` gives a compiled target every step in one
+form, a tree of at least two nodes with its mask (a chain gets a causal mask, a lone root a padding node), and its
+prefill runs the uncompiled forward (``eager``; a prefill is arithmetic, not launches, so compiling it gains nothing);
+after a step the cache is made contiguous again (``hf.contiguous``: a crop leaves views whose strides would be guarded).
+Each other form (a chain without a mask, one token, another ``logits_to_keep``) would be a graph of its own, and each
+graph costs a minute or more on a small CPU at every start (inductor's on-disk cache spares its C++ build, not the
+tracing). ``generate``'s own calls (plain decoding, transformers' prompt lookup) compile their own graphs when first
+used. Compiling pays for a server or a benchmark, not for one prompt.
+Before compiling, one small uncompiled forward asking for hidden states installs transformers' output-capture hooks,
+which a compiled forward cannot install (a graph break per forward, docs/benchmarks/log.md §50).
 Drafts that run the target's layers themselves (early exit, layer skipping) run them uncompiled.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 from transformers import PreTrainedModel
@@ -47,8 +56,13 @@ def compile_forward(model: PreTrainedModel) -> PreTrainedModel:
     """Compile ``model.forward`` in place (idempotent); returns the model."""
     if is_compiled(model):
         return model
-    check_compilable(next(model.parameters()).device)
+    device = next(model.parameters()).device
+    check_compilable(device)
+    with torch.inference_mode():  # installs the output-capture hooks now, outside any compiled region
+        model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device), output_hidden_states=True,
+              use_cache=False)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    model._selfspec_eager_forward = model.forward
     model.forward = torch.compile(model.forward, dynamic=True)
     model._selfspec_compiled = True
     log.warning("the target's forward is compiled on first use: minutes on a small CPU before the first token")
@@ -57,3 +71,18 @@ def compile_forward(model: PreTrainedModel) -> PreTrainedModel:
 
 def is_compiled(model: PreTrainedModel) -> bool:
     return bool(getattr(model, "_selfspec_compiled", False))
+
+
+@contextmanager
+def eager(model: PreTrainedModel) -> Iterator[None]:
+    """Inside it a compiled model runs its uncompiled forward (a prefill: nothing to gain, a graph to save); an
+    uncompiled model is unchanged."""
+    if not is_compiled(model):
+        yield
+        return
+    compiled_forward = model.forward
+    model.forward = model._selfspec_eager_forward
+    try:
+        yield
+    finally:
+        model.forward = compiled_forward

@@ -254,6 +254,14 @@ def cache_keep(cache: Cache, start: int, keep: torch.Tensor) -> None:
         cache.crop(-(total - start - k))
 
 
+def contiguous(cache: Cache) -> None:
+    """Every layer's keys and values in one contiguous block (a crop leaves a view of a longer one): what a compiled
+    forward has seen, so that the next call reuses its graph instead of compiling another for the view's strides.
+    Copies only the layers a crop left as views."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
+
+
 # ------------------------------------------------------------------------------------------ a batch's cache (rows)
 # B sequences decode together in one cache of B rows (selfspec/core/batch.py): every row has the same number of slots S,
 # row b's text fills its first lengths[b]; the slots after that are stale (a longer neighbour's, a rejected draft's) and

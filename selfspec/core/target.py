@@ -85,7 +85,9 @@ class Target:
         then holds T entries."""
         start = hf.cache_length(cache)
         positions = torch.arange(start, start + input_ids.shape[0], device=input_ids.device)
-        logits, states = hf.forward(self.model, input_ids, positions, None, cache, logits_to_keep=0 if every_logit else 1)
+        with compiled.eager(self.model):  # a compiled target's one graph is the verify step's
+            logits, states = hf.forward(self.model, input_ids, positions, None, cache,
+                                        logits_to_keep=0 if every_logit else 1)
         return Verified(logits=logits, hidden=states[-1], states=states)
 
     @torch.inference_mode()
@@ -113,15 +115,24 @@ class Target:
         if tokens.shape != (n,):
             raise ValueError(f"expected {n} tree tokens (one per node), found shape {tuple(tokens.shape)}")
         device = tokens.device
+        one_graph = compiled.is_compiled(self.model)  # every step in one form: a mask, 2+ nodes (compiled.py)
         mask = None  # a chain is plain causal attention: let the model build its own mask, as in plain decoding
-        if not tree.is_chain:
+        positions = start + tree.on(device).depth  # [N]
+        if not tree.is_chain or one_graph:
+            ancestors = tree.on(device).ancestors  # [N, N]
+            if one_graph:  # inference tensors, as the cache's: a tensor from outside inference mode is another graph
+                tokens, positions = tokens.clone(), positions.clone()
+            if one_graph and n == 1:  # a lone root gets a padding node: itself alone, dropped by ``commit``
+                ancestors = torch.eye(2, dtype=torch.bool, device=device)
+                tokens, positions = tokens.repeat(2), positions.repeat(2)
             allowed = torch.cat(
-                [torch.ones(n, start, dtype=torch.bool, device=device), tree.on(device).ancestors], dim=1
+                [torch.ones(len(tokens), start, dtype=torch.bool, device=device), ancestors], dim=1
             )  # [N, S + N]
             mask = hf.additive_mask(allowed, self._mask_dtype)  # [1, 1, N, S + N]
-        positions = start + tree.on(device).depth  # [N]
         keep = 0 if logits else torch.zeros(0, dtype=torch.long, device=device)  # 0: every position's logits
         out, states = hf.forward(self.model, tokens, positions, mask, cache, logits_to_keep=keep)
+        if len(tokens) > n:  # the padding's outputs mean nothing
+            out, states = out[:n], tuple(h[:n] for h in states)
         return Verified(logits=out, hidden=states[-1], states=states)
 
     @torch.inference_mode()
@@ -167,3 +178,5 @@ class Target:
         """Keep in the cache only the accepted path of the tree verified from position ``start``."""
         hf.cache_keep(cache, start, torch.tensor(path, dtype=torch.long))
         hf.slide(cache)  # sliding-window layers drop what no later query can see
+        if compiled.is_compiled(self.model):  # the compiled step's one graph takes a contiguous cache (compiled.py)
+            hf.contiguous(cache)

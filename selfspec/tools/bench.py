@@ -2,7 +2,8 @@
 
     1. validate   the question file, every method and every draft checkpoint (config.json only)   — no model yet
     2. load       one target per dtype, all up front; one runner per method on each
-    3. warm up    every method in every dtype on the first turn of the first question (not timed, not written)
+    3. warm up    every method in every dtype on the first turn of the first question (not in any answer; its seconds
+                  go to the manifest's segment, "warmup_s": a compiled target compiles there)
     4. answer     question by question, every dtype and method in turn: every turn, the conversation so far under
                   the chat template (turn 2 sees the same method's turn-1 answer); greedy, or sampled with a seed
                   per turn (``temperature`` > 0); with repeats > 1 the wall time is the median
@@ -99,6 +100,9 @@ class BenchConfig:
     compile: bool = False
     """compile each dtype's target (``selfspec.core.compiled``): every method, plain decoding included, runs the same
     compiled forward."""
+    compile_both: bool = False
+    """with ``compile``: each dtype's target twice, uncompiled and compiled (its runs named ``<dtype>-compiled``), every
+    method on both, side by side in one run."""
     llama_model: str | None = None
     """the target as a GGUF file for the ``llamacpp:`` methods (it may hold ``{dtype}``: f32, bf16, f16 per dtype)."""
     llama_server: str | None = None
@@ -116,6 +120,8 @@ class BenchConfig:
             raise ValueError(f"per_category must be >= 1, found {self.per_category}")
         if self.skip_per_category < 0:
             raise ValueError(f"skip_per_category must be >= 0, found {self.skip_per_category}")
+        if self.compile_both and not self.compile:
+            raise ValueError("compile_both compares a compiled target with an uncompiled one: it needs compile=True")
         if not self.methods or not self.dtypes:
             raise ValueError("expected at least one method and one dtype")
         check_device(self.device)
@@ -322,7 +328,7 @@ def _manifest(cfg: BenchConfig, questions: list[Question], methods: list[Method]
     manifest.update({k: v for k, v in (("revision", cfg.revision), ("draft_revision", cfg.draft_revision),
                                        ("repetition_penalty", cfg.options.repetition_penalty)) if v is not None})
     if cfg.compile:  # uncompiled runs keep the manifest they always had
-        manifest["compile"] = True
+        manifest["compile"] = "both" if cfg.compile_both else True
     manifest.update({k: list(v) if k == "stop" else v for k, v in cfg.limits.items()})
     if llama_server is not None:  # runs without llama.cpp keep the manifest they always had
         manifest.update(llama_model=cfg.llama_model, llama_server=str(llama_server))
@@ -365,23 +371,33 @@ def _code() -> dict[str, Any]:
     return code
 
 
+COMPILED = "-compiled"
+"""the suffix of a compiled target's rows in a run that has both (``BenchConfig.compile_both``)."""
+
+
+def dtype_of(target: str) -> str:
+    """'bfloat16-compiled' -> 'bfloat16': a row's dtype name."""
+    return target.removesuffix(COMPILED)
+
+
 def _load(cfg: BenchConfig, methods: list[Method], dtypes: list[str], log: BenchLog, llama_server: Path | None,
           servers: contextlib.ExitStack) -> tuple[dict[str, dict[str, Runner]], dict[str, dict[str, Method]]]:
-    """Step 2: one target per dtype, shared by every method of that dtype -> (runners, methods as they run), per dtype
-    and method label. A llama.cpp method gets its own llama-server, entered in ``servers`` (stopped when it closes),
+    """Step 2: one target per dtype (per name in ``dtypes``: 'bfloat16-compiled' a compiled one), shared by every method
+    of that dtype -> (runners, methods as they run), per dtype and method label. A llama.cpp method gets its own llama-server, entered in ``servers`` (stopped when it closes),
     encoding prompts with plain decoding's runner."""
     runners: dict[str, dict[str, Runner]] = {}
     calls: dict[str, dict[str, Method]] = {}  # per dtype: each method as it runs (an assistant model loaded in it)
     for dname in dtypes:
-        model, tokenizer = load_model(cfg.model, dtype=parse_dtype(dname), revision=cfg.revision, device=cfg.device,
-                                      compile=cfg.compile)
+        base, compile = dtype_of(dname), cfg.compile and (dname.endswith(COMPILED) or not cfg.compile_both)
+        model, tokenizer = load_model(cfg.model, dtype=parse_dtype(base), revision=cfg.revision, device=cfg.device,
+                                      compile=compile)
         target = Target(model)
         runners[dname] = {}
         calls[dname] = {m.label: with_assistant(m, target) for m in methods}
         for m in methods:  # plain first (parse_methods): a llama.cpp method encodes with it
             if m.llama is not None:
                 runners[dname][m.label] = servers.enter_context(llamacpp.serve(
-                    m.llama, dname, llama_server, cfg.llama_model, runners[dname]["plain"], cfg.max_new_tokens))
+                    m.llama, base, llama_server, cfg.llama_model, runners[dname]["plain"], cfg.max_new_tokens))
                 continue
             # DRAFT@auto: tune-tree's choice when the run first met it, kept for the whole run
             tree = None if m.draft is None or m.draft.tree != "auto" else log.auto_tree(
@@ -420,6 +436,7 @@ def run_bench(cfg: BenchConfig) -> specbench.Summary:
     questions = specbench.load_questions(cfg.questions, cfg.limit, cfg.per_category, cfg.skip_per_category)
     dtypes = [DTYPE_NAMES[d] for d in dict.fromkeys(parse_dtype(d) for d in cfg.dtypes)]
     methods = parse_methods(cfg.methods, target_info(cfg.model, cfg.revision).num_layers, cfg.draft_revision, dtypes)
+    targets = [v for d in dtypes for v in ((d, d + COMPILED) if cfg.compile_both else (d,))]  # what the rows name
     check_drafts(cfg.model, [m.draft for m in methods if m.draft is not None], cfg.revision,
                  allow_other_base=cfg.allow_other_base)
     llama_server, segment = None, {**_machine(), **_code()}
@@ -432,19 +449,21 @@ def run_bench(cfg: BenchConfig) -> specbench.Summary:
     log = BenchLog.open(out, _manifest(cfg, questions, methods, dtypes, llama_server), segment, resume=cfg.resume)
 
     with contextlib.ExitStack() as servers:  # every llama-server stopped on the way out, an error or Ctrl-C included
-        # 2. one target per dtype, all loaded up front, shared by every method of that dtype
-        runners, calls = _load(cfg, methods, dtypes, log, llama_server, servers)
+        # 2. one target per dtype (two with compile_both), all loaded up front, shared by its methods
+        runners, calls = _load(cfg, methods, targets, log, llama_server, servers)
         # 3. warm-up (every resumed segment too: a fresh process is cold)
         if cfg.warmup_tokens:
             warm = Question(questions[0].question_id, questions[0].category, questions[0].turns[:1])
-            for dname in dtypes:
+            for dname in targets:
                 for m in methods:
+                    began = time.perf_counter()
                     answer_question(runners[dname][m.label], calls[dname][m.label], warm,
                                     cfg.turn_options(cfg.warmup_tokens))
+                    log.warmed_up(m.label, dname, time.perf_counter() - began)
         # 4. answer, question by question, every answer logged as it exists
-        summary = _answer(cfg, questions, methods, dtypes, log, runners, calls, model_id)
+        summary = _answer(cfg, questions, methods, targets, log, runners, calls, model_id)
 
     # 5. report (already written after the last question; a resumed run with nothing left writes it here)
     if summary is None:
-        summary = _report(out, log, questions, methods, dtypes, model_id)
+        summary = _report(out, log, questions, methods, targets, model_id)
     return summary

@@ -83,6 +83,13 @@ class BenchLog:
             atomic_write(self.out_dir / MANIFEST, json.dumps(self.manifest, indent=1) + "\n")
         return trees[dtype]
 
+    def warmed_up(self, method: str, dtype: str, seconds: float) -> None:
+        """Record how long ``method``'s untimed warm-up took in ``dtype``, in this segment (each segment warms up
+        anew): a compiled target's compiling is there, not in any answer's time."""
+        segment = self.manifest[SEGMENTS][-1]
+        segment.setdefault("warmup_s", {}).setdefault(dtype, {})[method] = round(seconds, 1)
+        atomic_write(self.out_dir / MANIFEST, json.dumps(self.manifest, indent=1) + "\n")
+
     def has(self, method: str, dtype: str, question_id: Any) -> bool:
         return (method, dtype, question_id) in self.done
 

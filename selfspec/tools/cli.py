@@ -162,7 +162,8 @@ def run_bench_cli(argv: Sequence[str], out: TextIO | None = None) -> int:
                       options=bench_options(a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                                             min_p=a.min_p, seed=a.seed, repetition_penalty=a.repetition_penalty,
                                             stop=stop_strings(a.stop), min_new_tokens=a.min_new_tokens),
-                      compile=a.compile, llama_model=a.llama_model, llama_server=a.llama_server)
+                      compile=a.compile is not None, compile_both=a.compile == "both", llama_model=a.llama_model,
+                      llama_server=a.llama_server)
     try:
         summary = run_bench(cfg)
     except KeyboardInterrupt:

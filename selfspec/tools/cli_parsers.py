@@ -171,9 +171,11 @@ def build_bench_parser() -> argparse.ArgumentParser:
     _limit_args(p, " (for every method, plain decoding included)")
     p.add_argument("--draft-revision", default=None, help="Hub revision of the draft checkpoints named by Hub id")
     p.add_argument("--allow-other-base", action="store_true", help="see infer.py --help")
-    p.add_argument("--compile", action="store_true",
+    p.add_argument("--compile", nargs="?", const="on", choices=("on", "both"), default=None,
                    help=COMPILE_HELP + "; every method, plain decoding included, runs the same compiled "
-                        "forward, and the warm-up compiles it outside the timing")
+                        "forward, and the warm-up compiles it outside the timing (its seconds: run.json, "
+                        "'warmup_s'). '--compile both': each dtype's target twice, uncompiled and compiled (rows "
+                        "'bfloat16' and 'bfloat16-compiled'), side by side in one run")
     p.add_argument("--resume", action="store_true",
                    help="continue the run logged in --out-dir where it stopped (same options; answers already logged "
                         "are kept, not redone); without it an --out-dir that holds a run is refused")
