@@ -259,7 +259,8 @@ def contiguous(cache: Cache) -> None:
     forward has seen, so that the next call reuses its graph instead of compiling another for the view's strides.
     Copies only the layers a crop left as views."""
     for layer in cache.layers:
-        layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
+        if getattr(layer, "keys", None) is not None:
+            layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
 
 
 # ------------------------------------------------------------------------------------------ a batch's cache (rows)
