@@ -136,3 +136,26 @@ def test_bench_compares_a_compiled_target_with_an_uncompiled_one_in_one_run(mode
     run = json.loads((tmp_path / "out" / "run.json").read_text())
     assert run["compile"] == "both" and set(run["segments"][-1]["warmup_s"]) == {"float32", "float32-compiled"}
     torch._dynamo.reset()
+
+
+def test_batched_decoding_through_a_compiled_target_keeps_its_graphs(compiled_llama):
+    """The batching server's loop (``generate_batch``: rows joining, finishing, trees padded per row) through a compiled
+    target: every sequence's answer is plain decoding's through the same compiled forward, no graph breaks, and two
+    batches of other prompts and lengths compile two graphs at most (rows' steps are kept in one form, as ``verify``'s)."""
+    from torch._dynamo.utils import counters
+
+    from selfspec.core.batch import Job, generate_batch
+
+    target = Target(compiled_llama)
+    batches = [random_prompts(4, VOCAB, seed=seed, min_len=4, max_len=14) for seed in (3, 4)]
+    references = [[reference(compiled_llama, p, NEW) for p in prompts] for prompts in batches]  # generate's graphs
+    graphs = []
+    for seed, prompts, refs in zip((3, 4), batches, references):
+        counters.clear()
+        outs = generate_batch(target, [Job(p, NGramDrafter(), NEW - 2 * i) for i, p in enumerate(prompts)])
+        for i, (out, ref) in enumerate(zip(outs, refs)):
+            assert out.tokens == ref[:NEW - 2 * i], f"batch {seed}, row {i} left plain decoding"
+        assert not counters["graph_break"], f"graph breaks: {dict(counters['graph_break'])}"
+        graphs.append(counters["stats"]["unique_graphs"])
+    # two forms at most, a batch of several rows and of one (torch specialises a size of 1), whatever the prompts
+    assert sum(graphs) <= 2, f"new graphs per batch: {graphs}"

@@ -146,10 +146,14 @@ class Target:
         node to itself alone. One row whose text fills the cache and whose tree is a chain goes without a mask, as
         ``verify`` does."""
         start, b, n = hf.cache_length(cache), len(trees), max(len(t) for t in trees)
+        one_graph = compiled.is_compiled(self.model)  # a compiled target's steps in one form, as in ``verify``
+        if one_graph:  # a mask always, 2+ nodes, a contiguous cache (joined, dropped and kept rows leave views)
+            n = max(n, 2)
+            hf.contiguous(cache)
         device = self.device
         ids = torch.zeros(b, n, dtype=torch.long, device=device)
         positions = torch.tensor(lengths, device=device)[:, None].repeat(1, n)  # [B, N]; padding at its row's end
-        plain = b == 1 and lengths[0] == start and trees[0].is_chain  # no mask to build
+        plain = b == 1 and lengths[0] == start and trees[0].is_chain and not one_graph  # no mask to build
         allowed = None if plain else torch.zeros(b, n, start + n, dtype=torch.bool, device=device)  # [B, N, S + N]
         if allowed is not None:
             allowed[:, :, start:] = torch.eye(n, dtype=torch.bool, device=device)
