@@ -9,9 +9,9 @@ that same forward (the lossless guarantee is relative to the forward the target 
 
 Shapes are dynamic (``dynamic=True``): the cache length and a tree's node count vary from step to step without
 recompiling. selfspec's own loop compiles **one** graph: ``Target.verify`` gives a compiled target every step in one
-form, a tree of at least two nodes with its mask (a chain gets a causal mask, a lone root a padding node), and its
-prefill runs the uncompiled forward (``eager``; a prefill is arithmetic, not launches, so compiling it gains nothing);
-after a step the cache is made contiguous again (``hf.contiguous``: a crop leaves views whose strides would be guarded).
+form, a tree of at least two nodes with its mask (a chain gets a causal mask, a lone root a padding child) over a
+contiguous cache (``hf.contiguous``: a crop leaves views whose strides would be guarded), and its prefill runs the
+uncompiled forward (``eager``; a prefill is arithmetic, not launches, so compiling it gains nothing).
 Each other form (a chain without a mask, one token, another ``logits_to_keep``) would be a graph of its own, and each
 graph costs a minute or more on a small CPU at every start (inductor's on-disk cache spares its C++ build, not the
 tracing). ``generate``'s own calls (plain decoding, transformers' prompt lookup) compile their own graphs when first

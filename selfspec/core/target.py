@@ -116,19 +116,17 @@ class Target:
             raise ValueError(f"expected {n} tree tokens (one per node), found shape {tuple(tokens.shape)}")
         device = tokens.device
         one_graph = compiled.is_compiled(self.model)  # every step in one form: a mask, 2+ nodes (compiled.py)
+        if one_graph:
+            hf.contiguous(cache)  # a crop's view would be another graph
+            # a lone root gets a padding child, dropped by ``commit``; an inference tensor either way, as the cache's
+            tree, tokens = (Tree.chain(1), tokens.repeat(2)) if n == 1 else (tree, tokens.clone())
         mask = None  # a chain is plain causal attention: let the model build its own mask, as in plain decoding
-        positions = start + tree.on(device).depth  # [N]
         if not tree.is_chain or one_graph:
-            ancestors = tree.on(device).ancestors  # [N, N]
-            if one_graph:  # inference tensors, as the cache's: a tensor from outside inference mode is another graph
-                tokens, positions = tokens.clone(), positions.clone()
-            if one_graph and n == 1:  # a lone root gets a padding node: itself alone, dropped by ``commit``
-                ancestors = torch.eye(2, dtype=torch.bool, device=device)
-                tokens, positions = tokens.repeat(2), positions.repeat(2)
             allowed = torch.cat(
-                [torch.ones(len(tokens), start, dtype=torch.bool, device=device), ancestors], dim=1
+                [torch.ones(len(tree), start, dtype=torch.bool, device=device), tree.on(device).ancestors], dim=1
             )  # [N, S + N]
             mask = hf.additive_mask(allowed, self._mask_dtype)  # [1, 1, N, S + N]
+        positions = start + tree.on(device).depth  # [N]
         keep = 0 if logits else torch.zeros(0, dtype=torch.long, device=device)  # 0: every position's logits
         out, states = hf.forward(self.model, tokens, positions, mask, cache, logits_to_keep=keep)
         if len(tokens) > n:  # the padding's outputs mean nothing
@@ -182,5 +180,3 @@ class Target:
         """Keep in the cache only the accepted path of the tree verified from position ``start``."""
         hf.cache_keep(cache, start, torch.tensor(path, dtype=torch.long))
         hf.slide(cache)  # sliding-window layers drop what no later query can see
-        if compiled.is_compiled(self.model):  # the compiled step's one graph takes a contiguous cache (compiled.py)
-            hf.contiguous(cache)

@@ -382,15 +382,15 @@ def dtype_of(target: str) -> str:
 
 def _load(cfg: BenchConfig, methods: list[Method], dtypes: list[str], log: BenchLog, llama_server: Path | None,
           servers: contextlib.ExitStack) -> tuple[dict[str, dict[str, Runner]], dict[str, dict[str, Method]]]:
-    """Step 2: one target per dtype (per name in ``dtypes``: 'bfloat16-compiled' a compiled one), shared by every method
-    of that dtype -> (runners, methods as they run), per dtype and method label. A llama.cpp method gets its own llama-server, entered in ``servers`` (stopped when it closes),
-    encoding prompts with plain decoding's runner."""
+    """Step 2: one target per name in ``dtypes`` ('bfloat16-compiled': a compiled one), shared by every method of it
+    -> (runners, methods as they run), per name and method label. A llama.cpp method gets its own llama-server,
+    entered in ``servers`` (stopped when it closes), encoding prompts with plain decoding's runner."""
     runners: dict[str, dict[str, Runner]] = {}
     calls: dict[str, dict[str, Method]] = {}  # per dtype: each method as it runs (an assistant model loaded in it)
     for dname in dtypes:
-        base, compile = dtype_of(dname), cfg.compile and (dname.endswith(COMPILED) or not cfg.compile_both)
+        base = dtype_of(dname)
         model, tokenizer = load_model(cfg.model, dtype=parse_dtype(base), revision=cfg.revision, device=cfg.device,
-                                      compile=compile)
+                                      compile=dname != base or (cfg.compile and not cfg.compile_both))
         target = Target(model)
         runners[dname] = {}
         calls[dname] = {m.label: with_assistant(m, target) for m in methods}
