@@ -88,11 +88,13 @@ def test_tuning_and_bench_runs_keep_compiled_targets_apart():
 def test_selfspec_decoding_compiles_one_graph_for_every_step():
     """Prefill, chains, trees of every size, a lone root: the verify step has one form (a mask, 2+ nodes), the prefill
     runs uncompiled, and transformers' output-capture hooks are installed before compiling: no graph breaks, and after
-    the first prompt no new graph, whatever the cache's length and layout (a view after a crop, or not)."""
-    from torch._dynamo.utils import counters
+    the first prompt no new graph, whatever the cache's length and layout (a view after a crop, or not); and the one
+    graph is traced once (no restarted analysis: the modules' float attributes are constants)."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
 
     torch._dynamo.reset()
     counters.clear()
+    compilation_time_metrics.clear()
     model = compile_forward(tiny_model("llama", vocab=VOCAB, initializer_range=REPEATING))
     target = Target(model)
     graphs, sizes = [], set()
@@ -106,6 +108,8 @@ def test_selfspec_decoding_compiles_one_graph_for_every_step():
     assert {1, 2} <= sizes and len(sizes) > 8, f"tree sizes verified: {sorted(sizes)}"  # lone roots, chains, trees
     assert not counters["graph_break"], f"graph breaks: {dict(counters['graph_break'])}"
     assert graphs == [1] * len(graphs), f"graphs after each prompt: {graphs}"  # one, from the first step on
+    attempts = sorted(k for k in compilation_time_metrics if k.startswith("compile_attempt_"))
+    assert attempts == ["compile_attempt_0"], f"the graph's trace was restarted: {attempts}"
     torch._dynamo.reset()
 
 

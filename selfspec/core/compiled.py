@@ -16,7 +16,8 @@ Each other form (a chain without a mask, one token, another ``logits_to_keep``) 
 graph costs a minute or more on a small CPU at every start (inductor's on-disk cache spares its C++ build, not the
 tracing). ``generate``'s own calls (plain decoding, transformers' prompt lookup) compile their own graphs when first
 used. Compiling pays for a server or a benchmark, not for one prompt.
-Before compiling, one small uncompiled forward asking for hidden states installs transformers' output-capture hooks,
+Python floats are specialised (``specialize_float``): the model's float attributes are constants, and a symbol for
+each would cost a second trace at every start. Before compiling, one small uncompiled forward asking for hidden states installs transformers' output-capture hooks,
 which a compiled forward cannot install (a graph break per forward, docs/benchmarks/log.md §50).
 Drafts that run the target's layers themselves (early exit, layer skipping) run them uncompiled.
 """
@@ -62,6 +63,10 @@ def compile_forward(model: PreTrainedModel) -> PreTrainedModel:
         model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device), output_hidden_states=True,
               use_cache=False)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    # the modules' float attributes (norm eps, rope and attention scaling, embedding norm_type) are constants: traced
+    # as symbols (dynamic=True's default), inductor specialises one later and dynamo restarts the whole trace, which
+    # doubled every start's warm-up (docs/benchmarks/log.md §52)
+    torch._dynamo.config.specialize_float = True
     model._selfspec_eager_forward = model.forward
     model.forward = torch.compile(model.forward, dynamic=True)
     model._selfspec_compiled = True
