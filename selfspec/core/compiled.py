@@ -13,8 +13,8 @@ form, a tree of at least two nodes with its mask (a chain gets a causal mask, a 
 contiguous cache (``hf.contiguous``: a crop leaves views whose strides would be guarded), and its prefill runs the
 uncompiled forward (``eager``; a prefill is arithmetic, not launches, so compiling it gains nothing).
 Each other form (a chain without a mask, one token, another ``logits_to_keep``) would be a graph of its own, and each
-graph costs a minute or more on a small CPU at every start (inductor's on-disk cache spares its C++ build, not the
-tracing). ``generate``'s own calls (plain decoding, transformers' prompt lookup) compile their own graphs when first
+graph costs over a minute on a small CPU's first start and ~20 s at every later one (inductor's on-disk cache spares
+its code generation, not dynamo's tracing). ``generate``'s own calls (plain decoding, transformers' prompt lookup) compile their own graphs when first
 used. Compiling pays for a server or a benchmark, not for one prompt.
 Python floats are specialised (``specialize_float``): the model's float attributes are constants, and a symbol for
 each would cost a second trace at every start. Before compiling, one small uncompiled forward asking for hidden states installs transformers' output-capture hooks,
@@ -70,7 +70,8 @@ def compile_forward(model: PreTrainedModel) -> PreTrainedModel:
     model._selfspec_eager_forward = model.forward
     model.forward = torch.compile(model.forward, dynamic=True)
     model._selfspec_compiled = True
-    log.warning("the target's forward is compiled on first use: minutes on a small CPU before the first token")
+    log.warning("the target's forward is compiled on first use: over a minute on a small CPU the first time, ~20 s "
+                "once inductor's on-disk cache holds its kernels")
     return model
 
 
