@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -246,3 +247,11 @@ def losses_over_steps(loss, params, steps: int = 20, lr: float = 3e-3) -> list[f
         optimizer.step()
         losses.append(out.total.item())
     return losses
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """What a server sends on ``sock`` until it closes the connection (a reply may come in several packets)."""
+    got = b""
+    while chunk := sock.recv(65536):
+        got += chunk
+    return got

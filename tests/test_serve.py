@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import tiny_chat_model
+from conftest import read_all
 from selfspec import api
 from selfspec.tools import serve
 from selfspec.tools.serve.session import never
@@ -373,9 +374,7 @@ def test_infer_py_serve_answers_over_http(model_dir, model):
         assert body["choices"][0]["message"]["content"] == model.generate(USER, max_new_tokens=12).text
         with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:  # --read-timeout reached the server
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-            reply = b""  # read until the server closes: its headers and body may come in separate packets
-            while chunk := sock.recv(65536):
-                reply += chunk
+            reply = read_all(sock)  # headers and body may come in separate packets
             assert reply.startswith(b"HTTP/1.1 408 ") and b"did not arrive within 1.5 s" in reply
     finally:
         proc.terminate()

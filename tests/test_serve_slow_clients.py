@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from conftest import read_all
 from selfspec import api
 from selfspec.tools import serve
 from selfspec.tools.cli_parsers import build_serve_parser
@@ -49,13 +50,6 @@ def answer(port: int, data: bytes = REQUEST) -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
         sock.sendall(data)  # not shut for writing: the server takes a half-closed client for one that has gone
         return read_all(sock)
-
-
-def read_all(sock: socket.socket) -> bytes:
-    got = b""
-    while chunk := sock.recv(65536):
-        got += chunk
-    return got
 
 
 def served(port: int) -> bool:

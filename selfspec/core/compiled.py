@@ -14,11 +14,12 @@ contiguous cache (``hf.contiguous``: a crop leaves views whose strides would be 
 uncompiled forward (``eager``; a prefill is arithmetic, not launches, so compiling it gains nothing).
 Each other form (a chain without a mask, one token, another ``logits_to_keep``) would be a graph of its own, and each
 graph costs over a minute on a small CPU's first start and ~20 s at every later one (inductor's on-disk cache spares
-its code generation, not dynamo's tracing). ``generate``'s own calls (plain decoding, transformers' prompt lookup) compile their own graphs when first
-used. Compiling pays for a server or a benchmark, not for one prompt.
+its code generation, not dynamo's tracing). ``generate``'s own calls (plain decoding, transformers' prompt lookup)
+compile their own graphs when first used. Compiling pays for a server or a benchmark, not for one prompt.
 Python floats are specialised (``specialize_float``): the model's float attributes are constants, and a symbol for
-each would cost a second trace at every start. Before compiling, one small uncompiled forward asking for hidden states installs transformers' output-capture hooks,
-which a compiled forward cannot install (a graph break per forward, docs/benchmarks/log.md §50).
+each would cost a second trace at every start. Before compiling, one small uncompiled forward asking for hidden
+states installs transformers' output-capture hooks, which a compiled forward cannot install (a graph break per
+forward, docs/benchmarks/log.md §50).
 Drafts that run the target's layers themselves (early exit, layer skipping) run them uncompiled.
 """
 

@@ -25,9 +25,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 COMPILE_HELP = ("compile the target's forward with torch.compile (inductor; on CPU it needs g++ or clang++): "
-                "faster steps at batch size 1 (measured: docs/benchmarks/log.md, 'A compiled target'), but the first start "
-                "on a machine compiles for minutes on a small CPU (later ones ~20 s): for serve and bench, not one "
-                "prompt")
+                "faster steps at batch size 1 (measured: docs/benchmarks/log.md, 'A compiled target'), but the first "
+                "start on a machine compiles for minutes on a small CPU (later ones ~20 s): for serve and bench, not "
+                "one prompt")
 
 
 def _draft_args(p: argparse.ArgumentParser) -> None:
