@@ -168,8 +168,9 @@ def test_bad_llama_cpp_runs_fail_before_any_model_loads(drafts, monkeypatch, cap
 # ------------------------------------------------------------------------------------ with llama.cpp (skips without)
 def test_llama_cpp_methods_run_beside_selfspecs_in_one_bench(tmp_path):
     """A tiny Llama (SmolLM2's tokenizer) converted by llama.cpp's converter; one bench run with selfspec's plain
-    decoding, llama.cpp's plain decoding and its n-gram mode: answer files and rows for each, llama.cpp's n-gram mode
-    token-identical to llama.cpp's plain decoding."""
+    decoding (uncompiled and compiled: ``--compile both``), llama.cpp's plain decoding and its n-gram mode: answer
+    files and rows for each, llama.cpp's methods once (compiling selfspec's target does not change them), llama.cpp's
+    n-gram mode token-identical to llama.cpp's plain decoding."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent / "heads"))
@@ -191,16 +192,20 @@ def test_llama_cpp_methods_run_beside_selfspecs_in_one_bench(tmp_path):
     assert cli.main(["bench", "--model", str(target_dir), "--questions", str(write_questions(tmp_path / "q.jsonl")),
                      "--out-dir", str(out), "--methods", "plain,llamacpp:plain,llamacpp:ngram-mod,ngram-n=2",
                      "--dtype", "fp32", "--llama-model", str(tmp_path / "target-{dtype}.gguf"), "--max-new-tokens",
-                     "16", "--no-progress"]) == 0
+                     "16", "--no-progress", "--compile", "both"]) == 0
     assert target.is_file()
     summary = json.loads((out / "summary.json").read_text())
-    rows = {r["method"]: r for r in summary["rows"] if r["category"] == "overall"}
-    assert set(rows) == {"plain", "llamacpp:plain", "llamacpp:ngram-mod,ngram-n=2"}
-    assert rows["llamacpp:ngram-mod,ngram-n=2"]["identical"] == 2
+    rows = {(r["method"], r["dtype"]): r for r in summary["rows"] if r["category"] == "overall"}
+    assert set(rows) == {("plain", "float32"), ("plain", "float32-compiled"), ("llamacpp:plain", "float32"),
+                         ("llamacpp:ngram-mod,ngram-n=2", "float32")}
+    assert rows[("llamacpp:ngram-mod,ngram-n=2", "float32")]["identical"] == 2
     assert summary["references"] == {"llamacpp:ngram-mod,ngram-n=2": "llamacpp:plain"}
     lines = [json.loads(x) for x in (out / "target-llamacpp-plain-float32.jsonl").read_text().splitlines()]
     assert [x["question_id"] for x in lines] == [81, 101] and all(len(x["choices"][0]["turns"]) == 2 for x in lines)
-    assert "llama_server_version" in json.loads((out / "run.json").read_text())["segments"][0]
+    run = json.loads((out / "run.json").read_text())
+    assert "llama_server_version" in run["segments"][0]
+    assert set(run["segments"][0]["warmup_s"]["float32-compiled"]) == {"plain"}  # no llama-server warmed up twice
+    assert not list(out.glob("*llamacpp*compiled*.jsonl"))
 
 
 def test_the_cost_model_splits_a_step_into_verification_and_drafting(drafts):

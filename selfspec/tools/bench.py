@@ -338,10 +338,12 @@ def _manifest(cfg: BenchConfig, questions: list[Question], methods: list[Method]
 def _report(out: Path, log: BenchLog, questions: list[Question], methods: list[Method], dtypes: list[str],
             model_id: str) -> specbench.Summary | None:
     """Answer files, summary.md / .json and the PNG over the questions every method has answered in every dtype."""
-    complete = [q for q in questions if all(log.has(m.label, d, q.question_id) for m in methods for d in dtypes)]
+    complete = [q for q in questions if all(log.has(m.label, d, q.question_id)
+                                            for m in methods for d in dtypes if runs_on(m, d))]
     if not complete:
         return None
-    runs = {(m.label, d): [log.done[(m.label, d, q.question_id)] for q in complete] for d in dtypes for m in methods}
+    runs = {(m.label, d): [log.done[(m.label, d, q.question_id)] for q in complete]
+            for d in dtypes for m in methods if runs_on(m, d)}
     for (label, dname), answers in runs.items():
         atomic_write(out / f"{model_id}-{label.replace(':', '-')}-{dname}.jsonl", specbench.answer_lines(answers, model_id))
     meta = {**log.manifest, "n_questions": len(complete), "of_questions": len(questions)}  # machines: in segments
@@ -380,6 +382,12 @@ def dtype_of(target: str) -> str:
     return target.removesuffix(COMPILED)
 
 
+def runs_on(method: Method, target: str) -> bool:
+    """Whether ``method`` has rows on ``target``: a llama.cpp method runs its own llama-server, which compiling
+    selfspec's target does not change, so with ``compile_both`` it runs once, beside the uncompiled target."""
+    return method.llama is None or target == dtype_of(target)
+
+
 def _load(cfg: BenchConfig, methods: list[Method], dtypes: list[str], log: BenchLog, llama_server: Path | None,
           servers: contextlib.ExitStack) -> tuple[dict[str, dict[str, Runner]], dict[str, dict[str, Method]]]:
     """Step 2: one target per name in ``dtypes`` ('bfloat16-compiled': a compiled one), shared by every method of it
@@ -395,6 +403,8 @@ def _load(cfg: BenchConfig, methods: list[Method], dtypes: list[str], log: Bench
         runners[dname] = {}
         calls[dname] = {m.label: with_assistant(m, target) for m in methods}
         for m in methods:  # plain first (parse_methods): a llama.cpp method encodes with it
+            if not runs_on(m, dname):
+                continue
             if m.llama is not None:
                 runners[dname][m.label] = servers.enter_context(llamacpp.serve(
                     m.llama, base, llama_server, cfg.llama_model, runners[dname]["plain"], cfg.max_new_tokens))
@@ -413,14 +423,15 @@ def _answer(cfg: BenchConfig, questions: list[Question], methods: list[Method], 
     resumed on another day still compares each question's answers side by side; each answer is logged at once, the
     report rewritten after each question -> the last summary written (None: nothing was left to answer)."""
     out = Path(cfg.out_dir)
-    todo = [q for q in questions if not all(log.has(m.label, d, q.question_id) for m in methods for d in dtypes)]
+    todo = [q for q in questions if not all(log.has(m.label, d, q.question_id)
+                                            for m in methods for d in dtypes if runs_on(m, d))]
     bar = tqdm(todo, desc="bench", disable=not cfg.progress, unit="question", initial=len(questions) - len(todo),
                total=len(questions))
     started, summary = time.perf_counter(), None
     for n, q in enumerate(bar, start=len(questions) - len(todo) + 1):
         for dname in dtypes:
             for m in methods:
-                if not log.has(m.label, dname, q.question_id):
+                if runs_on(m, dname) and not log.has(m.label, dname, q.question_id):
                     log.add(m.label, dname, answer_question(runners[dname][m.label], calls[dname][m.label], q,
                                                             cfg.turn_options(cfg.max_new_tokens), cfg.repeats))
         summary = _report(out, log, questions, methods, dtypes, model_id)  # partial results readable at any time
@@ -456,6 +467,8 @@ def run_bench(cfg: BenchConfig) -> specbench.Summary:
             warm = Question(questions[0].question_id, questions[0].category, questions[0].turns[:1])
             for dname in targets:
                 for m in methods:
+                    if not runs_on(m, dname):
+                        continue
                     began = time.perf_counter()
                     answer_question(runners[dname][m.label], calls[dname][m.label], warm,
                                     cfg.turn_options(cfg.warmup_tokens))

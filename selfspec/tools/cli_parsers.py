@@ -176,7 +176,8 @@ def build_bench_parser() -> argparse.ArgumentParser:
                    help=COMPILE_HELP + "; every method, plain decoding included, runs the same compiled "
                         "forward, and the warm-up compiles it outside the timing (its seconds: run.json, "
                         "'warmup_s'). '--compile both': each dtype's target twice, uncompiled and compiled (rows "
-                        "'bfloat16' and 'bfloat16-compiled'), side by side in one run")
+                        "'bfloat16' and 'bfloat16-compiled'), side by side in one run; llama.cpp's methods run "
+                        "once, beside the uncompiled target")
     p.add_argument("--resume", action="store_true",
                    help="continue the run logged in --out-dir where it stopped (same options; answers already logged "
                         "are kept, not redone); without it an --out-dir that holds a run is refused")
