@@ -266,7 +266,10 @@ def train_step(run: Run, batch: dict, stop: StopFlag) -> tuple[MedusaLoss, bool,
     # full-vocabulary pass, a sizeable share of a step on a CPU); the loss is logged for every batch
     logged = (progress.step + 1) % cfg.logging.every == 0 or progress.step + 1 == run.total_steps
     with accelerator.accumulate(run.heads):
-        out = heads_loss(cfg, run.heads, run.states, batch, "train", ranks=5 if logged else 0)
+        # under autocast as the heads' forward is: a kind's loss runs the draft's LM head (and the target's, on the
+        # draft vocabulary) outside that forward, the largest matrix products of a step (docs/benchmarks/log.md §53)
+        with accelerator.autocast():
+            out = heads_loss(cfg, run.heads, run.states, batch, "train", ranks=5 if logged else 0)
         # every process learns of a NaN or a signal on any of them, before backward's all-reduce
         late = run.deadline is not None and time.monotonic() >= run.deadline
         flags = torch.tensor([float(not torch.isfinite(out.total)), float(stop.signum is not None), float(late)])
