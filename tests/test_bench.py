@@ -124,6 +124,33 @@ def test_summary_table_json_and_plot(run):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+def test_the_picture_keeps_its_axes_with_many_long_method_names(tmp_path):
+    """An issue-58 run names eight methods, llama.cpp's with ~80-character labels, in two dtypes: the legend wraps
+    into as many columns as fit and the figure grows by its rows, so constrained layout keeps every panel (it warned
+    'axes sizes collapsed to zero' and drew none before)."""
+    import warnings
+
+    from selfspec.tools.plots import plot_summary
+
+    def ans(qid):
+        return specbench.Answer(qid, "math", turns=["x"], new_tokens=[4], wall_time=[1.0], accept_lengths=[2, 2],
+                                token_ids=[[1, 2, 3, 4]])
+
+    methods = ["plain", "ngram:depth=6,max_nodes=8,copy_depth=12+block_head+skip_after=3@dynamic:12,depth=3,"
+               "min_prob=0.05",
+               "llamacpp:plain", "llamacpp:ngram-map-k,ngram-n=3,ngram-m=8",
+               "llamacpp:eagle3-{dtype}.gguf,p-min=0.6,n=1",
+               "llamacpp:ngram-map-k+eagle3-{dtype}.gguf,p-min=0.6,n=1,ngram-n=3,ngram-m=8",
+               "llamacpp:dflash-{dtype}.gguf,p-min=0.6,n=2",
+               "llamacpp:ngram-map-k+dflash-{dtype}.gguf,p-min=0.6,n=2,ngram-n=3,ngram-m=8"]
+    runs = {(m, d): [ans(1), ans(2)] for d in ("bfloat16", "bfloat16-compiled") for m in methods
+            if d == "bfloat16" or not m.startswith("llamacpp")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's collapsed-layout warning fails the test
+        png = plot_summary(specbench.summarize(runs), tmp_path / "summary.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_markdown_reports_first_differences():
     def ans(tokens):
         return specbench.Answer(7, "math", turns=["x", "y"], new_tokens=[2, 2], wall_time=[1.0, 1.0],

@@ -15,13 +15,22 @@ from matplotlib.figure import Figure
 from selfspec.tools.specbench import Summary
 
 
+LEGEND_CHARS = 150
+"""characters of legend labels one line under a speed-up panel holds (its width, 10.5 of the figure's 14 inches, in
+matplotlib's "small" font)."""
+
+
 def plot_summary(summary: Summary, path: str | Path) -> Path:
     """Row per dtype: left, grouped bars of speed-up over plain decoding per category; right, accept-length histogram."""
     dtypes = list(dict.fromkeys(r.dtype for r in summary.rows))
     methods = list(dict.fromkeys(r.method for r in summary.rows))
     categories = list(dict.fromkeys(r.category for r in summary.rows if r.category != "overall")) + ["overall"]
     cell = {(r.method, r.dtype, r.category): r for r in summary.rows}
-    fig = Figure(figsize=(14, 5.2 * len(dtypes)), layout="constrained")
+    # the legend under each panel: as many columns as its longest label leaves room for (a llama.cpp method's label
+    # runs to ~80 characters), and the figure taller by its rows, else constrained layout collapses the axes
+    columns = max(1, min(len(methods), 3, LEGEND_CHARS // (max(map(len, methods), default=1) + 6)))
+    legend_rows = -(-len(methods) // columns)
+    fig = Figure(figsize=(14, (5.2 + 0.25 * legend_rows) * len(dtypes)), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(dtypes), 2, squeeze=False, width_ratios=(3, 1))
     width = 0.8 / max(len(methods), 1)
@@ -46,7 +55,7 @@ def plot_summary(summary: Summary, path: str | Path) -> Path:
         bars.set_xticks(range(len(categories)), categories, rotation=30, ha="right")
         bars.set_ylabel(f"speed-up over plain ({dtype})")
         bars.set_title(f"{dtype}, {how}: speed-up per category")
-        bars.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=min(len(methods), 3),
+        bars.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=columns,
                     frameon=False)  # below the categories: inside, it hid the bars
         hist.set_xlabel("tokens accepted per target forward")
         hist.set_ylabel("share of steps")
