@@ -126,7 +126,8 @@ class RecordingSession(serve.Session):
 @pytest.mark.parametrize("max_batch,n", [(1, 1), (8, 1), (8, 3)])
 def test_a_client_that_goes_away_stops_its_whole_request_too(model, max_batch, n):
     """A whole (not streamed) request, one answer or several: its client leaves once decoding has begun; every answer
-    stops at its next step (not 600 tokens later) and the next request is served."""
+    begun stops at its next step (not 600 tokens later), one not yet begun never starts, and the next request is
+    served."""
     session = RecordingSession(model, "tiny", max_batch=max_batch)
     s = Served(session)
     try:
@@ -144,12 +145,15 @@ def test_a_client_that_goes_away_stops_its_whole_request_too(model, max_batch, n
         if max_batch == 1:
             assert session.finished == [None, 4], "the abandoned request was decoded to its end"
         else:
+            # each answer decodes on a thread of its own; one whose thread had not begun when the client left is
+            # never started (Executor.map cancels it: on a loaded machine, e.g. CI's), the others leave the batch
+            started = lambda: session.finished.count(None)  # noqa: E731 - answers of the abandoned request begun
             for _ in range(600):
-                if session.batcher.decoding == 0:
+                if session.batcher.abandoned == started() and session.batcher.decoding == 0:
                     break
                 time.sleep(0.05)
-            assert session.batcher.abandoned == n and session.batcher.decoding == 0
-            assert session.finished.count(None) == n and 600 not in session.finished
+            assert 1 <= started() <= n and session.batcher.abandoned == started()
+            assert session.batcher.decoding == 0 and 600 not in session.finished
     finally:
         s.close()
 
