@@ -328,9 +328,9 @@ class TrainConfig:
     seed: int = 0
     """seed of the heads' initialisation, data order and everything random."""
     mixed_precision: Literal["no", "fp16", "bf16", "auto"] | None = None
-    """autocast of the heads' forward and loss (null: whatever `accelerate launch` / its config says, else "no"; auto: bf16
-    where this machine computes in bf16, a CUDA GPU that supports it or a CPU with AVX512-BF16 or AMX, else "no": a
-    CPU without them runs bf16 emulated, several times slower than fp32)."""
+    """autocast of the heads' forward and loss (null: whatever `accelerate launch` / its config says, else "no"; auto:
+    bf16 where this machine computes in bf16, a CUDA GPU that supports it or a CPU with AVX512-BF16 or AMX, else "no":
+    a CPU without them runs bf16 emulated, several times slower than fp32)."""
     cpu: bool | None = None
     """force CPU (null: CPU when no GPU is present, unless DeepSpeed is in use)."""
     overwrite: bool = False

@@ -297,3 +297,32 @@ def test_random_target_from_a_config_dict_is_frozen():
     assert chat == "<|im_start|>user\nhi<|im_end|>\n"
     with pytest.raises(ValueError, match="expected a transformers config dict with a 'model_type' key"):
         load_base(ModelConfig(config={"hidden_size": 32}))
+
+
+def test_the_loss_runs_under_the_recipes_autocast(tmp_path, monkeypatch):
+    """mixed_precision=bf16: a kind's loss, which runs the draft's LM head (and the target's) outside the heads'
+    forward, is computed under the same autocast as that forward, so its matrix products run in bf16 too (a block
+    recipe's step 1.25x shorter on a bf16 CPU, docs/benchmarks/log.md §53)."""
+    import torch
+    from accelerate.state import AcceleratorState
+
+    import train
+    from heads.training import trainer
+
+    seen = []
+    real = trainer.heads_loss
+
+    def recording(*args, **kwargs):
+        seen.append((args[4], torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        return real(*args, **kwargs)
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(trainer, "heads_loss", recording)
+    AcceleratorState._reset_state(reset_partial_state=True)  # this process's accelerate state: this run's precision
+    try:
+        assert train.main([*TINY, f"output_dir={tmp_path / 'out'}", "mixed_precision=bf16", "optim.max_steps=2",
+                           "eval.every=0", "logging.log_with=[]", "checkpoint.every=100"]) == 0
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    steps = [(on, dtype) for split, on, dtype in seen if split == "train"]
+    assert steps and all(on and dtype == torch.bfloat16 for on, dtype in steps), seen  # every micro-batch's loss
