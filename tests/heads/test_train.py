@@ -299,30 +299,27 @@ def test_random_target_from_a_config_dict_is_frozen():
         load_base(ModelConfig(config={"hidden_size": 32}))
 
 
-def test_the_loss_runs_under_the_recipes_autocast(tmp_path, monkeypatch):
+def test_the_loss_runs_under_the_recipes_autocast(tmp_path):
     """mixed_precision=bf16: a kind's loss, which runs the draft's LM head (and the target's) outside the heads'
     forward, is computed under the same autocast as that forward, so its matrix products run in bf16 too (a block
-    recipe's step 1.25x shorter on a bf16 CPU, docs/benchmarks/log.md §53)."""
-    import torch
-    from accelerate.state import AcceleratorState
-
-    import train
-    from heads.training import trainer
-
-    seen = []
-    real = trainer.heads_loss
-
-    def recording(*args, **kwargs):
-        seen.append((args[4], torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
-        return real(*args, **kwargs)
-
-    monkeypatch.chdir(REPO)
-    monkeypatch.setattr(trainer, "heads_loss", recording)
-    AcceleratorState._reset_state(reset_partial_state=True)  # this process's accelerate state: this run's precision
-    try:
-        assert train.main([*TINY, f"output_dir={tmp_path / 'out'}", "mixed_precision=bf16", "optim.max_steps=2",
-                           "eval.every=0", "logging.log_with=[]", "checkpoint.every=100"]) == 0
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
+    recipe's step 1.25x shorter on a bf16 CPU, docs/benchmarks/log.md §53). In a process of its own, as a user runs
+    train.py, with the trainer's loss call recorded."""
+    script = f"""
+import json, sys, torch
+import train
+from heads.training import trainer
+seen, real = [], trainer.heads_loss
+def recording(*args, **kwargs):
+    seen.append([args[4], torch.is_autocast_enabled("cpu"), str(torch.get_autocast_dtype("cpu"))])
+    return real(*args, **kwargs)
+trainer.heads_loss = recording
+code = train.main({[*TINY, f"output_dir={tmp_path / 'out'}", "mixed_precision=bf16", "optim.max_steps=2",
+                    "eval.every=0", "logging.log_with=[]", "checkpoint.every=100"]!r})
+print("SEEN " + json.dumps(seen))
+sys.exit(code)
+"""
+    result = run([sys.executable, "-c", script])
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.split("SEEN ", 1)[1])
     steps = [(on, dtype) for split, on, dtype in seen if split == "train"]
-    assert steps and all(on and dtype == torch.bfloat16 for on, dtype in steps), seen  # every micro-batch's loss
+    assert steps and all(on and dtype == "torch.bfloat16" for on, dtype in steps), seen  # every micro-batch's loss
