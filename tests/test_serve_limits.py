@@ -147,7 +147,9 @@ def test_a_client_that_goes_away_stops_its_whole_request_too(model, max_batch, n
         else:
             # each answer decodes on a thread of its own; one whose thread had not begun when the client left is
             # never started (Executor.map cancels it: on a loaded machine, e.g. CI's), the others leave the batch
-            started = lambda: session.finished.count(None)  # noqa: E731 - answers of the abandoned request begun
+            def started() -> int:  # answers of the abandoned request begun
+                return session.finished.count(None)
+
             for _ in range(600):
                 if session.batcher.abandoned == started() and session.batcher.decoding == 0:
                     break

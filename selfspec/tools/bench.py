@@ -338,12 +338,10 @@ def _manifest(cfg: BenchConfig, questions: list[Question], methods: list[Method]
 def _report(out: Path, log: BenchLog, questions: list[Question], methods: list[Method], dtypes: list[str],
             model_id: str) -> specbench.Summary | None:
     """Answer files, summary.md / .json and the PNG over the questions every method has answered in every dtype."""
-    complete = [q for q in questions if all(log.has(m.label, d, q.question_id)
-                                            for m in methods for d in dtypes if runs_on(m, d))]
+    complete = [q for q in questions if all(log.has(m.label, d, q.question_id) for m, d in rows(methods, dtypes))]
     if not complete:
         return None
-    runs = {(m.label, d): [log.done[(m.label, d, q.question_id)] for q in complete]
-            for d in dtypes for m in methods if runs_on(m, d)}
+    runs = {(m.label, d): [log.done[(m.label, d, q.question_id)] for q in complete] for m, d in rows(methods, dtypes)}
     for (label, dname), answers in runs.items():
         atomic_write(out / f"{model_id}-{label.replace(':', '-')}-{dname}.jsonl", specbench.answer_lines(answers, model_id))
     meta = {**log.manifest, "n_questions": len(complete), "of_questions": len(questions)}  # machines: in segments
@@ -388,6 +386,11 @@ def runs_on(method: Method, target: str) -> bool:
     return method.llama is None or target == dtype_of(target)
 
 
+def rows(methods: list[Method], targets: list[str]) -> list[tuple[Method, str]]:
+    """Every (method, target) the run answers with, target by target in order, methods in order within each."""
+    return [(m, d) for d in targets for m in methods if runs_on(m, d)]
+
+
 def _load(cfg: BenchConfig, methods: list[Method], dtypes: list[str], log: BenchLog, llama_server: Path | None,
           servers: contextlib.ExitStack) -> tuple[dict[str, dict[str, Runner]], dict[str, dict[str, Method]]]:
     """Step 2: one target per name in ``dtypes`` ('bfloat16-compiled': a compiled one), shared by every method of it
@@ -423,17 +426,15 @@ def _answer(cfg: BenchConfig, questions: list[Question], methods: list[Method], 
     resumed on another day still compares each question's answers side by side; each answer is logged at once, the
     report rewritten after each question -> the last summary written (None: nothing was left to answer)."""
     out = Path(cfg.out_dir)
-    todo = [q for q in questions if not all(log.has(m.label, d, q.question_id)
-                                            for m in methods for d in dtypes if runs_on(m, d))]
+    todo = [q for q in questions if not all(log.has(m.label, d, q.question_id) for m, d in rows(methods, dtypes))]
     bar = tqdm(todo, desc="bench", disable=not cfg.progress, unit="question", initial=len(questions) - len(todo),
                total=len(questions))
     started, summary = time.perf_counter(), None
     for n, q in enumerate(bar, start=len(questions) - len(todo) + 1):
-        for dname in dtypes:
-            for m in methods:
-                if runs_on(m, dname) and not log.has(m.label, dname, q.question_id):
-                    log.add(m.label, dname, answer_question(runners[dname][m.label], calls[dname][m.label], q,
-                                                            cfg.turn_options(cfg.max_new_tokens), cfg.repeats))
+        for m, dname in rows(methods, dtypes):
+            if not log.has(m.label, dname, q.question_id):
+                log.add(m.label, dname, answer_question(runners[dname][m.label], calls[dname][m.label], q,
+                                                        cfg.turn_options(cfg.max_new_tokens), cfg.repeats))
         summary = _report(out, log, questions, methods, dtypes, model_id)  # partial results readable at any time
         if not cfg.progress:  # a line per question instead of a bar (logs of runs under nohup)
             minutes = (time.perf_counter() - started) / 60
@@ -465,14 +466,11 @@ def run_bench(cfg: BenchConfig) -> specbench.Summary:
         # 3. warm-up (every resumed segment too: a fresh process is cold)
         if cfg.warmup_tokens:
             warm = Question(questions[0].question_id, questions[0].category, questions[0].turns[:1])
-            for dname in targets:
-                for m in methods:
-                    if not runs_on(m, dname):
-                        continue
-                    began = time.perf_counter()
-                    answer_question(runners[dname][m.label], calls[dname][m.label], warm,
-                                    cfg.turn_options(cfg.warmup_tokens))
-                    log.warmed_up(m.label, dname, time.perf_counter() - began)
+            for m, dname in rows(methods, targets):
+                began = time.perf_counter()
+                answer_question(runners[dname][m.label], calls[dname][m.label], warm,
+                                cfg.turn_options(cfg.warmup_tokens))
+                log.warmed_up(m.label, dname, time.perf_counter() - began)
         # 4. answer, question by question, every answer logged as it exists
         summary = _answer(cfg, questions, methods, targets, log, runners, calls, model_id)
 
